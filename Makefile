@@ -1,0 +1,40 @@
+# ascend-finetune — every target creates the virtual environment itself when it is missing.
+# Settings come from the environment or the command line (make train RECIPE=... OVERRIDES="...").
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup train plan preflight prepare-data generate render test test-fast bench-data image image-test clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+setup: $(STAMP)
+
+## The main job: with no NPU and no settings it runs recipes/tiny-cpu.yaml end to end.
+train: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher train
+
+plan: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher plan
+
+preflight: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher preflight
+
+prepare-data: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher prepare-data
+
+test: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-fast: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf output build .pytest_cache
