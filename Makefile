@@ -4,6 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+export PYTHONPATH := $(CURDIR)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
