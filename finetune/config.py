@@ -384,6 +384,13 @@ def validate(r: Recipe) -> list[str]:
     return p
 
 
+def resolved_model_dir(r: Recipe) -> str:
+    """model.dir, or <output_dir>/base-model for the created tiny default (model.init set)."""
+    if r.model.dir:
+        return r.model.dir
+    return str(Path(r.output_dir) / "base-model") if r.model.init is not None else ""
+
+
 def to_dict(r: Any) -> dict:
     return dataclasses.asdict(r)
 
