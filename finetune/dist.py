@@ -44,3 +44,10 @@ def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU") -> Ra
                              "start through the launcher (python -m launcher train) so msrun runs them")
         return RankInfo(device_target=device_target)
     raise NotImplementedError("distributed init is built in finetune/dist.py by the distributed-training work")
+
+
+def barrier(rank: RankInfo) -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if rank.world_size == 1:
+        return
+    raise NotImplementedError("barrier is built by the distributed-training work")

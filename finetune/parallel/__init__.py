@@ -1,0 +1,1 @@
+"""Tensor/data-parallel building blocks (layers, gradient reduction, sharded optimizer)."""
