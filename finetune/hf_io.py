@@ -23,7 +23,7 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
-EXPORT_DTYPES = {"bf16": ("BF16", "bfloat16", 2), "fp16": ("F16", "float16", 2), "fp32": ("F32", "float32", 4)}
+EXPORT_DTYPES = {"bf16": ("bfloat16", 2), "fp16": ("float16", 2), "fp32": ("float32", 4)}  # torch_dtype, bytes
 
 
 class HFModelError(ValueError):
@@ -178,7 +178,7 @@ def _write_shard(path: Path, tensors: dict[str, np.ndarray], st_dtype: str) -> N
 
 def _write_configs(src: Path, tmp: Path, dtype: str) -> None:
     config = load_hf_config(src)
-    torch_dtype = EXPORT_DTYPES[dtype][1]
+    torch_dtype = EXPORT_DTYPES[dtype][0]
     config["torch_dtype"] = torch_dtype
     if "dtype" in config:
         config["dtype"] = torch_dtype
@@ -204,7 +204,7 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
         raise ValueError(f"export.dtype={dtype!r}: must be one of {', '.join(EXPORT_DTYPES)} (e.g. export.dtype=bf16)")
     if rank.tp == 1 and not rank.is_main:
         return None
-    st_dtype, _, itemsize = EXPORT_DTYPES[dtype]
+    st_dtype, itemsize = EXPORT_DTYPES[dtype]
     shapes = model.hf_shapes()
     state = model.hf_state()
     sizes = [(n, int(np.prod(shapes[n])) * itemsize) for n in state]
