@@ -313,11 +313,18 @@ class Qwen2ForCausalLM(nn.Cell):
         logp = ops.log_softmax(self._project(h), -1)
         return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
 
-    def logits(self, input_ids, position_ids=None, segment_ids=None):
-        """``[b, s, vocab]`` fp32 logits; default positions 0..s-1 and one segment per row."""
+    def _hidden(self, input_ids, position_ids=None, segment_ids=None):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = Tensor(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy())
         if segment_ids is None:
             segment_ids = ops.ones((b, s), ms.int32)
-        return self._project(self.model(input_ids, position_ids, segment_ids))
+        return self.model(input_ids, position_ids, segment_ids)
+
+    def logits(self, input_ids, position_ids=None, segment_ids=None):
+        """``[b, s, vocab]`` fp32 logits; default positions 0..s-1 and one segment per row."""
+        return self._project(self._hidden(input_ids, position_ids, segment_ids))
+
+    def last_logits(self, input_ids):
+        """``[b, vocab]`` fp32 logits of the last position only (for generation)."""
+        return self._project(self._hidden(input_ids)[:, -1])
