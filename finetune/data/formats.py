@@ -102,8 +102,8 @@ def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> DataError:
             idx += 1
     except json.JSONDecodeError:
         pass
-    hint = ("the file ends before the array is closed (truncated?)" if err.pos >= len(text.rstrip()) - 1
-            else "fix the JSON syntax there")
+    hint = ("the file ends before the array is closed (truncated?); restore the full file"
+            if not text.rstrip().endswith("]") else "fix the JSON syntax there")
     return DataError(f"{path}: record {idx} (line {err.lineno}, column {err.colno}): not valid JSON: "
                      f"{err.msg}; {hint}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import itertools
 import json
 import math
@@ -30,13 +31,19 @@ from finetune.data.template import IGNORE, Specials, label_flat, render, truncat
 CHUNK = 256  # samples per worker task
 
 
+@functools.lru_cache(maxsize=2)
+def load_tokenizer(path: str, mtime: float):
+    """tokenizers.Tokenizer from tokenizer.json (loading takes seconds: reused within a process)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
 class Encoder:
     """Text rules, templating, tokenization, labels and truncation for one chunk of samples."""
 
     def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig):
-        from tokenizers import Tokenizer
-
-        self.tok = Tokenizer.from_file(str(tokenizer_path))
+        self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
         self.sp = Specials(self.tok)
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
 
