@@ -147,7 +147,7 @@ def check_disk(c: Context) -> list[Check]:
     cfg = model_config(c.recipe)
     out = Path(c.recipe.output_dir).resolve()
     probe = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(probe)[2]
     if cfg is None:
         return [Check("disk", "ok", f"{free / GIB:.1f} GiB free at {probe} (model size unknown yet)")]
     n = param_count(cfg)
