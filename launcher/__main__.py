@@ -84,6 +84,7 @@ class Host:
     identities: set[str] | None = None
     npu_smi: deviceslib.NpuSmi | None = deviceslib.run_npu_smi
     have_numactl: bool | None = None
+    command: list[str] | None = None  # replaces the msrun / worker argv (tests use a stub)
 
 
 @dataclass
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     launch.write_plan(job.plan_path, job.plan)
     print_plan(job)
     log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
-    return launch.supervise(job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+    return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
                             cwd=job.plan_path.parent,
                             tee_to=job.log_dir / "worker_0.log" if job.plan["topology"]["world_size"] == 1 else None)
 
