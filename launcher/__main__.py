@@ -152,10 +152,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     first = settings.load(s)
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first)
-    if not devs.has_npu and recipe.launch.device != "npu":
-        nproc = recipe.launch.nproc_per_node or 1
-    else:
-        nproc = recipe.launch.nproc_per_node or len(devs.visible) or 1
+    device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
+    nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir).resolve()
@@ -166,6 +164,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
     rd = to_dict(recipe)
     rd["model"]["dir"] = resolved_model_dir(recipe)
+    rd["launch"].update(device=device if recipe.launch.device == "auto" else recipe.launch.device,
+                        nproc_per_node=nproc)
     plan = {
         "recipe": rd,
         "topology": {"nnodes": recipe.launch.nnodes, "node_rank": recipe.launch.node_rank,

@@ -205,7 +205,8 @@ def from_hostfile(hostfile: str | None, me: set[str]) -> Cluster | None:
     if not mine:
         raise ClusterError(f"HOSTFILE={hostfile}: none of its hosts ({', '.join(h for h, _ in entries)}) is this "
                            f"machine ({', '.join(sorted(me))}); list this host's name or address, or set NODE_RANK")
-    return Cluster("hostfile", f"{hostfile}: this host is line {mine[0] + 1} ({entries[mine[0]][0]})",
+    me_entry = entries[mine[0]][0]
+    return Cluster("hostfile", f"{hostfile}: this host is entry {mine[0] + 1} of {len(entries)} ({me_entry})",
                    nnodes=len(entries), node_rank=mine[0], master_addr=entries[0][0],
                    nproc_per_node=entries[mine[0]][1],
                    hosts=[h for h, _ in entries])

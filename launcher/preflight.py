@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.config import Recipe, resolved_model_dir
-from launcher.devices import Devices
+from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
 NPU_HBM_DEFAULT = 64 * 10**9  # Ascend 910B (Atlas 800T A2), when npu-smi does not say
@@ -97,7 +97,7 @@ def check_devices(c: Context) -> list[Check]:
         out.append(Check("devices", "fail", p, "fix the variable or the --device flags"))
     denied = [i for i in d.visible if not os.access(c.root / "dev" / f"davinci{i}", os.R_OK | os.W_OK)]
     if denied:
-        out.append(Check("devices", "fail", f"no read/write permission on /dev/davinci{denied[0]} (and {len(denied)-1} more)",
+        out.append(Check("devices", "fail", f"no read/write permission on /dev/davinci{format_id_list(denied)}",
                          "run as root or as a member of the HwHiAiUser group (docker run --group-add HwHiAiUser)"))
     if c.recipe.launch.device == "cpu":
         out.append(Check("devices", "warn", "NPUs present but the recipe runs on CPU (launch.device=cpu)",

@@ -101,3 +101,11 @@ def test_hostfile_errors_name_line_and_fix(tmp_path):
 def test_explicit_env_beats_scheduler_variables():
     env = {"NNODES": "1", "VC_TASK_INDEX": "0", "VC_WORKER_HOSTS": "a,b", "MS_SCHED_HOST": "x", "MS_WORKER_NUM": "8"}
     assert cluster.detect(env, me=ME).source == "env"
+
+
+def test_shipped_hostfiles():
+    from finetune.config import REPO_ROOT
+    two = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/two-nodes.txt"), me={"192.168.10.12"})
+    assert (two.nnodes, two.node_rank, two.master_addr, two.nproc_per_node) == (2, 1, "192.168.10.11", 8)
+    one = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/one-node.txt"), me={"localhost"})
+    assert (one.nnodes, one.node_rank, one.nproc_per_node) == (1, 0, 8)

@@ -120,7 +120,8 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
            "OUTPUT_DIR": str(tmp_path / "out")}
     (tmp_path / "dev").mkdir()
     rc, plan, out = run_main(["train"], capsys, env=env, dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None,
-                             sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"), command=stub(tmp_path, tmp_path / "out/logs"))
+                             sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"),
+                             command=stub(tmp_path, tmp_path / "out/logs"))
     assert rc == 0, out.out + out.err
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
@@ -180,3 +181,30 @@ def test_worker_applies_its_binding(tmp_path, mode):
                        timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("[0] ") and (mode in r.stdout or "affinity" in r.stdout)
+
+
+MS_STUB = textwrap.dedent("""
+    import os, sys
+    print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
+    if os.environ.get("RANK_ID") == "1":
+        raise ValueError("boom from rank 1")
+""")
+
+
+@pytest.mark.slow
+def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
+    """Our argv against msrun 2.10 itself: 2 CPU workers, rank 1 fails, its log tail is printed."""
+    msrun = Path(sys.executable).parent / "msrun"
+    if not msrun.exists():
+        pytest.skip("msrun not installed in this venv")
+    (tmp_path / "w.py").write_text(MS_STUB)
+    r = load_recipe("tiny-cpu", {"launch.master_port": str(20000 + os.getpid() % 20000),
+                                 "launch.cluster_time_out": "60"})
+    argv = launch.msrun_argv(r, 2, tmp_path / "plan.json", tmp_path / "logs", worker_script=tmp_path / "w.py")
+    lines: list[str] = []
+    env = launch.worker_env(os.environ, {})
+    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append)
+    assert rc != 0
+    text = "\n".join(lines)
+    assert "first failing rank: 1" in text and "ValueError: boom from rank 1" in text
+    assert "local 0" in (tmp_path / "logs/worker_0.log").read_text()
