@@ -162,6 +162,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
+    if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
+        env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     rd = to_dict(recipe)
     rd["model"]["dir"] = resolved_model_dir(recipe)
     rd["launch"].update(device=device if recipe.launch.device == "auto" else recipe.launch.device,
@@ -293,7 +295,8 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
     return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
                             cwd=job.plan_path.parent,
-                            tee_to=job.log_dir / "worker_0.log" if job.plan["topology"]["world_size"] == 1 else None)
+                            tee_to=job.log_dir / "worker_0.log" if job.plan["topology"]["world_size"] == 1 else None,
+                            signal_workers_only=job.plan["topology"]["world_size"] > 1)
 
 
 if __name__ == "__main__":

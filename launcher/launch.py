@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import psutil
+
 from finetune.config import REPO_ROOT, Recipe
 
 WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"
@@ -83,6 +85,20 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _kill(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _tee(proc: subprocess.Popen, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab") as f:
@@ -94,7 +110,8 @@ def _tee(proc: subprocess.Popen, path: Path) -> None:
 
 
 def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restarts: int, cwd: Path | None = None,
-              log: Callable[[str], None] = print, restart_delay_s: float = 1.0, tee_to: Path | None = None) -> int:
+              log: Callable[[str], None] = print, restart_delay_s: float = 1.0, tee_to: Path | None = None,
+              signal_workers_only: bool = False) -> int:
     """Run argv in its own process group; forward SIGTERM/SIGINT; restart up to max_restarts times.
 
     Each restart relaunches the same command: the workers resume from the newest checkpoint
@@ -106,11 +123,13 @@ def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restar
 
     def forward(signum, _frame):
         stopping["sig"] = signum
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+        if proc is None or proc.poll() is not None:
+            return
+        kids = _descendants(proc.pid) if signal_workers_only else []
+        for pid in kids:
+            _kill(lambda: os.kill(pid, signum))
+        if not kids:
+            _kill(lambda: os.killpg(proc.pid, signum))
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

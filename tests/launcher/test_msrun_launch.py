@@ -208,3 +208,28 @@ def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
     text = "\n".join(lines)
     assert "first failing rank: 1" in text and "ValueError: boom from rank 1" in text
     assert "local 0" in (tmp_path / "logs/worker_0.log").read_text()
+
+
+MSRUN_LIKE = textwrap.dedent("""
+    import os, subprocess, sys
+    # like msrun: the worker runs in its own session; this parent dies on SIGTERM if it gets one
+    child = subprocess.Popen([sys.executable] + sys.argv[1:], start_new_session=True)
+    sys.exit(child.wait())
+""")
+
+
+def test_sigterm_under_an_msrun_like_parent_reaches_the_worker_not_the_parent(tmp_path):
+    (tmp_path / "child.py").write_text(SIGNAL_CHILD)
+    (tmp_path / "parent.py").write_text(MSRUN_LIKE)
+    mark = tmp_path / "mark"
+    argv = [sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"), str(mark)]
+    code = (f"import os, sys; from launcher.launch import supervise; "
+            f"sys.exit(supervise({argv!r}, dict(os.environ), __import__('pathlib').Path({str(tmp_path)!r}), "
+            f"max_restarts=3, signal_workers_only=True))")
+    p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    deadline = time.time() + 20
+    while not (mark.exists() and mark.read_text() == "ready") and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 42  # the parent survived, saw its worker exit 42, and passed it on
+    assert mark.read_text() == "got SIGTERM"
