@@ -248,6 +248,9 @@ def check_network(c: Context) -> list[Check]:
             return [Check("network", "fail", f"master port {L.master_port} is in use on this node",
                           "set MASTER_PORT to a free port (the same on every node)")]
         return [Check("network", "ok", f"master: port {L.master_port} free")]
+    if L.master_addr in ("127.0.0.1", "localhost", "::1"):
+        return [Check("network", "fail", f"node {L.node_rank} of {L.nnodes} but MASTER_ADDR is {L.master_addr}",
+                      "set MASTER_ADDR to node 0's address (the same on every node)")]
     try:
         c.connect(L.master_addr, L.master_port, 3.0)
     except socket.gaierror as e:

@@ -142,19 +142,25 @@ SIGNAL_CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigterm_reaches_the_child_and_its_exit_code_propagates(tmp_path):
-    (tmp_path / "child.py").write_text(SIGNAL_CHILD)
+def sigterm_launcher(tmp_path: Path, argv: list[str], workers_only: bool) -> int:
+    """Run supervise() in a subprocess, SIGTERM it once the child is ready; return its exit code."""
     mark = tmp_path / "mark"
     code = (f"import os, sys; from launcher.launch import supervise; "
-            f"sys.exit(supervise([sys.executable, {str(tmp_path / 'child.py')!r}, {str(mark)!r}], dict(os.environ), "
-            f"__import__('pathlib').Path({str(tmp_path)!r}), max_restarts=3))")
+            f"sys.exit(supervise({argv!r}, dict(os.environ), __import__('pathlib').Path({str(tmp_path)!r}), "
+            f"max_restarts=3, signal_workers_only={workers_only}))")
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     deadline = time.time() + 20
     while not (mark.exists() and mark.read_text() == "ready") and time.time() < deadline:
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=20) == 42  # no restart after a signal; the job's exit code
-    assert mark.read_text() == "got SIGTERM"
+    return p.wait(timeout=20)
+
+
+def test_sigterm_reaches_the_child_and_its_exit_code_propagates(tmp_path):
+    (tmp_path / "child.py").write_text(SIGNAL_CHILD)
+    rc = sigterm_launcher(tmp_path, [sys.executable, str(tmp_path / "child.py"), str(tmp_path / "mark")], False)
+    assert rc == 42  # no restart after a signal; the job's exit code
+    assert (tmp_path / "mark").read_text() == "got SIGTERM"
 
 
 def test_plan_is_fast_and_never_imports_mindspore(tmp_path):
@@ -221,15 +227,15 @@ MSRUN_LIKE = textwrap.dedent("""
 def test_sigterm_under_an_msrun_like_parent_reaches_the_worker_not_the_parent(tmp_path):
     (tmp_path / "child.py").write_text(SIGNAL_CHILD)
     (tmp_path / "parent.py").write_text(MSRUN_LIKE)
-    mark = tmp_path / "mark"
-    argv = [sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"), str(mark)]
-    code = (f"import os, sys; from launcher.launch import supervise; "
-            f"sys.exit(supervise({argv!r}, dict(os.environ), __import__('pathlib').Path({str(tmp_path)!r}), "
-            f"max_restarts=3, signal_workers_only=True))")
-    p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    deadline = time.time() + 20
-    while not (mark.exists() and mark.read_text() == "ready") and time.time() < deadline:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=20) == 42  # the parent survived, saw its worker exit 42, and passed it on
-    assert mark.read_text() == "got SIGTERM"
+    argv = [sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"), str(tmp_path / "mark")]
+    assert sigterm_launcher(tmp_path, argv, True) == 42  # the parent survived and passed its worker's code on
+    assert (tmp_path / "mark").read_text() == "got SIGTERM"
+
+
+def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lm, "ensure_model", lambda r: pytest.fail("dry run must not create the model"))
+    (tmp_path / "dev").mkdir()
+    rc, plan, out = run_main(["train"], capsys, env={"DRY_RUN": "1", "OUTPUT_DIR": str(tmp_path / "o")},
+                             dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
+    assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
+    assert not (tmp_path / "state").exists() and not (tmp_path / "o").exists()

@@ -212,3 +212,8 @@ def test_a_crashing_check_does_not_hide_the_others(tmp_path, monkeypatch):
     out = preflight.run_checks(ctx(tmp_path, npu=False))
     assert [r.status for r in out] == ["fail", "ok"]
     assert os.environ  # environment untouched
+
+
+def test_network_worker_node_pointing_at_loopback(tmp_path):
+    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1"})
+    assert "MASTER_ADDR" in fails(c, "network")[0].fix
