@@ -183,7 +183,7 @@ def test_network_real_port_probe(tmp_path):
         c.port_free = None
         assert fails(c, "network")
         c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1",
-                                         "launch.master_addr": "127.0.0.1", "launch.master_port": str(port)})
+                                         "launch.master_addr": socket.gethostname(), "launch.master_port": str(port)})
         assert [r.status for r in rows(c, "network")] == ["ok"]
 
 
