@@ -246,6 +246,12 @@ def prepare_data(recipe: Recipe) -> int:
     return int(prep(recipe) or 0)
 
 
+def _is_override(item: str) -> bool:
+    """``train.lr=1e-5`` / ``output_dir=x``: a recipe key (first part a Recipe field) followed by '='."""
+    key = item.split("=", 1)[0]
+    return "=" in item and key.split(".")[0] in Recipe.__dataclass_fields__
+
+
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     host = host or Host()
     ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0],
@@ -254,10 +260,18 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     ap.add_argument("--recipe", default=None, help="recipe name in recipes/ or a YAML path (env RECIPE)")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides (beat the environment)")
     args, rest = ap.parse_known_args(argv)
-    if args.command in ("render", "generate"):  # their own options follow; keep key=value for the recipe
-        kv = [a for a in args.overrides if "=" in a and not a.startswith("-")]
-        rest = [a for a in args.overrides if a not in kv] + rest
-        args.overrides = kv
+    if args.command in ("render", "generate"):  # their own options follow; recipe key=value items stay ours
+        raw = list(sys.argv[1:] if argv is None else argv)
+        mixed = raw[raw.index(args.command) + 1:]
+        for i, a in enumerate(mixed):  # --recipe is ours too
+            if a == "--recipe":
+                del mixed[i:i + 2]
+                break
+            if a.startswith("--recipe="):
+                del mixed[i]
+                break
+        args.overrides = [a for a in mixed if _is_override(a)]
+        rest = [a for a in mixed if not _is_override(a)]
     elif rest:
         ap.error(f"unknown options {rest}")
     try:

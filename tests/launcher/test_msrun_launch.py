@@ -243,3 +243,18 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
                              dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
     assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
     assert not (tmp_path / "state").exists() and not (tmp_path / "o").exists()
+
+
+def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
+    seen = {}
+    fake = type(sys)("launcher.render")
+    fake.main = lambda args, recipe: seen.setdefault("render", (args, recipe.train.lr)) and 0
+    monkeypatch.setitem(sys.modules, "launcher.render", fake)
+    monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
+    (tmp_path / "dev").mkdir()
+    host = dict(env={"OUTPUT_DIR": str(tmp_path)}, dev_dir=tmp_path / "dev", npu_smi=None)
+    assert lm.main(["render", "--nodes", "2", "volcano", "train.lr=1e-4", "--recipe", "tiny-cpu"],
+                   lm.Host(**host)) == 0
+    assert seen["render"] == (["--nodes", "2", "volcano"], 1e-4)
+    assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
+    assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
