@@ -3,7 +3,8 @@
     python -m launcher {train,plan,preflight,prepare-data,generate,render} [--recipe R] [key=value ...]
 
 Runs once per node, host side; never imports mindspore. Precedence: CLI ``key=value`` > environment
-> recipe > schema defaults (finetune/config.py). Empty variables count as unset. All bad settings are
+> recipe > schema defaults (finetune/config.py). The CLI also takes the variable names below
+(``train TP=2``). Empty variables count as unset. All bad settings are
 reported at once, each naming the variable or key and an example fix.
 
 Environment contract (the README table mirrors this one):

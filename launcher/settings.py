@@ -81,9 +81,10 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
         s.origin[k] = "OVERRIDES"
     flat, probs = parse_overrides(cli_items)
     s.problems += probs
-    for k, v in flat.items():
-        s.overrides[k] = v
-        s.origin[k] = "cli"
+    for k, v in flat.items():  # the CLI also takes the variable names: `train TP=2 DATA=a.json`
+        key = ENV_KEYS.get(k, k)
+        s.overrides[key] = v
+        s.origin[key] = k if k in ENV_KEYS else "cli"
     return s
 
 

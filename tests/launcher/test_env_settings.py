@@ -72,3 +72,10 @@ def test_cli_recipe_beats_env_recipe():
 def test_unknown_recipe_names_the_choices():
     with pytest.raises(ConfigError, match="RECIPE='nope': no such recipe; use one of: qwen2.5-7b-full, tiny-cpu"):
         load({"RECIPE": "nope"})
+
+
+def test_cli_takes_variable_names_too():
+    r = load({"TP": "2"}, ["TP=1", "NUMA_BIND=off"])
+    assert r.parallel.tp == 1 and r.launch.numa_bind == "off"
+    with pytest.raises(ConfigError, match=r"PP='x' \(parallel.pp\): expected an integer"):
+        load({}, ["PP=x"])
