@@ -239,7 +239,12 @@ def prepare_data(recipe: Recipe) -> int:
     if prep is None:
         log("finetune.data.prepare not available yet: skipping data preparation")
         return 0
-    tok = Path(resolved_model_dir(recipe)) / "tokenizer.json"
+    tok_for = _optional("finetune.data.prepare", "tokenizer_path_for")
+    try:
+        tok = tok_for(recipe) if tok_for else Path(resolved_model_dir(recipe)) / "tokenizer.json"
+    except ConfigError as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 2
     if fresh is not None and fresh(recipe, tok):
         log("data cache is fresh")
         return 0
@@ -291,6 +296,9 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
         return int(fn(rest, job.recipe))
     if args.command == "generate":
         script = REPO_ROOT / "finetune" / "generate.py"
+        if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model
+            hf = Path(job.recipe.output_dir) / "hf"
+            rest = ["--model-dir", str(hf if (hf / "config.json").exists() else resolved_model_dir(job.recipe)), *rest]
         return subprocess.call([sys.executable, str(script), *rest], env=job.env)
     if args.command == "prepare-data":
         return prepare_data(job.recipe)

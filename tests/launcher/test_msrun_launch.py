@@ -258,3 +258,4 @@ def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypat
     assert seen["render"] == (["--nodes", "2", "volcano"], 1e-4)
     assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
     assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
+    assert seen["generate"][2:4] == ["--model-dir", str(tmp_path / "base-model")]  # no export yet: the base model
