@@ -128,3 +128,22 @@ def test_tp_layout(tp, nkv):
     if tp > nkv:  # rank r's q heads use kv head (r * nkv) // tp
         for r, lay in enumerate(layouts):
             assert lay["model.layers.0.self_attn.k_proj.weight"].start == (r * nkv // tp) * hd
+
+
+def test_half_compute_dtype_keeps_fp32_masters_and_loss(ms_cpu):
+    """compute_dtype (bf16 on Ascend; fp16 here, CPU has no bf16 matmul) casts inside matmuls only."""
+    ms = ms_cpu
+    g = np.load(GOLDEN / "untied" / "golden.npz")
+    model = _build(ms, GOLDEN / "untied", compute_dtype=ms.float16)
+    assert all(p.dtype == ms.float32 for p in model.trainable_params())
+    ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
+    logits = model.logits(ms.Tensor(ids))
+    assert logits.dtype == ms.float32
+    np.testing.assert_allclose(logits.asnumpy(), g["logits"], atol=3e-2)
+    params = model.trainable_params()
+    loss, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(
+        *(ms.Tensor(x) for x in (ids, labels, *_rows(ids))))
+    n = int((labels[:, 1:] != -100).sum())
+    assert loss.dtype == ms.float32
+    np.testing.assert_allclose(float(loss.asnumpy()) / n, float(g["loss"]), rtol=1e-2)
+    assert all(gr.dtype == ms.float32 for gr in grads)
