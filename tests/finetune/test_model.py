@@ -147,3 +147,15 @@ def test_half_compute_dtype_keeps_fp32_masters_and_loss(ms_cpu):
     assert loss.dtype == ms.float32
     np.testing.assert_allclose(float(loss.asnumpy()) / n, float(g["loss"]), rtol=1e-2)
     assert all(gr.dtype == ms.float32 for gr in grads)
+
+
+def test_batch_without_labels_gives_zero_loss_and_grads(ms_cpu):
+    ms = ms_cpu
+    model = _build(ms, GOLDEN / "untied")
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6)
+    labels = np.full_like(ids, -100)
+    labels[:, 0] = 5  # a label on the first position has nothing predicting it
+    loss, grads = ms.value_and_grad(lambda *a: model(*a), None, model.trainable_params())(
+        *(ms.Tensor(x) for x in (ids, labels, *_rows(ids))))
+    assert float(loss.asnumpy()) == 0.0
+    assert all(not np.abs(g.asnumpy()).any() for g in grads)
