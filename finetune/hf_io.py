@@ -224,7 +224,8 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
         if tmp is None:
             return None
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(s for _, s in sizes)},
+            index = {"metadata": {"total_parameters": sum(s for _, s in sizes) // itemsize,
+                                  "total_size": sum(s for _, s in sizes)},
                      "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_configs(src, tmp, dtype)
