@@ -175,6 +175,8 @@ class Attention(nn.Cell):
         self.heads, self.kv_heads, self.head_dim = nh // tp, max(nkv // tp, 1), hd
         self.scale = hd ** -0.5
         self.fused = fused
+        # the fused kernel takes fp16/bf16 only and head_dim a multiple of 16
+        self.fused_attn = fused and dtype in (ms.float16, ms.bfloat16) and hd % 16 == 0
         kv_out = self.kv_heads * hd
         self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
         self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
@@ -194,11 +196,13 @@ class Attention(nn.Cell):
         if self.fused:
             q = ops.rotary_position_embedding(q, cos, sin, 0)
             k = ops.rotary_position_embedding(k, cos, sin, 0)
-            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
-                                            scalar_value=self.scale, input_layout="BNSD")
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        if self.fused_attn:  # GQA native: key/value keep kv_heads; mask 1 = not attended
+            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
+                                            scalar_value=self.scale, input_layout="BNSD")
+        else:
             rep = self.heads // self.kv_heads
             if rep > 1:
                 k = ops.repeat_interleave(k, rep, 1)
