@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import unicodedata
 
 from finetune.config import CleanConfig
 from finetune.data.formats import Sample
@@ -15,13 +14,13 @@ from finetune.data.formats import Sample
 RULES = ("invalid_utf8", "empty_response", "repeat_prompt", "repeated_chars", "mojibake",
          "too_short", "too_long", "cannot_fit", "dedup")
 
-_WS = re.compile(r"\s+")
 # control characters other than \t \n \r, DEL/C1 controls, U+FFFD, lone surrogates, private use
 _BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd\ud800-\udfff\ue000-\uf8ff]")
 
 
 def _norm(text: str) -> str:
-    return _WS.sub(" ", unicodedata.normalize("NFKC", text)).strip().lower()
+    """Lower case, whitespace runs collapsed (the comparison key of repeat_prompt and dedup)."""
+    return " ".join(text.split()).lower()
 
 
 def _answers(s: Sample) -> list[str]:
@@ -45,7 +44,8 @@ def text_rule(s: Sample, cfg: CleanConfig) -> str | None:
     if cfg.repeat_prompt:
         prev = ""
         for role, content in s.turns:
-            if role == "assistant" and prev and _norm(content) == _norm(prev):
+            if role == "assistant" and prev and abs(len(content) - len(prev)) <= len(prev) // 2 \
+                    and _norm(content) == _norm(prev):
                 return "repeat_prompt"
             prev = content if role == "user" else prev
     texts = [c for _, c in s.turns] + ([s.system] if s.system else [])
@@ -71,9 +71,5 @@ def token_rule(n_tokens: int, cfg: CleanConfig) -> str | None:
 
 def dedup_key(s: Sample) -> bytes:
     """Hash of the normalized prompt + response (all turns, in order)."""
-    h = hashlib.blake2b(digest_size=16)
-    for role, content in s.turns:
-        h.update(role.encode())
-        h.update(_norm(content).encode("utf-8", "replace"))
-        h.update(b"\0")
-    return h.digest()
+    text = "\0".join(f"{role}\1{content.strip()}" for role, content in s.turns)
+    return hashlib.blake2b(_norm(text).encode("utf-8", "replace"), digest_size=16).digest()

@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -82,7 +83,8 @@ class Encoder:
         empty = np.zeros(0, np.int32)
         return {"reasons": reasons, "kept": kept, "lengths": lengths, "full": full, "keys": keys,
                 "tokens": np.concatenate(tok_parts) if tok_parts else empty,
-                "labels": np.concatenate(lab_parts) if lab_parts else empty, "truncated": truncated}
+                "labels": np.concatenate(lab_parts) if lab_parts else empty, "truncated": truncated,
+                "pad_id": self.sp.pad}
 
 
 _WORKER: Encoder | None = None
@@ -120,24 +122,30 @@ def _chunks(recipe: Recipe, sources: list, counts: dict) -> Iterator[tuple[list[
         yield buf, copies
 
 
-def _ordered_map(fn_args: tuple, workers: int, items: Iterator) -> Iterator[tuple[Any, Any]]:
-    """(item, fn(item)) in order; in-process for one worker, else a spawn pool with bounded backlog."""
+def _start_pool(args: tuple, workers: int):
+    """A spawn pool of tokenizer processes (None: tokenize in this process)."""
     if workers <= 1:
-        enc = Encoder(*fn_args)
+        return None
+    ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
+    return ctx.Pool(workers, initializer=_init_worker, initargs=args)
+
+
+def _ordered_map(args: tuple, pool, workers: int, items: Iterator) -> Iterator[tuple[Any, Any]]:
+    """(item, encoded item) in order, with at most 2 chunks per worker in flight."""
+    if pool is None:
+        enc = Encoder(*args)
         for item in items:
             yield item, enc(item[0])
         return
-    ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=fn_args) as pool:
-        backlog: collections.deque = collections.deque()
-        for item in items:
-            backlog.append((item, pool.apply_async(_work, (item[0],))))
-            if len(backlog) >= 2 * workers:
-                it, res = backlog.popleft()
-                yield it, res.get()
-        while backlog:
+    backlog: collections.deque = collections.deque()
+    for item in items:
+        backlog.append((item, pool.apply_async(_work, (item[0],))))
+        if len(backlog) >= 2 * workers:
             it, res = backlog.popleft()
             yield it, res.get()
+    while backlog:
+        it, res = backlog.popleft()
+        yield it, res.get()
 
 
 class _Progress:
@@ -175,10 +183,12 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
-                "sources": [cache.source_entry(s) for s in sources]}
     workers = cfg.num_workers or os.cpu_count() or 1
     args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
+    pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
+    manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
+                "sources": [cache.source_entry(s) for s in sources]}
+    pad_id = 0
     tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
     labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
     index_parts: list[np.ndarray] = []
@@ -188,8 +198,9 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     n_read = n_unique = n_entries = truncated = offset = 0
     bar = _Progress(progress)
     try:
-        for (samples, copies), res in _ordered_map(args, workers, _chunks(recipe, sources, counts)):
+        for (samples, copies), res in _ordered_map(args, pool, workers, _chunks(recipe, sources, counts)):
             n_read += len(samples)
+            pad_id = res["pad_id"]
             truncated += res["truncated"]
             reasons = res["reasons"]
             keep_mask = np.ones(len(res["kept"]), dtype=bool)
@@ -249,22 +260,17 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
         report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": counts.get(str(s.path), 0)}
                              for s in sources]
         (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
-        manifest.update(num_samples=int(len(index)), num_tokens=offset, pad_id=_pad_id(tokenizer_path),
+        manifest.update(num_samples=int(len(index)), num_tokens=offset, pad_id=pad_id,
                         created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
         cache.publish(tmp, out)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if pool is not None:
+            pool.terminate()
     return cache.CacheInfo(out, int(len(index)), offset, manifest, report)
-
-
-def _pad_id(tokenizer_path: str | Path) -> int:
-    """Id of <|endoftext|> (the padding token) without building a second tokenizer."""
-    added = json.loads(Path(tokenizer_path).read_text()).get("added_tokens", [])
-    return next((int(t["id"]) for t in added if t.get("content") == "<|endoftext|>"), 0)
 
 
 def _example(s: Sample) -> dict:
