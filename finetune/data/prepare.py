@@ -154,7 +154,7 @@ class _Progress:
 
     def update(self, n: int, tokens: int, final: bool = False) -> None:
         now = time.monotonic()
-        if not self.enabled or (not final and now - self.last < 0.5):
+        if not self.enabled or (not final and now - self.last < (0.5 if sys.stderr.isatty() else 10)):
             return
         self.last = now
         dt = max(now - self.t0, 1e-9)

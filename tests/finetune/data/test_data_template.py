@@ -11,7 +11,7 @@ from finetune.config import CleanConfig
 from finetune.data.formats import Sample, alpaca_sample, sharegpt_sample
 from finetune.data.prepare import Encoder
 from finetune.data.template import IGNORE
-from tests.finetune.data.conftest import TOKENIZER
+from tests.finetune.data.data_helpers import TOKENIZER
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_template.json").read_text())
 
