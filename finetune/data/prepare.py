@@ -163,6 +163,18 @@ class _Progress:
               f"{tokens / dt:,.0f} tokens/s", end=end, file=sys.stderr, flush=True)
 
 
+def _index_rows(lengths: np.ndarray, labels: np.ndarray, offset: int) -> np.ndarray:
+    """Index rows (start, length, count(labels[1:] != -100), labels[0] != -100) of back-to-back samples."""
+    if not len(lengths):
+        return np.zeros((0, 4), np.int64)
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    is_label = labels != IGNORE
+    csum = np.r_[0, np.cumsum(is_label)]
+    first = is_label[begins].astype(np.int64)
+    return np.stack([offset + begins, lengths, csum[ends] - csum[begins] - first, first], axis=1)
+
+
 def tokenizer_path_for(recipe: Recipe) -> Path:
     """<model dir>/tokenizer.json; the bundled Qwen2.5 tokenizer for the created tiny default."""
     model_dir = resolved_model_dir(recipe)
@@ -186,11 +198,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     workers = cfg.num_workers or os.cpu_count() or 1
     args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
     pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
-    manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
-                "sources": [cache.source_entry(s) for s in sources]}
     pad_id = 0
-    tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
-    labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
     index_parts: list[np.ndarray] = []
     dropped = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels")}
     seen: set[bytes] = set()
@@ -198,6 +206,10 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     n_read = n_unique = n_entries = truncated = offset = 0
     bar = _Progress(progress)
     try:
+        manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
+                    "sources": [cache.source_entry(s) for s in sources]}
+        tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
+        labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
         for (samples, copies), res in _ordered_map(args, pool, workers, _chunks(recipe, sources, counts)):
             n_read += len(samples)
             pad_id = res["pad_id"]
@@ -229,15 +241,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
                 ncopies = np.diff(np.r_[0, reps]).astype(np.int64)
             else:
                 ncopies = np.asarray([copies[i] for i in kept], dtype=np.int64)
-            starts = offset + np.r_[0, np.cumsum(lengths)[:-1]] if len(lengths) else np.zeros(0, np.int64)
-            ends = np.cumsum(lengths)
-            lab_nz = (lab != IGNORE)
-            csum = np.r_[0, np.cumsum(lab_nz)]
-            first = lab_nz[ends - lengths] if len(lengths) else np.zeros(0, bool)
-            shifted = csum[ends] - csum[ends - lengths] - first
-            rows = np.stack([starts, lengths, shifted, first.astype(np.int64)], axis=1) if len(lengths) \
-                else np.zeros((0, 4), np.int64)
-            index_parts.append(np.repeat(rows, ncopies, axis=0))
+            index_parts.append(np.repeat(_index_rows(lengths, lab, offset), ncopies, axis=0))
             tokens.write(tok)
             labels.write(lab)
             offset += int(lengths.sum())
