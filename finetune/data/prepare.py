@@ -30,6 +30,9 @@ from finetune.data.formats import DataError, Sample, iter_samples, resolve_sourc
 from finetune.data.template import IGNORE, Specials, label_flat, render, truncate
 
 CHUNK = 256  # samples per worker task
+# data.num_workers=0 (auto): below this much input, starting processes costs more than it gains
+# (encode_batch is multi-threaded in this process too); above it, one process per core
+AUTO_POOL_BYTES = 32 << 20
 
 
 @functools.lru_cache(maxsize=2)
@@ -195,7 +198,8 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    workers = cfg.num_workers or os.cpu_count() or 1
+    size = sum(src.path.stat().st_size for src in sources)
+    workers = cfg.num_workers or ((os.cpu_count() or 1) if size >= AUTO_POOL_BYTES else 1)
     args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
     pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
     pad_id = 0
