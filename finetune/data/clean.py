@@ -4,6 +4,7 @@ Text rules run before tokenization, token-length rules after, duplicates last (f
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -27,6 +28,12 @@ def _answers(s: Sample) -> list[str]:
     return [c for r, c in s.turns if r == "assistant"]
 
 
+@functools.lru_cache(maxsize=8)
+def _run_re(max_run: int) -> re.Pattern:
+    """A non-space character repeated more than max_run times in a row."""
+    return re.compile(r"(\S)\1{%d,}" % max(max_run, 1))
+
+
 def mojibake_ratio(text: str) -> float:
     """Share of non-printable / replacement characters in text."""
     if not text:
@@ -48,15 +55,11 @@ def text_rule(s: Sample, cfg: CleanConfig) -> str | None:
                     and _norm(content) == _norm(prev):
                 return "repeat_prompt"
             prev = content if role == "user" else prev
-    texts = [c for _, c in s.turns] + ([s.system] if s.system else [])
-    if cfg.repeated_chars:
-        run = re.compile(r"(\S)\1{%d,}" % max(cfg.repeated_chars_max_run, 1))
-        if any(run.search(t) for t in texts):
-            return "repeated_chars"
-    if cfg.mojibake:
-        joined = "".join(texts)
-        if _BAD.search(joined) and mojibake_ratio(joined) > cfg.mojibake_max_ratio:
-            return "mojibake"
+    joined = "\n".join([c for _, c in s.turns] + ([s.system] if s.system else []))
+    if cfg.repeated_chars and _run_re(cfg.repeated_chars_max_run).search(joined):
+        return "repeated_chars"
+    if cfg.mojibake and _BAD.search(joined) and mojibake_ratio(joined) > cfg.mojibake_max_ratio:
+        return "mojibake"
     return None
 
 
