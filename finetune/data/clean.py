@@ -30,8 +30,9 @@ def _answers(s: Sample) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def _run_re(max_run: int) -> re.Pattern:
-    """A non-space character repeated more than max_run times in a row."""
-    return re.compile(r"(\S)\1{%d,}" % max(max_run, 1))
+    """A character repeated more than max_run times in a row (not spaces, nor the - = _ of
+    Markdown tables and rules)."""
+    return re.compile(r"([^\s\-=_])\1{%d,}" % max(max_run, 1))
 
 
 def mojibake_ratio(text: str) -> float:
