@@ -37,5 +37,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
+bench-data: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_data.py
+
 clean:
 	rm -rf output build .pytest_cache

@@ -70,7 +70,7 @@ class DataConfig:
     max_tokens_per_batch: int = 0  # >0: dynamic batching by token budget instead of packing
     cache_dir: str = ""  # token cache; default <output_dir>/data
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)
-    num_workers: int = 0  # tokenizer processes for prepare-data; 0: all cores
+    num_workers: int = 0  # tokenizer processes for prepare-data; 0: auto (one per core from 32 MB of input)
     max_samples: int = 0  # 0: all
     clean: CleanConfig = field(default_factory=CleanConfig)
 
@@ -369,6 +369,19 @@ def validate(r: Recipe) -> list[str]:
     if r.parallel.pp != 1:
         p.append(f"parallel.pp={r.parallel.pp}: pipeline parallelism is not supported yet; "
                  "use parallel.pp=1 with tensor parallelism (parallel.tp=2) instead")
+    c = r.data.clean
+    for key, v in (("data.num_workers", r.data.num_workers), ("data.max_samples", r.data.max_samples),
+                   ("data.clean.min_tokens", c.min_tokens), ("data.clean.max_tokens", c.max_tokens)):
+        if v < 0:
+            p.append(f"{key}={v}: must be >= 0 (e.g. {key}=0)")
+    if c.repeated_chars_max_run < 1:
+        p.append(f"data.clean.repeated_chars_max_run={c.repeated_chars_max_run}: must be >= 1 "
+                 "(e.g. data.clean.repeated_chars_max_run=10)")
+    if not 0 < c.mojibake_max_ratio <= 1:
+        p.append(f"data.clean.mojibake_max_ratio={c.mojibake_max_ratio}: a share in (0, 1] "
+                 "(e.g. data.clean.mojibake_max_ratio=0.3)")
+    if any(w < 0 for w in r.data.weights):
+        p.append(f"data.weights={r.data.weights}: weights are >= 0 (e.g. data.weights=1,0.5)")
     if r.data.weights and len(r.data.weights) != len(r.data.paths):
         p.append(f"data.weights: {len(r.data.weights)} weights for {len(r.data.paths)} paths; "
                  "give one weight per data.paths entry or none")

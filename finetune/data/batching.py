@@ -90,7 +90,13 @@ class Step:
 
 
 class BatchLoader:
-    """Deterministic, resumable batches from a token cache (see the module doc)."""
+    """Deterministic, resumable batches from a token cache (see the module doc).
+
+    Global batch: micro_batch_size x grad_accum x dp_size rows per step; micro-batch j of dp rank r
+    is rows [r*mbs, (r+1)*mbs) of the j-th global micro-batch. With max_tokens_per_batch > 0 a
+    micro-batch is one budget group (micro_batch_size is not used; shapes vary), and rank r's j-th
+    micro-batch is group j*dp_size + r of the step. An incomplete last global batch is dropped.
+    """
 
     def __init__(self, cache_dir: str | Path, seq_len: int, micro_batch_size: int, grad_accum: int,
                  dp_size: int, dp_rank: int, seed: int, packing: bool = True,

@@ -4,9 +4,9 @@ Text rules run before tokenization, token-length rules after, duplicates last (f
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-import unicodedata
 
 from finetune.config import CleanConfig
 from finetune.data.formats import Sample
@@ -15,17 +15,24 @@ from finetune.data.formats import Sample
 RULES = ("invalid_utf8", "empty_response", "repeat_prompt", "repeated_chars", "mojibake",
          "too_short", "too_long", "cannot_fit", "dedup")
 
-_WS = re.compile(r"\s+")
 # control characters other than \t \n \r, DEL/C1 controls, U+FFFD, lone surrogates, private use
 _BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd\ud800-\udfff\ue000-\uf8ff]")
 
 
 def _norm(text: str) -> str:
-    return _WS.sub(" ", unicodedata.normalize("NFKC", text)).strip().lower()
+    """Lower case, whitespace runs collapsed (the comparison key of repeat_prompt and dedup)."""
+    return " ".join(text.split()).lower()
 
 
 def _answers(s: Sample) -> list[str]:
     return [c for r, c in s.turns if r == "assistant"]
+
+
+@functools.lru_cache(maxsize=8)
+def _run_re(max_run: int) -> re.Pattern:
+    """A character repeated more than max_run times in a row (not spaces, nor the - = _ of
+    Markdown tables and rules)."""
+    return re.compile(r"([^\s\-=_])\1{%d,}" % max(max_run, 1))
 
 
 def mojibake_ratio(text: str) -> float:
@@ -45,18 +52,15 @@ def text_rule(s: Sample, cfg: CleanConfig) -> str | None:
     if cfg.repeat_prompt:
         prev = ""
         for role, content in s.turns:
-            if role == "assistant" and prev and _norm(content) == _norm(prev):
+            if role == "assistant" and prev and abs(len(content) - len(prev)) <= len(prev) // 2 \
+                    and _norm(content) == _norm(prev):
                 return "repeat_prompt"
             prev = content if role == "user" else prev
-    texts = [c for _, c in s.turns] + ([s.system] if s.system else [])
-    if cfg.repeated_chars:
-        run = re.compile(r"(\S)\1{%d,}" % max(cfg.repeated_chars_max_run, 1))
-        if any(run.search(t) for t in texts):
-            return "repeated_chars"
-    if cfg.mojibake:
-        joined = "".join(texts)
-        if _BAD.search(joined) and mojibake_ratio(joined) > cfg.mojibake_max_ratio:
-            return "mojibake"
+    joined = "\n".join([c for _, c in s.turns] + ([s.system] if s.system else []))
+    if cfg.repeated_chars and _run_re(cfg.repeated_chars_max_run).search(joined):
+        return "repeated_chars"
+    if cfg.mojibake and _BAD.search(joined) and mojibake_ratio(joined) > cfg.mojibake_max_ratio:
+        return "mojibake"
     return None
 
 
@@ -71,9 +75,5 @@ def token_rule(n_tokens: int, cfg: CleanConfig) -> str | None:
 
 def dedup_key(s: Sample) -> bytes:
     """Hash of the normalized prompt + response (all turns, in order)."""
-    h = hashlib.blake2b(digest_size=16)
-    for role, content in s.turns:
-        h.update(role.encode())
-        h.update(_norm(content).encode("utf-8", "replace"))
-        h.update(b"\0")
-    return h.digest()
+    text = "\0".join(f"{role}\1{content.strip()}" for role, content in s.turns)
+    return hashlib.blake2b(_norm(text).encode("utf-8", "replace"), digest_size=16).digest()

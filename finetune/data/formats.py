@@ -108,8 +108,25 @@ def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> DataError:
                      f"{err.msg}; {hint}")
 
 
-def iter_raw(path: Path) -> Iterator[tuple[str, Any, bool]]:
-    """Yield (where, record, bad_utf8) for every record of one file."""
+def _json_head(path: Path, text: str, limit: int) -> list:
+    """The first ``limit`` records of a JSON array without parsing the rest (quick checks)."""
+    dec, out, pos = json.JSONDecoder(), [], text.index("[") + 1
+    while len(out) < limit:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            rec, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise _json_error(path, text, e) from None
+        out.append(rec)
+    return out
+
+
+def iter_raw(path: Path, limit: int = 0) -> Iterator[tuple[str, Any, bool]]:
+    """Yield (where, record, bad_utf8) for every record of one file (a JSON array: the first
+    ``limit`` records only, when limit > 0)."""
     name = str(path)
     if path.suffix == ".parquet":
         yield from _iter_parquet(path)
@@ -121,7 +138,7 @@ def iter_raw(path: Path) -> Iterator[tuple[str, Any, bool]]:
         head = text.lstrip()[:1]
         if head == "[":
             try:
-                records = json.loads(text)
+                records = _json_head(path, text, limit) if limit else json.loads(text)
             except json.JSONDecodeError as e:
                 raise _json_error(path, text, e) from None
             for i, rec in enumerate(records):
@@ -154,7 +171,11 @@ def _has_surrogates(obj: Any) -> bool:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any, bool]]:
-    import pyarrow.parquet as pq  # only needed for Parquet input
+    try:
+        import pyarrow.parquet as pq  # only needed for Parquet input
+    except ImportError as e:
+        raise DataError(f"{path}: cannot read Parquet here ({e}); install pyarrow<22 (make setup) "
+                        "or convert the file to JSONL") from None
 
     try:
         pf = pq.ParquetFile(path)
@@ -264,7 +285,7 @@ def iter_samples(path: Path, fmt: str = "auto", limit: int = 0) -> Iterator[Samp
     """Samples of one file; fmt 'auto' detects Alpaca/ShareGPT from the first record."""
     kind = None if fmt == "auto" else fmt
     n = 0
-    for where, rec, bad in iter_raw(path):
+    for where, rec, bad in iter_raw(path, limit):
         if kind is None:
             kind = detect_kind(rec, where)
         s = alpaca_sample(rec, where, bad) if kind == "alpaca" else sharegpt_sample(rec, where, bad)
@@ -298,6 +319,4 @@ def check_data(data_cfg: DataConfig, max_records: int = 3) -> list[str]:
                 pass
         except DataError as e:
             problems.append(str(e))
-        except ImportError as e:
-            problems.append(f"{src.path}: cannot read Parquet ({e}); install pyarrow<22 (make setup)")
     return problems

@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,9 @@ from finetune.data.formats import DataError, Sample, iter_samples, resolve_sourc
 from finetune.data.template import IGNORE, Specials, label_flat, render, truncate
 
 CHUNK = 256  # samples per worker task
+# data.num_workers=0 (auto): below this much input, starting processes costs more than it gains
+# (encode_batch is multi-threaded in this process too); above it, one process per core
+AUTO_POOL_BYTES = 32 << 20
 
 
 @functools.lru_cache(maxsize=2)
@@ -82,7 +86,8 @@ class Encoder:
         empty = np.zeros(0, np.int32)
         return {"reasons": reasons, "kept": kept, "lengths": lengths, "full": full, "keys": keys,
                 "tokens": np.concatenate(tok_parts) if tok_parts else empty,
-                "labels": np.concatenate(lab_parts) if lab_parts else empty, "truncated": truncated}
+                "labels": np.concatenate(lab_parts) if lab_parts else empty, "truncated": truncated,
+                "pad_id": self.sp.pad}
 
 
 _WORKER: Encoder | None = None
@@ -120,24 +125,30 @@ def _chunks(recipe: Recipe, sources: list, counts: dict) -> Iterator[tuple[list[
         yield buf, copies
 
 
-def _ordered_map(fn_args: tuple, workers: int, items: Iterator) -> Iterator[tuple[Any, Any]]:
-    """(item, fn(item)) in order; in-process for one worker, else a spawn pool with bounded backlog."""
+def _start_pool(args: tuple, workers: int):
+    """A spawn pool of tokenizer processes (None: tokenize in this process)."""
     if workers <= 1:
-        enc = Encoder(*fn_args)
+        return None
+    ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
+    return ctx.Pool(workers, initializer=_init_worker, initargs=args)
+
+
+def _ordered_map(args: tuple, pool, workers: int, items: Iterator) -> Iterator[tuple[Any, Any]]:
+    """(item, encoded item) in order, with at most 2 chunks per worker in flight."""
+    if pool is None:
+        enc = Encoder(*args)
         for item in items:
             yield item, enc(item[0])
         return
-    ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=fn_args) as pool:
-        backlog: collections.deque = collections.deque()
-        for item in items:
-            backlog.append((item, pool.apply_async(_work, (item[0],))))
-            if len(backlog) >= 2 * workers:
-                it, res = backlog.popleft()
-                yield it, res.get()
-        while backlog:
+    backlog: collections.deque = collections.deque()
+    for item in items:
+        backlog.append((item, pool.apply_async(_work, (item[0],))))
+        if len(backlog) >= 2 * workers:
             it, res = backlog.popleft()
             yield it, res.get()
+    while backlog:
+        it, res = backlog.popleft()
+        yield it, res.get()
 
 
 class _Progress:
@@ -146,13 +157,25 @@ class _Progress:
 
     def update(self, n: int, tokens: int, final: bool = False) -> None:
         now = time.monotonic()
-        if not self.enabled or (not final and now - self.last < 0.5):
+        if not self.enabled or (not final and now - self.last < (0.5 if sys.stderr.isatty() else 10)):
             return
         self.last = now
         dt = max(now - self.t0, 1e-9)
         end = "\n" if final or not sys.stderr.isatty() else "\r"
         print(f"prepare-data: {n:,} samples  {tokens:,} tokens  {n / dt:,.0f} samples/s  "
               f"{tokens / dt:,.0f} tokens/s", end=end, file=sys.stderr, flush=True)
+
+
+def _index_rows(lengths: np.ndarray, labels: np.ndarray, offset: int) -> np.ndarray:
+    """Index rows (start, length, count(labels[1:] != -100), labels[0] != -100) of back-to-back samples."""
+    if not len(lengths):
+        return np.zeros((0, 4), np.int64)
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    is_label = labels != IGNORE
+    csum = np.r_[0, np.cumsum(is_label)]
+    first = is_label[begins].astype(np.int64)
+    return np.stack([offset + begins, lengths, csum[ends] - csum[begins] - first, first], axis=1)
 
 
 def tokenizer_path_for(recipe: Recipe) -> Path:
@@ -175,12 +198,11 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
-                "sources": [cache.source_entry(s) for s in sources]}
-    workers = cfg.num_workers or os.cpu_count() or 1
+    size = sum(src.path.stat().st_size for src in sources)
+    workers = cfg.num_workers or ((os.cpu_count() or 1) if size >= AUTO_POOL_BYTES else 1)
     args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
-    tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
-    labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
+    pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
+    pad_id = 0
     index_parts: list[np.ndarray] = []
     dropped = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels")}
     seen: set[bytes] = set()
@@ -188,8 +210,13 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     n_read = n_unique = n_entries = truncated = offset = 0
     bar = _Progress(progress)
     try:
-        for (samples, copies), res in _ordered_map(args, workers, _chunks(recipe, sources, counts)):
+        manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
+                    "sources": [cache.source_entry(s) for s in sources]}
+        tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
+        labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
+        for (samples, copies), res in _ordered_map(args, pool, workers, _chunks(recipe, sources, counts)):
             n_read += len(samples)
+            pad_id = res["pad_id"]
             truncated += res["truncated"]
             reasons = res["reasons"]
             keep_mask = np.ones(len(res["kept"]), dtype=bool)
@@ -218,15 +245,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
                 ncopies = np.diff(np.r_[0, reps]).astype(np.int64)
             else:
                 ncopies = np.asarray([copies[i] for i in kept], dtype=np.int64)
-            starts = offset + np.r_[0, np.cumsum(lengths)[:-1]] if len(lengths) else np.zeros(0, np.int64)
-            ends = np.cumsum(lengths)
-            lab_nz = (lab != IGNORE)
-            csum = np.r_[0, np.cumsum(lab_nz)]
-            first = lab_nz[ends - lengths] if len(lengths) else np.zeros(0, bool)
-            shifted = csum[ends] - csum[ends - lengths] - first
-            rows = np.stack([starts, lengths, shifted, first.astype(np.int64)], axis=1) if len(lengths) \
-                else np.zeros((0, 4), np.int64)
-            index_parts.append(np.repeat(rows, ncopies, axis=0))
+            index_parts.append(np.repeat(_index_rows(lengths, lab, offset), ncopies, axis=0))
             tokens.write(tok)
             labels.write(lab)
             offset += int(lengths.sum())
@@ -249,22 +268,17 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
         report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": counts.get(str(s.path), 0)}
                              for s in sources]
         (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
-        manifest.update(num_samples=int(len(index)), num_tokens=offset, pad_id=_pad_id(tokenizer_path),
+        manifest.update(num_samples=int(len(index)), num_tokens=offset, pad_id=pad_id,
                         created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
         cache.publish(tmp, out)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if pool is not None:
+            pool.terminate()
     return cache.CacheInfo(out, int(len(index)), offset, manifest, report)
-
-
-def _pad_id(tokenizer_path: str | Path) -> int:
-    """Id of <|endoftext|> (the padding token) without building a second tokenizer."""
-    added = json.loads(Path(tokenizer_path).read_text()).get("added_tokens", [])
-    return next((int(t["id"]) for t in added if t.get("content") == "<|endoftext|>"), 0)
 
 
 def _example(s: Sample) -> dict:

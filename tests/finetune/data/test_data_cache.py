@@ -12,7 +12,7 @@ from finetune.data import cache
 from finetune.data.formats import DataError
 from finetune.data.prepare import main, prepare
 from finetune.data.template import IGNORE
-from tests.finetune.data.conftest import TOKENIZER, alpaca, recipe_for, write_json, write_jsonl
+from tests.finetune.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_json, write_jsonl
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from finetune.config import CleanConfig
 from finetune.data.formats import Sample, alpaca_sample, sharegpt_sample
 from finetune.data.prepare import Encoder
 from finetune.data.template import IGNORE
-from tests.finetune.data.conftest import TOKENIZER
+from tests.finetune.data.data_helpers import TOKENIZER
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_template.json").read_text())
 
@@ -78,3 +78,12 @@ def test_system_prompt_default_and_per_sample():
     b, _ = one(enc, _sample([("user", "q"), ("assistant", "a")], system="Be brief."))
     assert "You are a helpful assistant." in enc.tok.decode(a.tolist())
     assert "Be brief." in enc.tok.decode(b.tolist()) and not np.array_equal(a, b)
+
+
+def test_truncation_cuts_the_system_prompt_after_the_user_content():
+    enc = encoder(seq_len=40)
+    s = _sample([("user", "hello there"), ("assistant", "ans one two")], system=" ".join(["sys"] * 30))
+    ids, lab = one(enc, s)
+    text = enc.tok.decode(ids.tolist(), skip_special_tokens=False)
+    assert len(ids) == 40 and "hello there" not in text
+    assert text.startswith("<|im_start|>system\n sys") and text.endswith("assistant\nans one two<|im_end|>\n")

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from finetune.config import REPO_ROOT, load_recipe
 
 TOKENIZER = REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json"
@@ -31,8 +29,3 @@ def recipe_for(tmp_path: Path, paths, **data):
             "output_dir": str(tmp_path / "out")}
     over.update({f"data.{k}": v for k, v in data.items()})
     return load_recipe(raw={"model": {"init": {}}}, overrides=over)
-
-
-@pytest.fixture
-def tokenizer_path() -> Path:
-    return TOKENIZER

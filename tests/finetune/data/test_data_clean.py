@@ -17,6 +17,8 @@ CASES = [  # rule, switch, must drop, must keep
     ("repeat_prompt", "repeat_prompt", s("What is  AI?", "what is ai?"), s("What is AI?", "AI is a field of CS.")),
     ("repeated_chars", "repeated_chars", s("Wow", "Great!!!!!!!!!!!!!!"), s("Wow", "Great!!! Really great.")),
     ("repeated_chars", "repeated_chars", s("哈" * 30, "ok"), s("Code?", "x = 1\n\n        y = 2")),
+    ("repeated_chars", "repeated_chars", s("Table", "a\n。。。。。。。。。。。。"),
+     s("Table", "| a | b |\n|------------|:----------:|\n| 1 | 2 |\n==============")),
     ("mojibake", "mojibake", s("Hi", "\ufffd\ufffd\x07\ufffd ok"), s("Hi", "Hello \ufffd world, all fine here.")),
     ("invalid_utf8", "invalid_utf8", s("Hi", "caf\ufffd", bad=True), s("Hi", "café")),
 ]

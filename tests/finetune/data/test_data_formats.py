@@ -7,7 +7,7 @@ import pytest
 
 from finetune.config import DataConfig
 from finetune.data.formats import DataError, check_data, iter_samples, resolve_sources
-from tests.finetune.data.conftest import alpaca, write_json, write_jsonl
+from tests.finetune.data.data_helpers import alpaca, write_json, write_jsonl
 
 
 def _parquet(path, columns: dict):

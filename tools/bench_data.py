@@ -1,0 +1,76 @@
+"""prepare-data speed against the raw tokenizer, on the bundled data repeated to >= 100k samples.
+
+    make bench-data            # or: python tools/bench_data.py [--samples N] [--workers W]
+
+Writes the samples (each copy made unique, so dedup keeps them) to a temp JSONL file, runs
+prepare() end to end (read, clean, template, tokenize in worker processes, labels, cache write,
+report) and the raw ``Tokenizer.encode_batch`` (all cores) on the same templated texts (half just
+before, half just after, so a busy shared machine affects both alike), and prints both rates and
+their ratio (goal >= 0.8).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from finetune.config import ASSETS_DIR, load_recipe  # noqa: E402
+from finetune.data.formats import iter_samples  # noqa: E402
+from finetune.data.prepare import load_tokenizer, prepare  # noqa: E402
+from finetune.data.template import render  # noqa: E402
+
+
+def _raw(tok, texts: list[str]) -> tuple[float, int]:
+    """Seconds and tokens of the raw batch encode (all cores) of texts."""
+    t0 = time.perf_counter()
+    encs = tok.encode_batch(texts, add_special_tokens=False)
+    return time.perf_counter() - t0, sum(len(e.ids) for e in encs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_data")
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--workers", type=int, default=0, help="data.num_workers (0: all cores)")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    args = ap.parse_args(argv)
+    base = [r for f in sorted((ASSETS_DIR / "data").glob("*.json")) for r in json.loads(f.read_text())]
+    tok_path = ASSETS_DIR / "tokenizer" / "tokenizer.json"
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+        data = Path(tmp) / "bench.jsonl"
+        with open(data, "w") as f:
+            for i in range(args.samples):
+                r = dict(base[i % len(base)])
+                r["instruction"] = f"{r['instruction']} (#{i // len(base)})"
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        recipe = load_recipe(raw={"model": {"init": {}}}, overrides={
+            "data.paths": [str(data)], "data.num_workers": str(args.workers),
+            "data.seq_len": str(args.seq_len), "output_dir": str(Path(tmp) / "out")})
+        texts = [render(s, recipe.data.system_prompt) for s in iter_samples(data)]
+        tok = load_tokenizer(str(tok_path), tok_path.stat().st_mtime)
+        load = os.getloadavg()[0]
+        t_raw, raw_tokens = _raw(tok, texts[: len(texts) // 2])  # half before, half after: shared
+        t0 = time.perf_counter()                                  # machines drift
+        info = prepare(recipe, tok_path, progress=True)
+        t_prep = time.perf_counter() - t0
+        t2, n2 = _raw(tok, texts[len(texts) // 2:])
+        t_raw, raw_tokens = t_raw + t2, raw_tokens + n2
+        n_read = info.report["samples_read"]
+    prep_sps, raw_sps = n_read / t_prep, len(texts) / t_raw
+    print(f"samples: {n_read:,} ({info.num_samples:,} kept, {info.num_tokens:,} tokens cached)")
+    print(f"prepare-data end to end: {t_prep:7.2f} s  {prep_sps:10,.0f} samples/s  "
+          f"{info.report['tokens_per_s'] * info.report['elapsed_s'] / t_prep:12,.0f} tokens/s")
+    print(f"raw encode_batch:        {t_raw:7.2f} s  {raw_sps:10,.0f} samples/s  {raw_tokens / t_raw:12,.0f} tokens/s")
+    print(f"ratio (samples/s): {prep_sps / raw_sps:.2f}  (goal >= 0.8); {os.cpu_count()} cores, "
+          f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
