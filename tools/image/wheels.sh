@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Download every wheel the image needs (project deps + build backend) once into $WHEEL_DIR, so the
+# image build installs offline from there (PIP_NO_INDEX=1) and the ~800 MB mindspore wheel is fetched
+# at most once per CI run (pip's own HTTP cache, when the venv install filled it, makes it free).
+#   tools/image/wheels.sh [PYTHON]        # env: WHEEL_DIR (default build/wheels)
+set -Eeuo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+PY="${1:-python3}"
+WHEEL_DIR="${WHEEL_DIR:-build/wheels}"
+mkdir -p "$WHEEL_DIR"
+mapfile -t reqs < <("$PY" tools/image/deps.py pyproject.toml)
+printf '[wheels %s] pip download -> %s: %s\n' "$(date +%H:%M:%S)" "$WHEEL_DIR" "${reqs[*]}"
+"$PY" -m pip download --quiet --only-binary=:all: --dest "$WHEEL_DIR" \
+    "${reqs[@]}" "setuptools>=64" wheel
+printf '[wheels %s] %s files, %s\n' "$(date +%H:%M:%S)" "$(find "$WHEEL_DIR" -name '*.whl' | wc -l)" \
+    "$(du -sh "$WHEEL_DIR" | cut -f1)"
