@@ -30,25 +30,34 @@ ENV APP_DIR=/opt/ascend-finetune \
     PIP_NO_CACHE_DIR=1 \
     OUTPUT_DIR=/output
 
-# msrun finds the local node with `ip -j addr` (iproute2); NUMA binding uses numactl.
-RUN if ! command -v ip >/dev/null 2>&1 || ! command -v numactl >/dev/null 2>&1; then \
-        apt-get update \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iproute2 numactl \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi
+# Metadata first: with vfs storage (buildah, CI) every step after the big layers copies them again.
+WORKDIR ${APP_DIR}
+ENTRYPOINT ["/opt/ascend-finetune/entrypoint.sh"]
+CMD ["train"]
 
-# The venv sees the base image's site-packages: CANN's Python parts (te, hccl, their deps) live there.
-RUN python3 -m venv --system-site-packages "$VIRTUAL_ENV"
+# msrun finds the local node with `ip -j addr` (iproute2); NUMA binding uses numactl; MindSpore's
+# CPU kernels need libgomp: installed only where the base lacks them. The venv sees the base
+# image's site-packages, where CANN's Python parts (te, hccl and their deps) live.
+RUN missing=""; \
+    command -v ip >/dev/null 2>&1 || missing="$missing iproute2"; \
+    command -v numactl >/dev/null 2>&1 || missing="$missing numactl"; \
+    ldconfig -p | grep -q 'libgomp\.so\.1' || missing="$missing libgomp1"; \
+    if [ -n "$missing" ]; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    python3 -m venv --system-site-packages "$VIRTUAL_ENV" \
+    && mkdir -p /output
 
 # Pinned dependencies first: this layer (the ~800 MB mindspore wheel) is rebuilt only when
 # pyproject.toml changes.
-COPY pyproject.toml ${APP_DIR}/pyproject.toml
-COPY tools/image/deps.py ${APP_DIR}/tools/image/deps.py
+COPY pyproject.toml tools/image/deps.py /tmp/deps/
 RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_FIND_LINKS; \
     [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
-    python "$APP_DIR/tools/image/deps.py" "$APP_DIR/pyproject.toml" > /tmp/requirements.txt \
-    && python -m pip install --quiet -r /tmp/requirements.txt \
-    && rm /tmp/requirements.txt
+    python /tmp/deps/deps.py /tmp/deps/pyproject.toml > /tmp/deps/requirements.txt \
+    && python -m pip install --quiet -r /tmp/deps/requirements.txt \
+    && rm -rf /tmp/deps
 
 # The project itself, editable so that recipes/ and assets/ resolve next to the code.
 COPY . ${APP_DIR}
@@ -56,9 +65,4 @@ RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_
     [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
     python -m pip install --quiet --no-deps -e "$APP_DIR" \
     && chmod 0755 "$APP_DIR/entrypoint.sh" \
-    && mkdir -p /output \
     && python -c "import mindspore, finetune.config, launcher; print('mindspore', mindspore.__version__)"
-
-WORKDIR ${APP_DIR}
-ENTRYPOINT ["/opt/ascend-finetune/entrypoint.sh"]
-CMD ["train"]

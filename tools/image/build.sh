@@ -36,7 +36,7 @@ case "$ENGINE" in
                    --build-arg PIP_FIND_LINKS=/run/wheels --build-arg PIP_NO_INDEX=1)
         fi
         log "buildah bud $IMAGE ${BASE_IMAGE:+(BASE_IMAGE=$BASE_IMAGE)}"
-        exec buildah --storage-driver vfs bud --isolation chroot --layers "${args[@]}" .
+        exec buildah --storage-driver vfs bud --isolation chroot --layers --force-rm "${args[@]}" .
         ;;
     *)
         log "ENGINE=$ENGINE: use auto, docker or buildah"

@@ -8,7 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 PY="${1:-python3}"
 IMAGE=localhost/ascend-finetune:image-test
-export BASE_TAG="${BASE_TAG:-localhost/ascend-finetune-base:bookworm-py311}"
 export CACHE_DIR="${CACHE_DIR:-/var/tmp/ascend-finetune-image}"
 OUT="$PWD/build/image-test"
 TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-1800}"
@@ -29,6 +28,7 @@ if (( ${#missing[@]} )); then
         || fail "apt-get install ${missing[*]} failed"
 fi
 
+BASE_TAG="$(tools/image/base.sh --tag)"
 log "1/5 base image $BASE_TAG (debootstrap cache: $CACHE_DIR)"
 tools/image/base.sh
 log "2/5 wheels (downloaded once into build/wheels)"

@@ -9,8 +9,14 @@ PY="${1:-python3}"
 WHEEL_DIR="${WHEEL_DIR:-build/wheels}"
 mkdir -p "$WHEEL_DIR"
 mapfile -t reqs < <("$PY" tools/image/deps.py pyproject.toml)
+stamp="$WHEEL_DIR/.requirements"  # what the directory was filled for: skip pip when unchanged
+if [[ -f "$stamp" && "$(cat "$stamp")" == "${reqs[*]}" ]]; then
+    printf '[wheels %s] %s is up to date\n' "$(date +%H:%M:%S)" "$WHEEL_DIR"
+    exit 0
+fi
 printf '[wheels %s] pip download -> %s: %s\n' "$(date +%H:%M:%S)" "$WHEEL_DIR" "${reqs[*]}"
 "$PY" -m pip download --quiet --only-binary=:all: --dest "$WHEEL_DIR" \
     "${reqs[@]}" "setuptools>=64" wheel
+printf '%s' "${reqs[*]}" > "$stamp"
 printf '[wheels %s] %s files, %s\n' "$(date +%H:%M:%S)" "$(find "$WHEEL_DIR" -name '*.whl' | wc -l)" \
     "$(du -sh "$WHEEL_DIR" | cut -f1)"
