@@ -15,8 +15,12 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "${reqs[*]}" ]]; then
     exit 0
 fi
 printf '[wheels %s] pip download -> %s: %s\n' "$(date +%H:%M:%S)" "$WHEEL_DIR" "${reqs[*]}"
-"$PY" -m pip download --quiet --only-binary=:all: --dest "$WHEEL_DIR" \
-    "${reqs[@]}" "setuptools>=64" wheel
+# Wheels for the image's Python (3.11, glibc 2.36 in bookworm), whatever Python runs this script.
+arch="$(uname -m)"
+platforms=(--platform "manylinux1_$arch" --platform "manylinux2010_$arch" --platform "manylinux2014_$arch")
+for minor in $(seq 5 36); do platforms+=(--platform "manylinux_2_${minor}_$arch"); done
+"$PY" -m pip download --quiet --only-binary=:all: --python-version 3.11 "${platforms[@]}" \
+    --dest "$WHEEL_DIR" "${reqs[@]}" "setuptools>=64" wheel
 printf '%s' "${reqs[*]}" > "$stamp"
 printf '[wheels %s] %s files, %s\n' "$(date +%H:%M:%S)" "$(find "$WHEEL_DIR" -name '*.whl' | wc -l)" \
     "$(du -sh "$WHEEL_DIR" | cut -f1)"
