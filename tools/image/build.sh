@@ -2,7 +2,9 @@
 # Build the image from the Dockerfile with docker when an engine answers, else with buildah
 # (chroot isolation, vfs storage: what works in unprivileged CI containers).
 #   tools/image/build.sh      # env: IMAGE, BASE_IMAGE, ENGINE (auto|docker|buildah),
-#                             #      PIP_CA (host CA bundle mounted for pip), WHEEL_DIR (offline wheels)
+#                             #      PIP_CA (host CA bundle mounted for pip), WHEEL_DIR (offline wheels),
+#                             #      LAYERS (buildah: true keeps a cached layer per step; with vfs storage
+#                             #      each is a full copy, so one-shot CI builds use LAYERS=false)
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -11,6 +13,7 @@ BASE_IMAGE="${BASE_IMAGE:-}"
 ENGINE="${ENGINE:-auto}"
 PIP_CA="${PIP_CA:-}"
 WHEEL_DIR="${WHEEL_DIR:-}"
+LAYERS="${LAYERS:-true}"
 
 log() { printf '[image %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -36,7 +39,7 @@ case "$ENGINE" in
                    --build-arg PIP_FIND_LINKS=/run/wheels --build-arg PIP_NO_INDEX=1)
         fi
         log "buildah bud $IMAGE ${BASE_IMAGE:+(BASE_IMAGE=$BASE_IMAGE)}"
-        exec buildah --storage-driver vfs bud --isolation chroot --layers --force-rm "${args[@]}" .
+        exec buildah --storage-driver vfs bud --isolation chroot --layers="$LAYERS" --force-rm "${args[@]}" .
         ;;
     *)
         log "ENGINE=$ENGINE: use auto, docker or buildah"

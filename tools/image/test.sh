@@ -34,7 +34,7 @@ tools/image/base.sh
 log "2/5 wheels (downloaded once into build/wheels)"
 WHEEL_DIR=build/wheels tools/image/wheels.sh "$PY"
 log "3/5 buildah bud $IMAGE"
-IMAGE="$IMAGE" BASE_IMAGE="$BASE_TAG" ENGINE=buildah PIP_CA=/etc/ssl/certs/ca-certificates.crt \
+IMAGE="$IMAGE" BASE_IMAGE="$BASE_TAG" ENGINE=buildah LAYERS="${LAYERS:-false}" PIP_CA=/etc/ssl/certs/ca-certificates.crt \
     WHEEL_DIR=build/wheels tools/image/build.sh
 
 ctr=$("${BUILDAH[@]}" from --pull-never "$IMAGE")
