@@ -3,7 +3,7 @@
     python tools/image/check_train.py OUTPUT_DIR [LOG ...]
 
 The loss values come from JSON-lines metric files under OUTPUT_DIR (records with a "loss" field)
-or, when there are none, from `loss=<x>` / `loss: <x>` in the given logs, in order.
+or, when there are none, from `loss <x>` / `loss=<x>` / `loss: <x>` in the given logs, in order.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-LOSS_RE = re.compile(r"\bloss[\"']?\s*[=:]\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)")
+LOSS_RE = re.compile(r"\bloss[\"']?\s*[=:]?\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)")
 
 
 def losses(out: Path, logs: list[Path]) -> list[float]:
@@ -45,7 +45,7 @@ def check(out: Path, logs: list[Path]) -> list[str]:
         problems.append(f"found {len(vals)} loss value(s) in {out} metrics or the logs; need 2 or more")
     elif not vals[-1] < vals[0]:
         problems.append(f"loss did not fall: first {vals[0]:.4f}, last {vals[-1]:.4f}")
-    else:
+    if not problems:
         print(f"check_train: export ok, loss {vals[0]:.4f} -> {vals[-1]:.4f} over {len(vals)} records")
     return problems
 
