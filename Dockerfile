@@ -4,13 +4,16 @@
 #   make image                                     # docker if an engine answers, else buildah
 #   docker run --rm IMAGE plan                     # see docs/docker.md for the NPU flags
 #
-# BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 wheels are cp39-cp311).
+# BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 ships cp39-cp311 wheels).
 # CANN pairing: MindSpore pins each release to one CANN release (mindspore.cn/install, "version
 # matching"; Ascend's ascend-deployer version_match.json lists e.g. MindSpore_2.7.2 -> CANN_8.5.0).
-# The docs searched here held no row for 2.10; CANN 9.1.0 (HDK 26.0.RC1 / 25.2+, release notes at
-# gitcode.com/cann/release-management 9.1.0) is the release current with MindSpore 2.10 — check the
-# mindspore.cn/install table for your cluster and pass --build-arg BASE_IMAGE=... to change it.
-# `make image-test` builds this file on a local Debian bookworm + Python 3.11 base instead.
+# The docs searched for this file held no MindSpore 2.10 row; CANN 9.1.0 (release notes:
+# gitcode.com/cann/release-management 9.1.0, HDK 25.2+/26.0.RC1) is the CANN release of the
+# MindSpore 2.10 period. Confirm against the mindspore.cn/install table for your cluster and pass
+# --build-arg BASE_IMAGE=... to change it. Tag scheme <cann>-910b-<os>-py<ver> as published on
+# Docker Hub (ascendai/cann) and quay.io (quay.io/ascend/cann:9.0.0-910b-ubuntu22.04-py3.12 in the
+# vllm-ascend install docs). `make image-test` builds this file on a local Debian bookworm +
+# Python 3.11 base instead.
 ARG BASE_IMAGE=ascendai/cann:9.1.0-910b-ubuntu22.04-py3.11
 FROM ${BASE_IMAGE}
 
