@@ -42,3 +42,20 @@ bench-data: $(STAMP)
 
 clean:
 	rm -rf output build .pytest_cache
+
+## Container image (docs/docker.md). `make image` uses docker when an engine answers, else buildah.
+IMAGE ?= ascend-finetune:latest
+BASE_IMAGE ?=
+PIP_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+.PHONY: base-image
+
+image:
+	IMAGE="$(IMAGE)" BASE_IMAGE="$(BASE_IMAGE)" PIP_CA="$(PIP_CA)" tools/image/build.sh
+
+## Local Debian bookworm + Python 3.11 base (debootstrap, cached under /var/tmp) in buildah storage.
+base-image:
+	tools/image/base.sh
+
+## Build on the local base with buildah and run the entrypoint inside: bash, plan, training end to end.
+image-test: $(STAMP)
+	tools/image/test.sh "$(CURDIR)/$(PY)"

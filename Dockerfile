@@ -1,0 +1,71 @@
+# ascend-finetune: full-parameter Qwen2.5 fine-tune on Atlas 800T A2 (8 x Ascend 910B),
+# MindSpore 2.10 PyNative, launched with msrun. With no NPU it runs the embedded tiny CPU default.
+#
+#   make image                                     # docker if an engine answers, else buildah
+#   docker run --rm IMAGE plan                     # see docs/docker.md for the NPU flags
+#
+# BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 ships cp39-cp311 wheels).
+# CANN pairing: MindSpore pins each release to one CANN release (mindspore.cn/install, "version
+# matching"; Ascend's ascend-deployer version_match.json lists e.g. MindSpore_2.7.2 -> CANN_8.5.0).
+# The docs searched for this file held no MindSpore 2.10 row; CANN 9.1.0 (release notes:
+# gitcode.com/cann/release-management 9.1.0, HDK 25.2+/26.0.RC1) is the CANN release of the
+# MindSpore 2.10 period. Confirm against the mindspore.cn/install table for your cluster and pass
+# --build-arg BASE_IMAGE=... to change it. Tag scheme <cann>-910b-<os>-py<ver> as published on
+# Docker Hub (ascendai/cann) and quay.io (quay.io/ascend/cann:9.0.0-910b-ubuntu22.04-py3.12 in the
+# vllm-ascend install docs). `make image-test` builds this file on a local Debian bookworm +
+# Python 3.11 base instead.
+ARG BASE_IMAGE=ascendai/cann:9.1.0-910b-ubuntu22.04-py3.11
+FROM ${BASE_IMAGE}
+
+# Build-time only, never stored in a layer: PIP_CERT is the path of a CA bundle the builder mounts
+# for the RUN steps (buildah bud --volume /etc/ssl/certs/ca-certificates.crt:/run/pip-ca.crt:ro
+# --build-arg PIP_CERT=/run/pip-ca.crt); PIP_FIND_LINKS / PIP_NO_INDEX point pip at a mounted
+# wheel directory (tools/image/wheels.sh) to install offline. Empty values are unset before pip runs.
+ARG PIP_CERT=""
+ARG PIP_FIND_LINKS=""
+ARG PIP_NO_INDEX=""
+
+ENV APP_DIR=/opt/ascend-finetune \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    OUTPUT_DIR=/output
+
+# Metadata first: with vfs storage (buildah, CI) every step after the big layers copies them again.
+WORKDIR ${APP_DIR}
+ENTRYPOINT ["/opt/ascend-finetune/entrypoint.sh"]
+CMD ["train"]
+
+# msrun finds the local node with `ip -j addr` (iproute2); NUMA binding uses numactl; MindSpore's
+# CPU kernels need libgomp: installed only where the base lacks them. The venv sees the base
+# image's site-packages, where CANN's Python parts (te, hccl and their deps) live.
+RUN missing=""; \
+    command -v ip >/dev/null 2>&1 || missing="$missing iproute2"; \
+    command -v numactl >/dev/null 2>&1 || missing="$missing numactl"; \
+    ldconfig -p | grep -q 'libgomp\.so\.1' || missing="$missing libgomp1"; \
+    if [ -n "$missing" ]; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    python3 -m venv --system-site-packages "$VIRTUAL_ENV" \
+    && mkdir -p /output
+
+# Pinned dependencies first: this layer (the ~800 MB mindspore wheel) is rebuilt only when
+# pyproject.toml changes.
+COPY pyproject.toml tools/image/deps.py /tmp/deps/
+RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_FIND_LINKS; \
+    [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
+    python /tmp/deps/deps.py /tmp/deps/pyproject.toml > /tmp/deps/requirements.txt \
+    && python -m pip install --quiet -r /tmp/deps/requirements.txt \
+    && rm -rf /tmp/deps
+
+# The project itself, editable so that recipes/ and assets/ resolve next to the code.
+COPY . ${APP_DIR}
+RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_FIND_LINKS; \
+    [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
+    python -m pip install --quiet --no-deps -e "$APP_DIR" \
+    && chmod 0755 "$APP_DIR/entrypoint.sh" \
+    && python -c "import mindspore, finetune.config, launcher; print('mindspore', mindspore.__version__)"

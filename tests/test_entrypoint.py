@@ -1,0 +1,144 @@
+"""entrypoint.sh under bash with a stub `python` on PATH that records its argv and environment."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRY = REPO / "entrypoint.sh"
+
+STUB = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$STUB_DIR/argv"
+env -0 > "$STUB_DIR/env"
+exit "${STUB_RC:-0}"
+"""
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Path:
+    """A directory holding the fake `python`; its recordings land there too."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "python").write_text(STUB)
+    (d / "python").chmod(0o755)
+    return d
+
+
+def run_entry(stub: Path, *args: str, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.CompletedProcess:
+    base = {"PATH": f"{stub}:/usr/bin:/bin", "STUB_DIR": str(stub), "HOME": str(stub),
+            "ASCEND_BASE": str(stub / "no-ascend")}
+    return subprocess.run(["bash", str(ENTRY), *args], env={**base, **(env or {})}, cwd=cwd,
+                          capture_output=True, text=True, timeout=30)
+
+
+def argv(stub: Path) -> list[str]:
+    return (stub / "argv").read_text().split("\0")[:-1]
+
+
+def child_env(stub: Path) -> dict[str, str]:
+    pairs = [e.split("=", 1) for e in (stub / "env").read_text().split("\0") if "=" in e]
+    return dict(pairs)
+
+
+def test_default_command_is_train(stub: Path) -> None:
+    r = run_entry(stub)
+    assert r.returncode == 0, r.stderr
+    assert argv(stub) == ["-m", "launcher", "train"]
+    assert child_env(stub)["PYTHONPATH"].split(":")[0] == str(REPO)
+
+
+@pytest.mark.parametrize("cmd", ["plan", "preflight", "prepare-data", "generate", "render", "train"])
+def test_launcher_commands_pass_args_unchanged(stub: Path, cmd: str) -> None:
+    args = ["--recipe", "tiny-cpu", "train.lr=1e-5", "a b", "x=$(id)", ""]
+    r = run_entry(stub, cmd, *args)
+    assert r.returncode == 0, r.stderr
+    assert argv(stub) == ["-m", "launcher", cmd, *args]
+
+
+def test_overrides_without_command_mean_train(stub: Path) -> None:
+    r = run_entry(stub, "train.max_steps=2", "--recipe", "tiny-cpu")
+    assert r.returncode == 0, r.stderr
+    assert argv(stub) == ["-m", "launcher", "train", "train.max_steps=2", "--recipe", "tiny-cpu"]
+
+
+def test_exit_code_is_the_launchers(stub: Path) -> None:
+    assert run_entry(stub, "plan", env={"STUB_RC": "7"}).returncode == 7
+
+
+def test_shell_metacharacters_never_executed(stub: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = f"$(touch {marker}); touch {marker} `touch {marker}` | touch {marker}"
+    env = {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": evil, "DATA": evil, "OVERRIDES": evil,
+           "OUTPUT_DIR": evil, "NNODES": "1", "MASTER_ADDR": evil}
+    r = run_entry(stub, "train", evil, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert argv(stub) == ["-m", "launcher", "train", evil]
+    assert child_env(stub)["MODEL_DIR"] == evil and child_env(stub)["OVERRIDES"] == evil
+    # a bad NNODES with metacharacters is reported, not run
+    r = run_entry(stub, "plan", env={"NNODES": f"$(touch {marker})"}, cwd=tmp_path)
+    assert r.returncode == 2 and "-e NNODES=" in r.stderr
+    assert not marker.exists()
+
+
+def test_missing_model_and_data_for_npu_recipe(stub: Path) -> None:
+    r = run_entry(stub, "train", env={"RECIPE": "qwen2.5-7b-full"})
+    assert r.returncode == 2
+    assert "-e MODEL_DIR=" in r.stderr and "-e DATA=" in r.stderr
+    assert not (stub / "argv").exists()
+
+
+def test_model_dir_may_come_from_an_override(stub: Path) -> None:
+    r = run_entry(stub, "plan", "model.dir=/m", env={"RECIPE": "qwen2.5-7b-full",
+                                                     "OVERRIDES": "data.paths=/d train.lr=1e-5"})
+    assert r.returncode == 0, r.stderr
+
+
+def test_multi_node_needs_master_addr(stub: Path) -> None:
+    r = run_entry(stub, "plan", env={"NNODES": "2"})
+    assert r.returncode == 2 and "-e MASTER_ADDR=" in r.stderr
+    r = run_entry(stub, "plan", env={"NNODES": "2", "MASTER_ADDR": "10.0.0.1"})
+    assert r.returncode == 2 and "-e NODE_RANK=" in r.stderr
+    r = run_entry(stub, "plan", env={"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"})
+    assert r.returncode == 0, r.stderr
+    # Volcano injects VC_TASK_INDEX; the launcher finds the master from VC_<TASK>_HOSTS
+    r = run_entry(stub, "train", env={"NNODES": "2", "VC_TASK_INDEX": "0"})
+    assert r.returncode == 0, r.stderr
+
+
+def test_bash_and_other_programs_run(stub: Path) -> None:
+    r = run_entry(stub, "bash", "-c", "echo hi")
+    assert r.returncode == 0 and r.stdout == "hi\n"
+    r = run_entry(stub, "echo", "a;b", "$(x)")
+    assert r.stdout == "a;b $(x)\n"
+    r = run_entry(stub, "no-such-program")
+    assert r.returncode == 2 and "unknown command" in r.stderr
+
+
+def test_cann_env_sourced_even_with_unset_vars(stub: Path) -> None:
+    toolkit = stub / "no-ascend" / "ascend-toolkit"
+    toolkit.mkdir(parents=True)
+    (toolkit / "set_env.sh").write_text(
+        'export ASCEND_TOOLKIT_HOME="$ASCEND_BASE/ascend-toolkit"\n'
+        'export LD_LIBRARY_PATH="/cann/lib:${LD_LIBRARY_PATH}"\n'  # unset under `set -u`
+        '[ -n "$NOT_SET_ANYWHERE" ] && echo never\n')  # a failing last line under `set -e`
+    r = run_entry(stub, "plan")
+    assert r.returncode == 0, r.stderr
+    env = child_env(stub)
+    assert env["ASCEND_TOOLKIT_HOME"] == str(toolkit)
+    assert env["LD_LIBRARY_PATH"] == "/cann/lib:"
+
+
+def test_shellcheck_clean() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed")
+    r = subprocess.run(["shellcheck", "-S", "warning", str(ENTRY)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "", r.stdout
+
+
+def test_entrypoint_is_executable() -> None:
+    assert os.access(ENTRY, os.X_OK)
