@@ -2,7 +2,7 @@
 # MindSpore 2.10 PyNative, launched with msrun. With no NPU it runs the embedded tiny CPU default.
 #
 #   make image                                     # docker if an engine answers, else buildah
-#   docker run --rm IMAGE plan                     # see docs/docker.md for the NPU flags
+#   docker run --rm IMAGE plan                     # see README "Container image" for the NPU flags
 #
 # BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 ships cp39-cp311 wheels).
 # CANN pairing: MindSpore pins each release to one CANN release (mindspore.cn/install, "version

@@ -43,7 +43,7 @@ bench-data: $(STAMP)
 clean:
 	rm -rf output build .pytest_cache
 
-## Container image (docs/docker.md). `make image` uses docker when an engine answers, else buildah.
+## Container image (README: Container image). `make image` uses docker when an engine answers, else buildah.
 IMAGE ?= ascend-finetune:latest
 BASE_IMAGE ?=
 PIP_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
