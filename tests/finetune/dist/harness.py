@@ -1,0 +1,74 @@
+"""Run real msrun jobs from tests: free port, venv bin first on PATH, logs shown on failure."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"  # msrun starts workers with bare `python`
+    env["PYTHONPATH"] = str(REPO)
+    env.setdefault("GLOG_v", "3")  # MindSpore: errors only
+    return env
+
+
+def _log_tail(log_dir: Path, n: int = 3000) -> str:
+    out = []
+    for f in sorted(log_dir.glob("*.log")):
+        lines = [ln for ln in f.read_text(errors="replace").splitlines() if "[WARNING]" not in ln]
+        out.append(f"--- {f.name}\n" + "\n".join(lines)[-n:])
+    return "\n".join(out)
+
+
+def msrun(script: Path, args: list[str], workers: int, cwd: Path, nodes: int = 1, timeout: int = 300) -> None:
+    """Run ``script args`` in ``workers`` msrun workers (``nodes`` msrun invocations on this machine).
+
+    Raises AssertionError with the workers' log tails when the job fails or times out.
+    """
+    port = free_port()
+    local = workers // nodes
+    procs, logs = [], []
+    for node in range(nodes):
+        log_dir = cwd / f"msrun-logs-{node}"
+        logs.append(log_dir)
+        cmd = [str(VENV_BIN / "msrun"), "--worker_num", str(workers), "--local_worker_num", str(local),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), "--node_rank", str(node),
+               "--join", "True", "--log_dir", str(log_dir), str(script), *args]
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    failed = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:  # msrun and its workers share the session we started
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            failed.append("timeout")
+            continue
+        if p.returncode != 0:
+            failed.append(f"rc={p.returncode}: {out[-1500:]}")
+    if failed:
+        raise AssertionError("msrun failed: " + " | ".join(failed) + "\n" + "\n".join(_log_tail(d) for d in logs))
+
+
+def python(script: Path, args: list[str], cwd: Path, timeout: int = 300) -> None:
+    """Run ``script args`` as one plain process (the one-process reference)."""
+    p = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{script.name} failed rc={p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
