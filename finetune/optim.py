@@ -1,0 +1,125 @@
+"""AdamW with fp32 master weights, the learning-rate schedule and dynamic loss scaling.
+
+The optimizer owns everything between "gradients of the scaled loss" and "updated parameters":
+reduce over data-parallel ranks, unscale, global-norm clip, skip on overflow, update, write back.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from finetune.config import LossScaleConfig, TrainConfig
+from finetune.dist import RankInfo
+from finetune.parallel.grads import global_grad_norm, reduce_grads
+
+
+def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine or constant."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LossScaler:
+    """Dynamic loss scale for fp16: x growth after `growth_interval` good steps, x backoff and skip on overflow."""
+
+    def __init__(self, cfg: LossScaleConfig, enabled: bool):
+        self.cfg, self.enabled = cfg, enabled
+        self.scale = cfg.initial if enabled else 1.0
+        self.good_steps = 0
+
+    def update(self, ok: bool) -> None:
+        if not self.enabled:
+            return
+        if not ok:
+            self.scale = max(1.0, self.scale * self.cfg.backoff_factor)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.cfg.growth_interval:
+            self.scale *= self.cfg.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.scale, self.good_steps = float(d["scale"]), int(d["good_steps"])
+
+
+class AdamW:
+    """torch.optim.AdamW semantics (decoupled weight decay), gradients clipped by global norm.
+
+    Parameters that are not fp32 (bf16 on Ascend) get an fp32 master copy; fp32 parameters are
+    their own master. Norm and bias parameters (1-D) get no weight decay.
+    """
+
+    def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo):
+        self.params, self.cfg, self.rank = list(params), cfg, rank
+        self.master = [p if p.dtype == ms.float32 else ms.Parameter(p.astype(ms.float32), name="master." + p.name)
+                       for p in self.params]
+        self.m = [ops.zeros(p.shape, ms.float32) for p in self.params]
+        self.v = [ops.zeros(p.shape, ms.float32) for p in self.params]
+        self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
+        self.t = 0
+
+    def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
+        """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied)."""
+        grads = reduce_grads(grads, self.rank)
+        grads = [g.astype(ms.float32) for g in grads]
+        if grad_scale != 1.0:
+            grads = [g / grad_scale for g in grads]
+        norm = float(global_grad_norm(grads, self.params, self.rank).asnumpy())
+        if not math.isfinite(norm):
+            return norm, False
+        clip = self.cfg.clip_grad
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+            grads = [g * coef for g in grads]
+        self.t += 1
+        b1, b2 = self.cfg.betas
+        bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        step_size = lr / bc1
+        for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
+            self.m[i] = self.m[i] * b1 + g * (1.0 - b1)
+            self.v[i] = self.v[i] * b2 + ops.square(g) * (1.0 - b2)
+            denom = ops.sqrt(self.v[i] / bc2) + self.cfg.eps
+            new = w * (1.0 - lr * self.decay[i]) - step_size * self.m[i] / denom
+            w.set_data(new)
+            if w is not p:
+                p.set_data(new.astype(p.dtype))
+        return norm, True
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Moments (and masters when separate), keyed by parameter name."""
+        out: dict[str, np.ndarray] = {"t": np.array(self.t, dtype=np.int64)}
+        for p, w, m, v in zip(self.params, self.master, self.m, self.v):
+            out[f"m.{p.name}"] = m.asnumpy()
+            out[f"v.{p.name}"] = v.asnumpy()
+            if w is not p:
+                out[f"master.{p.name}"] = w.asnumpy()
+        return out
+
+    def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
+        self.t = int(d["t"])
+        for i, p in enumerate(self.params):
+            self.m[i] = ms.Tensor(d[f"m.{p.name}"], ms.float32)
+            self.v[i] = ms.Tensor(d[f"v.{p.name}"], ms.float32)
+            if self.master[i] is not p:
+                self.master[i].set_data(ms.Tensor(d[f"master.{p.name}"], ms.float32))
+
+
+def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool):
+    """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
+    if shard and rank.dp > 1:
+        from finetune.parallel.zero import ShardedAdamW
+
+        return ShardedAdamW(params, cfg, rank)
+    return AdamW(params, cfg, rank)
