@@ -101,7 +101,8 @@ def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU", pp: i
     import mindspore as ms
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
-    ms.set_device(device_target, local_rank) if device_target == "Ascend" else ms.set_device(device_target)
+    if device_target == "Ascend":  # one NPU per local worker; the trainer has set the device target
+        ms.set_context(device_id=local_rank)
     init()
     rank, world = get_rank(), get_group_size()
     if world != world_env:

@@ -4,9 +4,11 @@ The trainer scales each micro-batch's summed token loss by ``1 / global_label_to
 tokens of the whole global batch, equal on every rank). The one-process gradient is then the SUM of
 every DP rank's gradient, so the DP reduction here is a sum, not an average.
 
-A parameter is *TP-partitioned* when its ``tp_axis`` attribute is an int (set by the parallel layers):
-each TP rank holds a different slice and its squared gradient counts once per rank. Parameters
-without it are replicated over TP with identical gradients on every TP rank (counted once).
+A parameter is *TP-partitioned* when its ``tp_axis`` attribute is an int (set by the model from its
+TP layout): each TP rank holds a different slice and its squared gradient counts once per rank,
+except copies with ``tp_owner = False`` (a KV head replicated on several TP ranks when
+tp > num_key_value_heads), which are counted on their owner rank only. Parameters without
+``tp_axis`` are replicated over TP with identical gradients on every TP rank (counted once).
 """
 from __future__ import annotations
 
@@ -65,8 +67,15 @@ reduce_grads = sum_grads_over_dp  # the trainer's name for it (a SUM, see the mo
 
 
 def is_tp_partitioned(param) -> bool:
-    """True when ``param`` holds this TP rank's slice (the parallel layers set ``param.tp_axis``)."""
+    """True when ``param`` holds this TP rank's slice (the model sets ``param.tp_axis``)."""
     return isinstance(getattr(param, "tp_axis", None), int)
+
+
+def norm_weights(param) -> tuple[float, float]:
+    """(split, replicated) weights of ``param``'s squared gradient in the whole-model norm."""
+    if not is_tp_partitioned(param):
+        return 0.0, 1.0
+    return (1.0 if getattr(param, "tp_owner", True) else 0.0), 0.0
 
 
 def tp_aware_sq_norm(split_sq: ms.Tensor, replicated_sq: ms.Tensor, rank: RankInfo) -> ms.Tensor:
@@ -84,8 +93,9 @@ def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Te
     rep = ops.zeros((), ms.float32)
     for g, p in zip(grads, params):
         sq = ops.sum(ops.square(g.astype(ms.float32)))
-        if is_tp_partitioned(p):
+        ws, wr = norm_weights(p)
+        if ws:
             split = split + sq
-        else:
+        if wr:
             rep = rep + sq
     return ops.sqrt(tp_aware_sq_norm(split, rep, rank))

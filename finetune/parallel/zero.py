@@ -25,7 +25,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
-from finetune.parallel.grads import is_tp_partitioned, tp_aware_sq_norm
+from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,7 @@ class ShardedAdamW:
         self.master = [self._own_chunk(k) for k in range(len(self.buckets))]
         self.m = [ops.zeros_like(w) for w in self.master]
         self.v = [ops.zeros_like(w) for w in self.master]
-        self.decay_mask = [self._mask(k, lambda p: len(p.shape) > 1) for k in range(len(self.buckets))]
-        self.tp_mask = [self._mask(k, is_tp_partitioned) for k in range(len(self.buckets))]
+        self.segs = [self._segments(k) for k in range(len(self.buckets))]
         self.t = 0
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
@@ -81,13 +80,22 @@ class ShardedAdamW:
             parts = parts + [ops.zeros((length - have,), dtype)]
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _mask(self, k: int, pred) -> ms.Tensor:
-        out = np.zeros(self.chunk[k], np.float32)
+    def _segments(self, k: int) -> list[tuple[int, int, bool, float, float]]:
+        """Runs of this rank's chunk ``k`` with equal (decay?, split weight, replicated weight).
+
+        Ranges instead of per-element masks keep the extra memory at a few numbers per bucket.
+        """
+        out: list[tuple[int, int, bool, float, float]] = []
         pos = 0
         for i, a, b in self.mine[k]:
-            out[pos:pos + b - a] = 1.0 if pred(self.params[i]) else 0.0
+            p = self.params[i]
+            attrs = (len(p.shape) > 1, *norm_weights(p))  # no decay on 1-D params; see grads.norm_weights
+            if out and out[-1][2:] == attrs and out[-1][1] == pos:
+                out[-1] = (out[-1][0], pos + b - a, *attrs)
+            else:
+                out.append((pos, pos + b - a, *attrs))
             pos += b - a
-        return ms.Tensor(out)
+        return out
 
     def _bucket_flat(self, grads: list, k: int) -> ms.Tensor:
         lo, hi = self.buckets[k]
@@ -117,25 +125,28 @@ class ShardedAdamW:
         b1, b2 = self.cfg.betas
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
         step_size = lr / bc1
-        keep = ms.Tensor(np.float32(1.0 - lr * self.cfg.weight_decay))
-        one = ms.Tensor(np.float32(1.0))
+        keep = 1.0 - lr * self.cfg.weight_decay
         for k, g in enumerate(shards):
             self.m[k] = self.m[k] * b1 + g * (1.0 - b1)
             self.v[k] = self.v[k] * b2 + ops.square(g) * (1.0 - b2)
             denom = ops.sqrt(self.v[k] / bc2) + self.cfg.eps
-            decay = ops.where(self.decay_mask[k] > 0, keep, one)
-            self.master[k] = self.master[k] * decay - step_size * self.m[k] / denom
+            w = self.master[k]
+            parts = [w[a:b] * keep if decay else w[a:b] for a, b, decay, _, _ in self.segs[k]]
+            if sum(b - a for a, b, *_ in self.segs[k]) < self.chunk[k]:
+                parts.append(w[sum(b - a for a, b, *_ in self.segs[k]):])  # padding stays zero
+            decayed = ops.cat(parts) if len(parts) > 1 else parts[0]
+            self.master[k] = decayed - step_size * self.m[k] / denom
         self._write_back()
         return norm, True
 
     def _global_norm(self, shards: list) -> float:
         split = ops.zeros((), ms.float32)
         rep = ops.zeros((), ms.float32)
-        for g, mask in zip(shards, self.tp_mask):
-            sq = ops.square(g)
-            s = ops.sum(sq * mask)
-            split = split + s
-            rep = rep + (ops.sum(sq) - s)
+        for g, segs in zip(shards, self.segs):
+            for a, b, _, ws, wr in segs:
+                sq = ops.sum(ops.square(g[a:b]))
+                split = split + sq * ws
+                rep = rep + sq * wr
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return float(ops.sqrt(tp_aware_sq_norm(both[0], both[1], self.rank)).asnumpy())
 
