@@ -108,7 +108,7 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
     n = sum(math.prod(s) for s in local_param_shapes(model_config, tp, vocab_parallel).values())
     sharded = shard_optimizer and dp > 1
     state = shard_elements(n, dp) if sharded else n
-    master = state * 4 if (sharded or precision != "fp32") else 0  # fp32 params are their own master
+    master = state * 4 if precision != "fp32" else 0  # fp32 params are their own master
     tokens = seq_len * micro_batch_size
     h, layers, vocab = model_config["hidden_size"], model_config["num_hidden_layers"], model_config["vocab_size"]
     per_layer = _layer_activation_elems(model_config, tp) * tokens * nbytes

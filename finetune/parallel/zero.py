@@ -1,5 +1,9 @@
 """Sharded AdamW (ZeRO-1 style): each DP rank keeps fp32 master weights and Adam moments for 1/dp.
 
+As in ``optim.AdamW``, fp32 parameters are their own master: when every parameter is fp32 no
+master shard is stored (the chunk is read from the parameters, identical on all DP ranks), so the
+state is exactly the moments' 8 bytes per element / dp; bf16/fp16 parameters add a 4-byte master.
+
 Partition: the parameters (in model order) are laid end to end in one flat index space, cut into
 buckets of about 25 MB of fp32, and every bucket is split into ``dp`` equal contiguous chunks
 (the last padded with zeros). DP rank ``r`` owns chunk ``r`` of every bucket, so each rank holds
@@ -55,9 +59,10 @@ class ShardedAdamW:
         self.chunk = [math.ceil((hi - lo) / dp) for lo, hi in self.buckets]
         self.mine = [pieces_in(self.offsets, self.sizes, lo + r * c, min(lo + (r + 1) * c, hi))
                      for (lo, hi), c in zip(self.buckets, self.chunk)]
-        self.master = [self._own_chunk(k) for k in range(len(self.buckets))]
-        self.m = [ops.zeros_like(w) for w in self.master]
-        self.v = [ops.zeros_like(w) for w in self.master]
+        self.keep_master = any(p.dtype != ms.float32 for p in self.params)
+        self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
+        self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
+        self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
         self.t = 0
         native = native_collectives(rank, rank.dp_group)
@@ -126,17 +131,20 @@ class ShardedAdamW:
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
         step_size = lr / bc1
         keep = 1.0 - lr * self.cfg.weight_decay
+        pending: dict[int, list] = {}
         for k, g in enumerate(shards):
             self.m[k] = self.m[k] * b1 + g * (1.0 - b1)
             self.v[k] = self.v[k] * b2 + ops.square(g) * (1.0 - b2)
             denom = ops.sqrt(self.v[k] / bc2) + self.cfg.eps
-            w = self.master[k]
+            w = self.master[k] if self.keep_master else self._own_chunk(k)
             parts = [w[a:b] * keep if decay else w[a:b] for a, b, decay, _, _ in self.segs[k]]
             if sum(b - a for a, b, *_ in self.segs[k]) < self.chunk[k]:
                 parts.append(w[sum(b - a for a, b, *_ in self.segs[k]):])  # padding stays zero
             decayed = ops.cat(parts) if len(parts) > 1 else parts[0]
-            self.master[k] = decayed - step_size * self.m[k] / denom
-        self._write_back()
+            new = decayed - step_size * self.m[k] / denom
+            if self.keep_master:
+                self.master[k] = new
+            self._write_back(k, new, pending)
         return norm, True
 
     def _global_norm(self, shards: list) -> float:
@@ -150,24 +158,25 @@ class ShardedAdamW:
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return float(ops.sqrt(tp_aware_sq_norm(both[0], both[1], self.rank)).asnumpy())
 
-    def _write_back(self) -> None:
-        """All-gather every bucket's updated chunks and copy them into the parameters."""
+    def _write_back(self, k: int, chunk: ms.Tensor, pending: dict[int, list]) -> None:
+        """All-gather bucket ``k``'s updated chunks and copy finished parameters back (``pending``:
+        pieces of parameters that continue in the next bucket)."""
         rk = self.rank
-        pending: dict[int, list] = {}
-        for k, (lo, hi) in enumerate(self.buckets):
-            dtype = self.params[pieces_in(self.offsets, self.sizes, lo, hi)[0][0]].dtype
-            full = all_gather_flat(self.master[k].astype(dtype), rk.dp, rk.dp_rank, rk.dp_group, self.native_ag)
-            for i, a, b in pieces_in(self.offsets, self.sizes, lo, hi):
-                pending.setdefault(i, []).append(full[self.offsets[i] + a - lo:self.offsets[i] + b - lo])
-                if b == self.sizes[i]:
-                    parts = pending.pop(i)
-                    p = self.params[i]
-                    flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-                    p.set_data(flat.reshape(p.shape).astype(p.dtype))
+        lo, hi = self.buckets[k]
+        found = pieces_in(self.offsets, self.sizes, lo, hi)
+        dtype = self.params[found[0][0]].dtype
+        full = all_gather_flat(chunk.astype(dtype), rk.dp, rk.dp_rank, rk.dp_group, self.native_ag)
+        for i, a, b in found:
+            pending.setdefault(i, []).append(full[self.offsets[i] + a - lo:self.offsets[i] + b - lo])
+            if b == self.sizes[i]:
+                parts = pending.pop(i)
+                p = self.params[i]
+                flat = ops.cat(parts) if len(parts) > 1 else parts[0]
+                p.set_data(flat.reshape(p.shape).astype(p.dtype))
 
     # ---------------------------------------------------------------- state
     def state_nbytes(self) -> int:
-        """Bytes of optimizer state held by this rank (master + moments)."""
+        """Bytes of optimizer state held by this rank (moments, plus masters for low-precision params)."""
         return sum(int(t.nbytes) for t in self.master + self.m + self.v)
 
     def _meta(self) -> np.ndarray:
@@ -177,7 +186,8 @@ class ShardedAdamW:
         """Only this DP rank's shard: ``shard.{master,m,v}.<bucket>`` plus the step and layout."""
         out: dict[str, np.ndarray] = {"t": np.array(self.t, dtype=np.int64), "shard.layout": self._meta()}
         for k in range(len(self.buckets)):
-            out[f"shard.master.{k}"] = self.master[k].asnumpy()
+            if self.keep_master:
+                out[f"shard.master.{k}"] = self.master[k].asnumpy()
             out[f"shard.m.{k}"] = self.m[k].asnumpy()
             out[f"shard.v.{k}"] = self.v[k].asnumpy()
         return out
@@ -190,6 +200,7 @@ class ShardedAdamW:
                              f"run's [dp, dp_rank, params, buckets]={list(self._meta())}; resume with the same "
                              "parallel.tp/parallel.dp as the checkpoint, or train.resume=never")
         self.t = int(d["t"])
-        self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
+        if self.keep_master:
+            self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
         self.m = [ms.Tensor(d[f"shard.m.{k}"], ms.float32) for k in range(len(self.buckets))]
         self.v = [ms.Tensor(d[f"shard.v.{k}"], ms.float32) for k in range(len(self.buckets))]

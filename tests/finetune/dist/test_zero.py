@@ -45,8 +45,8 @@ def test_state_partition_matches_estimator_and_covers_everything():
     for dp in (2, 4):
         sizes = [ShardedAdamW(params, toy_worker.CFG, RankInfo(world_size=dp, dp=dp, dp_rank=r, rank=r),
                               bucket_bytes=256).state_nbytes() for r in range(dp)]
-        assert sizes == [shard_elements(total, dp, bucket_bytes=256) * 12] * dp
-        assert total * 12 <= sum(sizes) <= total * 12 + dp * 12 * (total // 64 + 1)  # padding only
+        assert sizes == [shard_elements(total, dp, bucket_bytes=256) * 8] * dp
+        assert total * 8 <= sum(sizes) <= total * 8 + dp * 8 * (total // 64 + 1)  # padding only
 
 
 def test_layout_mismatch_on_load_names_the_fix():
@@ -68,10 +68,17 @@ def test_toy_dp2_sharded_under_msrun_equals_one_process(tmp_path):
         np.testing.assert_allclose(res["losses"], one["losses"], rtol=1e-5)
         np.testing.assert_allclose(res["norms"], one["norms"], rtol=1e-5)
         assert res["collectives"] == "allreduce-fallback"
-    full_state = one["state_bytes"]  # params (master) + m + v, unsharded
-    assert all(abs(r["state_bytes"] - full_state / 2) <= 12 * 8 for r in ranks)
+    full_state = one["state_bytes"]  # m + v, unsharded (fp32 params are their own master)
+    assert all(abs(r["state_bytes"] - full_state / 2) <= 8 * 8 for r in ranks)
     w1 = np.load(tmp_path / "one" / "weights0.npz")
     for r in range(2):
         wr = np.load(tmp_path / "dp2" / f"weights{r}.npz")
         for k in w1.files:
             np.testing.assert_allclose(wr[k], w1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_low_precision_params_get_an_fp32_master_shard():
+    params = [ms.Parameter(ms.Tensor(np.ones((6, 5), np.float16)), name="w16")]
+    opt = ShardedAdamW(params, toy_worker.CFG, RankInfo(world_size=2, dp=2, dp_rank=1, rank=1))
+    assert opt.state_nbytes() == 15 * 12 and opt.master[0].dtype == ms.float32
+    assert {k.split(".")[1] for k in opt.state_dict() if k.startswith("shard.")} == {"layout", "master", "m", "v"}

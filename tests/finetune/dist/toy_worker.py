@@ -69,7 +69,7 @@ class RefAdamW:
         return norm, True
 
     def state_nbytes(self):
-        return sum(x.nbytes for x in self.m + self.v) + sum(int(p.nbytes) for p in self.params)
+        return sum(x.nbytes for x in self.m + self.v)  # fp32 params are their own master
 
 
 def main() -> None:
