@@ -1,0 +1,193 @@
+"""The token cache: flat int32 token/label arrays (.npy, memory-mapped), an index and a manifest.
+
+Layout of ``data.cache_dir`` (default ``<output_dir>/data``)::
+
+    tokens.npy   int32 [T]      all kept samples' input_ids, back to back
+    labels.npy   int32 [T]      aligned labels (-100 = none)
+    index.npy    int64 [N, 4]   start, length, shifted label count (labels[1:] != -100), labels[0] != -100
+    manifest.json               fingerprint: sources (size, mtime, sha256), tokenizer hash, settings
+    data_report.json            kept/dropped per rule, token-length percentiles, packing efficiency
+
+A sample of a file with weight 2 has two index rows pointing at the same tokens. The cache is
+built in a sibling temp directory and renamed into place, so readers never see half a cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from finetune.config import Recipe
+from finetune.data.formats import Source, resolve_sources
+from finetune.data.template import TEMPLATE_VERSION
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_HEADER = 128  # fixed .npy header size so arrays can be streamed and the shape filled in last
+
+
+@dataclass
+class CacheInfo:
+    """A ready cache: where it is and what is in it."""
+
+    dir: Path
+    num_samples: int  # index rows (after weights)
+    num_tokens: int  # tokens stored (unique samples)
+    manifest: dict
+    report: dict
+
+
+def cache_dir_for(recipe: Recipe) -> Path:
+    """data.cache_dir, or <output_dir>/data."""
+    return Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
+
+
+def file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict:
+    """Every setting that changes the cache's content (batching settings do not)."""
+    d = recipe.data
+    return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSION,
+            "tokenizer_sha256": file_hash(Path(tokenizer_path)), "system_prompt": d.system_prompt,
+            "seq_len": d.seq_len, "format": d.format, "max_samples": d.max_samples,
+            "clean": dataclasses.asdict(d.clean)}
+
+
+def source_entry(src: Source, with_hash: bool = True) -> dict:
+    st = src.path.stat()
+    e = {"path": str(src.path.resolve()), "weight": src.weight, "size": st.st_size, "mtime": st.st_mtime}
+    if with_hash:
+        e["sha256"] = file_hash(src.path)
+    return e
+
+
+def read_manifest(cache_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(cache_dir) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def cache_is_fresh(recipe: Recipe, tokenizer_path: str | Path) -> bool:
+    """True when the cache exists and matches the current inputs and settings.
+
+    A source whose size and mtime are unchanged is trusted; otherwise its hash decides.
+    """
+    m = read_manifest(cache_dir_for(recipe))
+    if not m or m.get("settings") != settings_of(recipe, tokenizer_path):
+        return False
+    try:
+        sources = resolve_sources(recipe.data)
+    except ValueError:
+        return False
+    old = m.get("sources", [])
+    if len(old) != len(sources):
+        return False
+    for src, o in zip(sources, old):
+        now = source_entry(src, with_hash=False)
+        if (now["path"], now["weight"], now["size"]) != (o["path"], o["weight"], o["size"]):
+            return False
+        if now["mtime"] != o["mtime"] and file_hash(src.path) != o["sha256"]:
+            return False
+    return True
+
+
+def load_info(cache_dir: Path) -> CacheInfo:
+    m = read_manifest(cache_dir) or {}
+    try:
+        report = json.loads((Path(cache_dir) / "data_report.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        report = {}
+    return CacheInfo(Path(cache_dir), int(m.get("num_samples", 0)), int(m.get("num_tokens", 0)), m, report)
+
+
+# ------------------------------------------------------------------------------ streamed writing
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    d = f"{{'descr': '{np.dtype(dtype).str}', 'fortran_order': False, 'shape': {shape!r}, }}"
+    body = d.encode("latin1")
+    pad = _HEADER - 10 - len(body) - 1
+    return b"\x93NUMPY\x01\x00" + (_HEADER - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
+
+
+class ArrayStream:
+    """Append-only .npy file of one dtype whose shape is written on close."""
+
+    def __init__(self, path: Path, dtype: Any, row_shape: tuple[int, ...] = ()):
+        self.path, self.dtype, self.row_shape, self.rows = path, np.dtype(dtype), row_shape, 0
+        self.f = open(path, "wb")
+        self.f.write(b"\0" * _HEADER)
+
+    def write(self, arr: np.ndarray) -> None:
+        a = np.ascontiguousarray(arr, dtype=self.dtype)
+        self.f.write(a.tobytes())
+        self.rows += a.shape[0] if a.ndim else 1
+
+    def close(self) -> None:
+        self.f.seek(0)
+        self.f.write(_npy_header(self.dtype, (self.rows, *self.row_shape)))
+        self.f.close()
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Replace final by the finished temp directory (rename; the old one removed after)."""
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ multi-process
+
+def ensure_cache(recipe: Recipe, tokenizer_path: str | Path, rank: Any = 0, local_rank: int = 0,
+                 timeout_s: float = 3600.0, poll_s: float = 1.0, progress: bool = False) -> CacheInfo:
+    """Make sure a fresh cache exists; exactly one process per node (or per job) prepares it.
+
+    ``rank`` is the global rank or any object with ``rank`` and ``local_rank`` (e.g. RankInfo).
+    The preparer is local rank 0 of each node, or global rank 0 when data.shared_storage; the
+    others wait for a fresh manifest and never tokenize on their own.
+    """
+    if hasattr(rank, "rank"):
+        rank, local_rank = rank.rank, rank.local_rank
+    out = cache_dir_for(recipe)
+    preparer = rank == 0 if recipe.data.shared_storage else local_rank == 0
+    failed = out.parent / f".{out.name}.failed"
+    if preparer:
+        if cache_is_fresh(recipe, tokenizer_path):
+            return load_info(out)
+        from finetune.data.prepare import prepare  # noqa: PLC0415 (prepare imports this module)
+
+        failed.unlink(missing_ok=True)
+        try:
+            return prepare(recipe, tokenizer_path, progress=progress)
+        except BaseException as e:
+            failed.parent.mkdir(parents=True, exist_ok=True)
+            failed.write_text(f"{type(e).__name__}: {e}")
+            raise
+    started, deadline = time.time(), time.monotonic() + timeout_s
+    who = "global rank 0" if recipe.data.shared_storage else "local rank 0 of this node"
+    while not cache_is_fresh(recipe, tokenizer_path):
+        if failed.exists() and failed.stat().st_mtime >= started - 1:  # not an old run's marker
+            raise RuntimeError(f"rank {rank}: data preparation failed on {who}: {failed.read_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {rank}: waited {timeout_s:.0f}s for the token cache {out / MANIFEST} that {who} "
+                "prepares; check that rank's log, run `python -m launcher prepare-data` first, or set "
+                "data.shared_storage=false when the nodes do not share the output directory")
+        time.sleep(poll_s)
+    return load_info(out)

@@ -1,0 +1,356 @@
+"""prepare-data: read, clean, deduplicate, tokenize (worker processes), write the token cache, report.
+
+    python -m finetune.data.prepare --config plan_or_recipe.json
+
+Memory stays bounded: records stream through chunks, at most 2 chunks per worker in flight,
+and arrays are appended to the cache files as they come.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from finetune.config import ASSETS_DIR, CleanConfig, ConfigError, Recipe, load_recipe, resolved_model_dir
+from finetune.data import batching, cache
+from finetune.data.clean import RULES, dedup_key, text_rule, token_rule
+from finetune.data.formats import DataError, Sample, iter_samples, resolve_sources
+from finetune.data.template import IGNORE, Specials, label_flat, render, truncate
+
+CHUNK = 256  # samples per worker task
+
+
+@functools.lru_cache(maxsize=2)
+def load_tokenizer(path: str, mtime: float):
+    """tokenizers.Tokenizer from tokenizer.json (loading takes seconds: reused within a process)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+class Encoder:
+    """Text rules, templating, tokenization, labels and truncation for one chunk of samples."""
+
+    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig):
+        self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
+        self.sp = Specials(self.tok)
+        self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
+
+    def __call__(self, samples: list[Sample]) -> dict[str, Any]:
+        reasons: list[str | None] = [text_rule(s, self.clean) for s in samples]
+        todo = [i for i, r in enumerate(reasons) if r is None]
+        encs = self.tok.encode_batch([render(samples[i], self.system_prompt) for i in todo],
+                                     add_special_tokens=False)
+        id_lists = [e.ids for e in encs]
+        lens = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lens.sum()))
+        labels = label_flat(flat, self.sp)
+        ends = np.cumsum(lens)
+        tok_parts, lab_parts, kept, lengths, full, keys = [], [], [], [], [], []
+        truncated = 0
+        for j, i in enumerate(todo):
+            n = int(lens[j])
+            a, b = int(ends[j]) - n, int(ends[j])
+            reason = token_rule(n, self.clean)
+            ids, lab = flat[a:b], labels[a:b]
+            if reason is None and n > self.seq_len:
+                fit = truncate(ids, lab, self.seq_len, self.sp)
+                truncated += fit is not None
+                reason = "cannot_fit" if fit is None else None
+                ids, lab = fit if fit is not None else (ids, lab)
+            if reason is None and not (lab != IGNORE).any():
+                reason = "no_labels"
+            reasons[i] = reason
+            if reason is None:
+                tok_parts.append(ids)
+                lab_parts.append(lab)
+                kept.append(i)
+                lengths.append(len(ids))
+                full.append(n)
+                keys.append(dedup_key(samples[i]) if self.clean.dedup else b"")
+        empty = np.zeros(0, np.int32)
+        return {"reasons": reasons, "kept": kept, "lengths": lengths, "full": full, "keys": keys,
+                "tokens": np.concatenate(tok_parts) if tok_parts else empty,
+                "labels": np.concatenate(lab_parts) if lab_parts else empty, "truncated": truncated}
+
+
+_WORKER: Encoder | None = None
+
+
+def _init_worker(*args: Any) -> None:
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _WORKER = Encoder(*args)
+
+
+def _work(samples: list[Sample]) -> dict[str, Any]:
+    assert _WORKER is not None
+    return _WORKER(samples)
+
+
+def _chunks(recipe: Recipe, sources: list, counts: dict) -> Iterator[tuple[list[Sample], list[int]]]:
+    """(samples, copies) chunks; a file's weight w takes each sample floor(w) times plus an evenly
+    spread deterministic share (w - floor(w)) of them once more."""
+    buf: list[Sample] = []
+    copies: list[int] = []
+    for src in sources:
+        whole, frac = int(math.floor(src.weight)), src.weight - math.floor(src.weight)
+        for i, s in enumerate(iter_samples(src.path, recipe.data.format)):
+            counts[str(src.path)] = i + 1
+            k = whole + int(math.floor((i + 1) * frac) - math.floor(i * frac))
+            if k == 0:
+                continue
+            buf.append(s)
+            copies.append(k)
+            if len(buf) == CHUNK:
+                yield buf, copies
+                buf, copies = [], []
+    if buf:
+        yield buf, copies
+
+
+def _ordered_map(fn_args: tuple, workers: int, items: Iterator) -> Iterator[tuple[Any, Any]]:
+    """(item, fn(item)) in order; in-process for one worker, else a spawn pool with bounded backlog."""
+    if workers <= 1:
+        enc = Encoder(*fn_args)
+        for item in items:
+            yield item, enc(item[0])
+        return
+    ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
+    with ctx.Pool(workers, initializer=_init_worker, initargs=fn_args) as pool:
+        backlog: collections.deque = collections.deque()
+        for item in items:
+            backlog.append((item, pool.apply_async(_work, (item[0],))))
+            if len(backlog) >= 2 * workers:
+                it, res = backlog.popleft()
+                yield it, res.get()
+        while backlog:
+            it, res = backlog.popleft()
+            yield it, res.get()
+
+
+class _Progress:
+    def __init__(self, enabled: bool):
+        self.enabled, self.t0, self.last = enabled, time.monotonic(), 0.0
+
+    def update(self, n: int, tokens: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < 0.5):
+            return
+        self.last = now
+        dt = max(now - self.t0, 1e-9)
+        end = "\n" if final or not sys.stderr.isatty() else "\r"
+        print(f"prepare-data: {n:,} samples  {tokens:,} tokens  {n / dt:,.0f} samples/s  "
+              f"{tokens / dt:,.0f} tokens/s", end=end, file=sys.stderr, flush=True)
+
+
+def tokenizer_path_for(recipe: Recipe) -> Path:
+    """<model dir>/tokenizer.json; the bundled Qwen2.5 tokenizer for the created tiny default."""
+    model_dir = resolved_model_dir(recipe)
+    if model_dir and (Path(model_dir) / "tokenizer.json").is_file():
+        return Path(model_dir) / "tokenizer.json"
+    if recipe.model.init is not None:
+        return ASSETS_DIR / "tokenizer" / "tokenizer.json"
+    raise ConfigError([f"model.dir={model_dir!r}: no tokenizer.json there; set MODEL_DIR to a Hugging Face "
+                       "model directory (config.json, *.safetensors, tokenizer.json)"])
+
+
+def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -> cache.CacheInfo:
+    """Build the token cache of recipe.data under cache_dir_for(recipe); returns what was written."""
+    t0 = time.monotonic()
+    cfg = recipe.data
+    sources = resolve_sources(cfg)
+    out = cache.cache_dir_for(recipe)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
+                "sources": [cache.source_entry(s) for s in sources]}
+    workers = cfg.num_workers or os.cpu_count() or 1
+    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
+    tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
+    labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
+    index_parts: list[np.ndarray] = []
+    dropped = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels")}
+    seen: set[bytes] = set()
+    counts: dict[str, int] = {}
+    n_read = n_unique = n_entries = truncated = offset = 0
+    bar = _Progress(progress)
+    try:
+        for (samples, copies), res in _ordered_map(args, workers, _chunks(recipe, sources, counts)):
+            n_read += len(samples)
+            truncated += res["truncated"]
+            reasons = res["reasons"]
+            keep_mask = np.ones(len(res["kept"]), dtype=bool)
+            for j, i in enumerate(res["kept"]):
+                key = res["keys"][j]
+                if cfg.clean.dedup:
+                    if key in seen:
+                        reasons[i], keep_mask[j] = "dedup", False
+                        continue
+                    seen.add(key)
+            for i, r in enumerate(reasons):
+                if r is not None:
+                    d = dropped[r]
+                    d["count"] += 1
+                    if len(d["examples"]) < 3:
+                        d["examples"].append(_example(samples[i]))
+            lengths = np.asarray(res["lengths"], dtype=np.int64)
+            tok, lab = res["tokens"], res["labels"]
+            if not keep_mask.all():
+                mask = np.repeat(keep_mask, lengths)
+                tok, lab, lengths = tok[mask], lab[mask], lengths[keep_mask]
+            kept = [i for j, i in enumerate(res["kept"]) if keep_mask[j]]
+            if cfg.max_samples:
+                room = max(cfg.max_samples - n_entries, 0)
+                reps = np.minimum(np.cumsum([copies[i] for i in kept]), room) if kept else np.zeros(0, int)
+                ncopies = np.diff(np.r_[0, reps]).astype(np.int64)
+            else:
+                ncopies = np.asarray([copies[i] for i in kept], dtype=np.int64)
+            starts = offset + np.r_[0, np.cumsum(lengths)[:-1]] if len(lengths) else np.zeros(0, np.int64)
+            ends = np.cumsum(lengths)
+            lab_nz = (lab != IGNORE)
+            csum = np.r_[0, np.cumsum(lab_nz)]
+            first = lab_nz[ends - lengths] if len(lengths) else np.zeros(0, bool)
+            shifted = csum[ends] - csum[ends - lengths] - first
+            rows = np.stack([starts, lengths, shifted, first.astype(np.int64)], axis=1) if len(lengths) \
+                else np.zeros((0, 4), np.int64)
+            index_parts.append(np.repeat(rows, ncopies, axis=0))
+            tokens.write(tok)
+            labels.write(lab)
+            offset += int(lengths.sum())
+            n_unique += len(lengths)
+            n_entries += int(ncopies.sum())
+            bar.update(n_read, offset)
+            if cfg.max_samples and n_entries >= cfg.max_samples:
+                break
+        bar.update(n_read, offset, final=True)
+        tokens.close()
+        labels.close()
+        index = np.concatenate(index_parts) if index_parts else np.zeros((0, 4), np.int64)
+        if len(index) == 0:
+            raise DataError(f"empty data set: all {n_read} samples of {', '.join(str(s.path) for s in sources)} "
+                            "were dropped; see the drop counts in the report (relax data.clean.* rules or "
+                            f"raise data.seq_len): { {k: v['count'] for k, v in dropped.items() if v['count']} }")
+        np.save(tmp / "index.npy", index)
+        elapsed = time.monotonic() - t0
+        report = make_report(recipe, index[:, 1], n_read, n_unique, dropped, truncated, elapsed, offset)
+        report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": counts.get(str(s.path), 0)}
+                             for s in sources]
+        (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+        manifest.update(num_samples=int(len(index)), num_tokens=offset, pad_id=_pad_id(tokenizer_path),
+                        created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+        cache.publish(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return cache.CacheInfo(out, int(len(index)), offset, manifest, report)
+
+
+def _pad_id(tokenizer_path: str | Path) -> int:
+    """Id of <|endoftext|> (the padding token) without building a second tokenizer."""
+    added = json.loads(Path(tokenizer_path).read_text()).get("added_tokens", [])
+    return next((int(t["id"]) for t in added if t.get("content") == "<|endoftext|>"), 0)
+
+
+def _example(s: Sample) -> dict:
+    answer = next((c for r, c in reversed(s.turns) if r == "assistant"), "")
+    prompt = next((c for r, c in reversed(s.turns) if r == "user"), "")
+    return {"where": s.where, "prompt": prompt[:120], "response": answer[:120]}
+
+
+def make_report(recipe: Recipe, lengths: np.ndarray, n_read: int, n_unique: int, dropped: dict,
+                truncated: int, elapsed: float, n_tokens: int) -> dict:
+    """data_report.json content: counts per rule, length percentiles, batching efficiency."""
+    cfg = recipe.data
+    pct = {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 95, 99)} if len(lengths) else {}
+    eff: dict[str, Any] = {"seq_len": cfg.seq_len}
+    if len(lengths):
+        rows = batching.pack_ffd(lengths, cfg.seq_len)
+        eff["packed_rows"] = len(rows)
+        eff["packing"] = round(float(lengths.sum()) / (len(rows) * cfg.seq_len), 4)
+        eff["padding"] = round(float(lengths.mean()) / cfg.seq_len, 4)
+        if cfg.max_tokens_per_batch:
+            groups = batching.group_by_budget(lengths, cfg.max_tokens_per_batch)
+            eff["dynamic"] = round(batching.efficiency(groups, lengths), 4)
+            eff["dynamic_batches"] = len(groups)
+    return {"samples_read": n_read, "samples_kept": n_unique, "index_entries": int(len(lengths)),
+            "tokens": n_tokens, "truncated": truncated,
+            "dropped": {k: v for k, v in dropped.items() if v["count"]},
+            "token_length": {"mean": round(float(lengths.mean()), 1) if len(lengths) else 0, **pct,
+                             "max": int(lengths.max()) if len(lengths) else 0},
+            "efficiency": eff, "elapsed_s": round(elapsed, 2),
+            "samples_per_s": round(n_read / max(elapsed, 1e-9), 1),
+            "tokens_per_s": round(n_tokens / max(elapsed, 1e-9), 1)}
+
+
+def format_report(report: dict) -> str:
+    """The console table."""
+    lines = [f"{'rule':<16}{'dropped':>9}  example",
+             "-" * 72]
+    for rule, d in report.get("dropped", {}).items():
+        ex = d["examples"][0] if d["examples"] else {}
+        lines.append(f"{rule:<16}{d['count']:>9}  {ex.get('where', '')}")
+    lines += ["-" * 72,
+              f"{'kept':<16}{report['samples_kept']:>9}  of {report['samples_read']} read; "
+              f"{report['index_entries']} after weights, {report['truncated']} truncated, {report['tokens']:,} tokens"]
+    tl = report["token_length"]
+    lines.append("tokens/sample   " + "  ".join(f"{k} {v}" for k, v in tl.items()))
+    eff = report["efficiency"]
+    lines.append("efficiency      " + "  ".join(f"{k} {v}" for k, v in eff.items()))
+    lines.append(f"speed           {report['samples_per_s']:,} samples/s  {report['tokens_per_s']:,} tokens/s "
+                 f"({report['elapsed_s']} s)")
+    return "\n".join(lines)
+
+
+def main(recipe: Recipe) -> int:
+    """prepare-data: build (or reuse a fresh) cache and print the report table; 0 on success."""
+    try:
+        tok = tokenizer_path_for(recipe)
+        if cache.cache_is_fresh(recipe, tok):
+            info = cache.load_info(cache.cache_dir_for(recipe))
+            print(f"prepare-data: cache {info.dir} is up to date ({info.num_samples} samples)")
+        else:
+            info = prepare(recipe, tok, progress=True)
+        if info.report:
+            print(format_report(info.report))
+        print(f"prepare-data: cache at {info.dir}")
+        return 0
+    except (DataError, ConfigError) as e:
+        print(f"prepare-data: {e}", file=sys.stderr)
+        return 2
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m finetune.data.prepare")
+    ap.add_argument("--config", required=True, help="plan.json or a resolved recipe (JSON or YAML)")
+    args = ap.parse_args(argv)
+    try:
+        path = Path(args.config)
+        if path.suffix in (".yaml", ".yml"):
+            recipe = load_recipe(str(path))
+        else:
+            raw = json.loads(path.read_text())
+            recipe = load_recipe(raw=raw.get("recipe", raw))
+    except (ConfigError, OSError, json.JSONDecodeError) as e:
+        print(f"prepare-data: {args.config}: {e}", file=sys.stderr)
+        return 2
+    return main(recipe)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,330 @@
+"""Qwen2 / Qwen2.5 causal LM in MindSpore (PyNative), parameter names equal to Hugging Face's.
+
+Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
+stay fp32. Fused Ascend kernels are used only when ``rank.device_target == "Ascend"``; the
+reference implementation (the tested one) runs everywhere else. The caller sets the MindSpore
+context (``ms.set_context(mode=ms.PYNATIVE_MODE, device_target=...)``) before building the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common import dtype as mstype
+from mindspore.common.initializer import Normal, initializer
+
+from finetune.dist import RankInfo
+from finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from finetune.tiny import hf_param_shapes
+
+IGNORE_INDEX = -100
+_MASKED = -1e9
+
+
+@dataclass
+class Qwen2Config:
+    """The config.json fields the model uses; unknown Hugging Face keys are ignored."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
+        """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``)."""
+        d = dict(d)
+        d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                             "use a model with default RoPE (rope_scaling null)")
+        if "rope_theta" not in d and "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [k for k in required if d.get(k) is None]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(missing)}; a Qwen2 config.json needs them "
+                             "(e.g. \"hidden_size\": 3584)")
+        cfg = cls(**{k: d[k] for k in names if d.get(k) is not None})
+        if not cfg.head_dim:
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(f"{source}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={cfg.num_key_value_heads}")
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Qwen2Config":
+        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class TPSlice(NamedTuple):
+    """This rank's piece of a full Hugging Face tensor: ``full[start:start+size]`` along ``axis``.
+
+    ``owner`` is False for a replicated copy (KV heads when tp > num_key_value_heads) that a
+    gather must not count twice.
+    """
+
+    axis: int
+    start: int
+    size: int
+    owner: bool = True
+
+
+class RMSNorm(nn.Cell):
+    """``weight * x / sqrt(mean(x^2) + eps)`` computed in fp32."""
+
+    def __init__(self, hidden: int, eps: float, fused: bool):
+        super().__init__()
+        self.weight = Parameter(initializer("ones", (hidden,), ms.float32), name="weight")
+        self.eps = eps
+        self.fused = fused
+
+    def construct(self, x):
+        dtype = x.dtype
+        if self.fused:
+            return ops.rms_norm(x.astype(ms.float32), self.weight, self.eps)[0].astype(dtype)
+        h = x.astype(ms.float32)
+        h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + self.eps)
+        return self.weight.astype(dtype) * h.astype(dtype)
+
+
+class Embedding(nn.Cell):
+    """Token embedding (replicated on every TP rank)."""
+
+    def __init__(self, vocab: int, hidden: int, compute_dtype):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), ms.float32), name="weight")
+        self.dtype = compute_dtype
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0).astype(self.dtype)
+
+
+class LMHead(nn.Cell):
+    """Untied output projection ``[vocab, hidden]``."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), ms.float32), name="weight")
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return ops.cat((-x[..., half:], x[..., :half]), -1)
+
+
+class Attention(nn.Cell):
+    """GQA self-attention with QKV bias, RoPE, causal + same-segment mask."""
+
+    def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
+        super().__init__()
+        h, hd, nh, nkv, tp = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, rank.tp
+        if nh % tp:
+            raise ValueError(f"num_attention_heads={nh} is not divisible by parallel.tp={tp}; pick a tp dividing it")
+        if tp > nkv and tp % nkv:
+            raise ValueError(f"parallel.tp={tp} > num_key_value_heads={nkv} must be a multiple of it")
+        self.heads, self.kv_heads, self.head_dim = nh // tp, max(nkv // tp, 1), hd
+        self.scale = hd ** -0.5
+        self.fused = fused
+        kv_out = self.kv_heads * hd
+        self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
+        self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
+        self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
+        self.o_proj = RowParallelLinear(nh * hd, h, False, rank, dtype)
+
+    def _split(self, x, heads):
+        b, s, _ = x.shape
+        return x.reshape(b, s, heads, self.head_dim).swapaxes(1, 2)  # [b, heads, s, hd]
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self._split(self.q_proj(x), self.heads)
+        k = self._split(self.k_proj(x), self.kv_heads)
+        v = self._split(self.v_proj(x), self.kv_heads)
+        cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
+        if self.fused:
+            q = ops.rotary_position_embedding(q, cos, sin, 0)
+            k = ops.rotary_position_embedding(k, cos, sin, 0)
+            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
+                                            scalar_value=self.scale, input_layout="BNSD")
+        else:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            rep = self.heads // self.kv_heads
+            if rep > 1:
+                k = ops.repeat_interleave(k, rep, 1)
+                v = ops.repeat_interleave(v, rep, 1)
+            scores = ops.matmul(q, k.swapaxes(-1, -2)).astype(ms.float32) * self.scale + mask
+            probs = ops.softmax(scores, -1).astype(v.dtype)
+            out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class MLP(nn.Cell):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(h, i, False, rank, dtype)
+        self.up_proj = ColumnParallelLinear(h, i, False, rank, dtype)
+        self.down_proj = RowParallelLinear(i, h, False, rank, dtype)
+        self.fused = fused
+
+    def construct(self, x):
+        if self.fused:
+            return self.down_proj(ops.swiglu(ops.cat((self.gate_proj(x), self.up_proj(x)), -1), -1))
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Cell):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.self_attn = Attention(cfg, rank, dtype, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.mlp = MLP(cfg, rank, dtype, fused)
+
+    def construct(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Cell):
+    """Embedding, decoder layers and the final norm (``model.*`` in Hugging Face names)."""
+
+    def __init__(self, cfg: Qwen2Config, rank: RankInfo, recompute: bool, dtype, fused: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.CellList([DecoderLayer(cfg, rank, dtype, fused) for _ in range(cfg.num_hidden_layers)])
+        if recompute:
+            for layer in self.layers:
+                layer.recompute()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        self.inv_freq = Tensor(inv_freq.astype(np.float32))
+
+    def construct(self, input_ids, position_ids, segment_ids):
+        s = input_ids.shape[1]
+        freqs = position_ids.astype(ms.float32).expand_dims(-1) * self.inv_freq  # [b, s, hd/2]
+        emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # [b, 1, s, hd]
+        cos, sin = ops.cos(emb), ops.sin(emb)
+        causal = Tensor(np.tril(np.ones((s, s), np.bool_)))
+        allowed = ops.logical_and(segment_ids.expand_dims(2) == segment_ids.expand_dims(1), causal)
+        mask = (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED  # [b, 1, s, s]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class Qwen2ForCausalLM(nn.Cell):
+    """Qwen2 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``."""
+
+    def __init__(self, cfg: Qwen2Config, rank: RankInfo = RankInfo(), recompute: bool = False,
+                 compute_dtype=mstype.float32):
+        super().__init__()
+        self.config = cfg
+        self.rank = rank
+        self.compute_dtype = compute_dtype
+        fused = rank.device_target == "Ascend"
+        self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tp_layout = self._tp_layout()
+
+    # ------------------------------------------------------------------ names and TP layout
+    def hf_state(self) -> dict[str, Parameter]:
+        """Hugging Face tensor name -> this rank's Parameter (names are identical)."""
+        return {p.name: p for p in self.get_parameters()}
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full (unsplit) Hugging Face shape of every tensor, from the config."""
+        return dict(hf_param_shapes(self.config.to_dict()))
+
+    @property
+    def tp_split(self) -> dict[str, int]:
+        """Split axis of every TP-split parameter (absent: replicated)."""
+        return {n: s.axis for n, s in self.tp_layout.items()}
+
+    def _tp_layout(self) -> dict[str, TPSlice]:
+        tp, r, cfg = self.rank.tp, self.rank.tp_rank, self.config
+        if tp == 1:
+            return {}
+        hd, nkv = cfg.head_dim, cfg.num_key_value_heads
+        q = cfg.num_attention_heads // tp * hd
+        i = cfg.intermediate_size // tp
+        if tp <= nkv:
+            kv = TPSlice(0, r * (nkv // tp) * hd, (nkv // tp) * hd)
+        else:
+            group = tp // nkv  # ranks sharing one kv head
+            kv = TPSlice(0, (r // group) * hd, hd, owner=r % group == 0)
+        out = {}
+        for n in range(cfg.num_hidden_layers):
+            a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+            out.update({a + "q_proj.weight": TPSlice(0, r * q, q), a + "q_proj.bias": TPSlice(0, r * q, q),
+                        a + "k_proj.weight": kv, a + "k_proj.bias": kv, a + "v_proj.weight": kv,
+                        a + "v_proj.bias": kv, a + "o_proj.weight": TPSlice(1, r * q, q),
+                        m + "gate_proj.weight": TPSlice(0, r * i, i), m + "up_proj.weight": TPSlice(0, r * i, i),
+                        m + "down_proj.weight": TPSlice(1, r * i, i)})
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def _head_weight(self):
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _project(self, h):
+        """Hidden states -> fp32 logits (matmul in compute dtype)."""
+        w = self._head_weight()
+        if w.dtype != self.compute_dtype:
+            w = w.astype(self.compute_dtype)
+        return ops.matmul(h.astype(self.compute_dtype), w.T).astype(ms.float32)
+
+    def construct(self, input_ids, labels, position_ids, segment_ids):
+        """Sum of token cross-entropies where the shifted label != -100 (fp32 scalar)."""
+        h = self.model(input_ids, position_ids, segment_ids)
+        hidden = h.shape[-1]
+        h = h[:, :-1].reshape(-1, hidden)
+        target = labels[:, 1:].reshape(-1)
+        idx = ops.nonzero(target != IGNORE_INDEX).reshape(-1)
+        h = ops.gather(h, idx, 0)
+        target = ops.gather(target, idx, 0).astype(ms.int32)
+        logp = ops.log_softmax(self._project(h), -1)
+        return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+
+    def _hidden(self, input_ids, position_ids=None, segment_ids=None):
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = Tensor(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy())
+        if segment_ids is None:
+            segment_ids = ops.ones((b, s), ms.int32)
+        return self.model(input_ids, position_ids, segment_ids)
+
+    def logits(self, input_ids, position_ids=None, segment_ids=None):
+        """``[b, s, vocab]`` fp32 logits; default positions 0..s-1 and one segment per row."""
+        return self._project(self._hidden(input_ids, position_ids, segment_ids))
+
+    def last_logits(self, input_ids):
+        """``[b, vocab]`` fp32 logits of the last position only (for generation)."""
+        return self._project(self._hidden(input_ids)[:, -1])

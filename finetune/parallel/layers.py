@@ -1,0 +1,99 @@
+"""Megatron-style tensor-parallel linear layers and their communication Cells.
+
+With ``rank.tp == 1`` the linears are plain matmuls and no collective is created.
+Weights follow Hugging Face's ``[out, in]`` layout; the split axis is recorded in ``split_axis``.
+"""
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Parameter, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from finetune.dist import RankInfo
+
+
+class CopyToTP(nn.Cell):
+    """Identity forward, all-reduce (sum) of the gradient over the TP group backward."""
+
+    def __init__(self, rank: RankInfo):
+        super().__init__()
+        self.all_reduce = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if rank.tp > 1 else None
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (self.all_reduce(dout) if self.all_reduce is not None else dout,)
+
+
+class ReduceFromTP(nn.Cell):
+    """All-reduce (sum) over the TP group forward, identity backward."""
+
+    def __init__(self, rank: RankInfo):
+        super().__init__()
+        self.all_reduce = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if rank.tp > 1 else None
+
+    def construct(self, x):
+        return self.all_reduce(x) if self.all_reduce is not None else x
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+def _divide(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose a parallel.tp that divides it")
+    return n // tp
+
+
+def linear(x, weight, bias, dtype):
+    """``x @ weight.T + bias`` computed in ``dtype`` (weights are fp32 masters)."""
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    if weight.dtype != dtype:
+        weight = weight.astype(dtype)
+        bias = bias.astype(dtype) if bias is not None else None
+    return ops.dense(x, weight, bias)
+
+
+class ColumnParallelLinear(nn.Cell):
+    """Output features split over TP ranks: weight ``[out/tp, in]`` (``local_out`` overrides out/tp)."""
+
+    split_axis = 0
+
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, rank: RankInfo,
+                 compute_dtype=ms.float32, local_out: int | None = None):
+        super().__init__()
+        out = local_out if local_out is not None else _divide(out_features, rank.tp, "output features")
+        self.dtype = compute_dtype
+        self.weight = Parameter(initializer(Normal(0.02), (out, in_features), ms.float32), name="weight")
+        self.bias = Parameter(initializer("zeros", (out,), ms.float32), name="bias") if has_bias else None
+        self.copy = CopyToTP(rank) if rank.tp > 1 else None
+
+    def construct(self, x):
+        if self.copy is not None:
+            x = self.copy(x)
+        return linear(x, self.weight, self.bias, self.dtype)
+
+
+class RowParallelLinear(nn.Cell):
+    """Input features split over TP ranks: weight ``[out, in/tp]``; partial outputs all-reduced."""
+
+    split_axis = 1
+
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, rank: RankInfo,
+                 compute_dtype=ms.float32):
+        super().__init__()
+        self.dtype = compute_dtype
+        local_in = _divide(in_features, rank.tp, "input features")
+        self.weight = Parameter(initializer(Normal(0.02), (out_features, local_in), ms.float32), name="weight")
+        self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if has_bias else None
+        self.reduce = ReduceFromTP(rank) if rank.tp > 1 else None
+
+    def construct(self, x):
+        y = linear(x, self.weight, None, self.dtype)
+        if self.reduce is not None:
+            y = self.reduce(y)
+        if self.bias is not None:
+            y = y + self.bias.astype(y.dtype)
+        return y

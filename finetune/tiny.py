@@ -1,0 +1,121 @@
+"""Create a tiny seeded random-init Qwen2 model in Hugging Face layout (no mindspore import).
+
+The launcher calls :func:`ensure_tiny_model` on the host, so this module needs only numpy,
+safetensors and json. The model uses the bundled Qwen2.5 tokenizer (``assets/tokenizer``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+TINY_DEFAULTS: dict = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "float32",
+}
+
+GENERATION_CONFIG: dict = {
+    "bos_token_id": 151643,
+    "pad_token_id": 151643,
+    "eos_token_id": [151645, 151643],
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+}
+
+
+def hf_param_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face tensor names and shapes of a Qwen2 config, in save order."""
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    nh, nkv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    hd = config.get("head_dim") or h // nh
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out += [(p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (nh * hd, h)), (p + "self_attn.q_proj.bias", (nh * hd,)),
+                (p + "self_attn.k_proj.weight", (nkv * hd, h)), (p + "self_attn.k_proj.bias", (nkv * hd,)),
+                (p + "self_attn.v_proj.weight", (nkv * hd, h)), (p + "self_attn.v_proj.bias", (nkv * hd,)),
+                (p + "self_attn.o_proj.weight", (h, nh * hd)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i))]
+    out.append(("model.norm.weight", (h,)))
+    if not config.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h)))
+    return out
+
+
+def random_weights(config: dict, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
+    """Seeded init: normal(0, std) matrices, norms 1, biases 0 (fp32)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in hf_param_shapes(config):
+        if name.endswith("norm.weight"):
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            out[name] = np.zeros(shape, np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+    return out
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return all((model_dir / f).is_file() for f in ("config.json", "model.safetensors", "generation_config.json",
+                                                    *TOKENIZER_FILES))
+
+
+def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = None, seed: int = 0) -> bool:
+    """Create a seeded tiny Qwen2 model at ``model_dir`` once; False when a complete one exists.
+
+    Written to a temporary sibling directory and renamed, so a crash never leaves half a model.
+    """
+    target = Path(model_dir)
+    if _is_complete(target):
+        return False
+    config = {**TINY_DEFAULTS, **(overrides or {})}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(TOKENIZER_DIR / f, tmp / f)
+        save_file(random_weights(config, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if target.exists() and any(target.iterdir()):
+            raise FileExistsError(f"{target}: exists but holds no complete model (config.json, model.safetensors, "
+                                  "tokenizer.json, ...); empty it or set model.dir to a new directory")
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True

@@ -1,0 +1,34 @@
+"""Shared fixtures. Nothing here imports mindspore at collection time (launcher tests check that)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A small Qwen2 config for fast tests: tiny vocab, GQA 4 heads / 2 KV heads, 2 layers.
+SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="session")
+def ms_cpu():
+    """MindSpore in PyNative mode on CPU (imported only by tests that ask for it)."""
+    import mindspore as ms
+
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    return ms
+
+
+@pytest.fixture
+def tiny_hf_dir(tmp_path):
+    """Factory: a seeded random-init HF Qwen2 dir (small by default) -> its path."""
+    from finetune.tiny import ensure_tiny_model
+
+    def make(name: str = "model", seed: int = 0, **overrides) -> Path:
+        path = tmp_path / name
+        ensure_tiny_model(path, {**SMALL_MODEL, **overrides}, seed)
+        return path
+
+    return make
