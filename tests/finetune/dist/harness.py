@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -34,10 +36,13 @@ def _log_tail(log_dir: Path, n: int = 3000) -> str:
     return "\n".join(out)
 
 
-def msrun(script: Path, args: list[str], workers: int, cwd: Path, nodes: int = 1, timeout: int = 300) -> None:
+def msrun(script: Path, args: list[str], workers: int, cwd: Path, nodes: int = 1, timeout: int = 300,
+          kill_when: Callable[[], bool] | None = None) -> None:
     """Run ``script args`` in ``workers`` msrun workers (``nodes`` msrun invocations on this machine).
 
-    Raises AssertionError with the workers' log tails when the job fails or times out.
+    ``kill_when``: polled every 0.2 s; once true, every msrun, scheduler and worker is SIGKILLed
+    (a crash mid-run) and the call returns. Raises AssertionError with the workers' log tails when
+    the job fails or times out.
     """
     port = free_port()
     local = workers // nodes
@@ -48,22 +53,44 @@ def msrun(script: Path, args: list[str], workers: int, cwd: Path, nodes: int = 1
         cmd = [str(VENV_BIN / "msrun"), "--worker_num", str(workers), "--local_worker_num", str(local),
                "--master_addr", "127.0.0.1", "--master_port", str(port), "--node_rank", str(node),
                "--join", "True", "--log_dir", str(log_dir), str(script), *args]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        with open(cwd / f"msrun-{node}.out", "w") as out:  # a file, not a pipe: nothing blocks on it
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    if kill_when is not None:
+        deadline = time.monotonic() + timeout
+        while not kill_when():
+            if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
+                _kill(procs)
+                raise AssertionError("the job ended before the kill point\n" + "\n".join(_log_tail(d) for d in logs))
+            time.sleep(0.2)
+        _kill(procs)
+        return
     failed = []
-    for p in procs:
+    for node, p in enumerate(procs):
         try:
-            out, _ = p.communicate(timeout=timeout)
+            p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for q in procs:  # msrun and its workers share the session we started
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
+            _kill(procs)
             failed.append("timeout")
             continue
         if p.returncode != 0:
-            failed.append(f"rc={p.returncode}: {out[-1500:]}")
+            failed.append(f"rc={p.returncode}: {(cwd / f'msrun-{node}.out').read_text(errors='replace')[-1500:]}")
     if failed:
         raise AssertionError("msrun failed: " + " | ".join(failed) + "\n" + "\n".join(_log_tail(d) for d in logs))
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Stop every msrun with SIGINT (msrun then SIGKILLs its scheduler and workers, which run in
+    their own sessions); SIGKILL the msrun process group if it does not exit in time."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def python(script: Path, args: list[str], cwd: Path, timeout: int = 300) -> None:
