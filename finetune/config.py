@@ -369,6 +369,9 @@ def validate(r: Recipe) -> list[str]:
     if r.parallel.pp != 1:
         p.append(f"parallel.pp={r.parallel.pp}: pipeline parallelism is not supported yet; "
                  "use parallel.pp=1 with tensor parallelism (parallel.tp=2) instead")
+    if r.parallel.vocab_parallel:
+        p.append("parallel.vocab_parallel=true: the vocab-parallel embedding/LM head is not built yet; "
+                 "use parallel.vocab_parallel=false (embedding and LM head replicated over TP)")
     if r.data.weights and len(r.data.weights) != len(r.data.paths):
         p.append(f"data.weights: {len(r.data.weights)} weights for {len(r.data.paths)} paths; "
                  "give one weight per data.paths entry or none")
