@@ -96,7 +96,7 @@ def run(recipe: Recipe) -> int:
         if ensure_tiny_model(model_dir, recipe.model.init, recipe.model.init_seed):
             say(f"[train] created the tiny random-init model in {model_dir} (seed {recipe.model.init_seed})")
     barrier(rank)
-    cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank.rank, rank.local_rank)
+    cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main).dir
     loader = BatchLoader(cache_dir, recipe.data.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp,
                          rank.dp_rank, tc.seed, packing=recipe.data.packing,
                          max_tokens_per_batch=recipe.data.max_tokens_per_batch, epochs=tc.epochs)

@@ -14,10 +14,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from finetune.affinity import apply_binding  # noqa: E402
 from finetune.config import ConfigError, load_recipe  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_binding()  # the launcher's per-rank CPU/NUMA plan (may re-exec under numactl)
     ap = argparse.ArgumentParser(prog="finetune.worker")
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe JSON")
     args = ap.parse_args(argv)

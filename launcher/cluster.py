@@ -1,0 +1,226 @@
+"""Where the cluster comes from: explicit env, Volcano, AscendJob, torchrun/Kubeflow, a hostfile.
+
+Sources are tried in that order; the first that applies wins and says why. Every probe takes
+its env, paths and this host's names/addresses as parameters so tests can feed recorded values.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.settings import env_value
+
+
+@dataclass
+class Cluster:
+    """Node-level topology; ``nproc_per_node`` is None when the source does not say."""
+
+    source: str
+    reason: str
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nproc_per_node: int | None = None
+    hosts: list[str] = field(default_factory=list)
+    rank_table: str | None = None
+
+    def overrides(self) -> dict[str, str]:
+        """The launch.* values this source determines (lower precedence than user settings)."""
+        if self.source in ("env", "single"):  # the env contract / the recipe already says it all
+            return {}
+        out = {"launch.nnodes": str(self.nnodes), "launch.node_rank": str(self.node_rank),
+               "launch.master_addr": self.master_addr}
+        if self.master_port is not None:
+            out["launch.master_port"] = str(self.master_port)
+        if self.nproc_per_node is not None:
+            out["launch.nproc_per_node"] = str(self.nproc_per_node)
+        return out
+
+
+class ClusterError(ValueError):
+    """The scheduler's variables are inconsistent; the message names them and the fix."""
+
+
+def own_identities() -> set[str]:
+    """This host's names and addresses (hostname, FQDN, resolved IPs)."""
+    names = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"}
+    for n in list(names):
+        try:
+            names.update(i[4][0] for i in socket.getaddrinfo(n, None))
+        except OSError:
+            pass
+    return {n for n in names if n}
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    v = env_value(env, name)
+    try:
+        return int(v or "")
+    except ValueError:
+        raise ClusterError(f"{name}={v!r}: expected an integer (e.g. {name}=1)") from None
+
+
+def _matches(host: str, me: set[str]) -> bool:
+    return host in me or host.split(".")[0] in {m.split(".")[0] for m in me if not m[0].isdigit()}
+
+
+def from_explicit(env: Mapping[str, str]) -> Cluster | None:
+    """NNODES / NODE_RANK set by the user (MASTER_ADDR alone too, unless torchrun variables exist)."""
+    torch_vars = any(env_value(env, v) for v in ("WORLD_SIZE", "RANK", "PET_NNODES", "PET_NODE_RANK"))
+    if not (env_value(env, "NNODES") or env_value(env, "NODE_RANK")
+            or (env_value(env, "MASTER_ADDR") and not torch_vars)):
+        return None
+    set_vars = [v for v in ("NNODES", "NODE_RANK", "MASTER_ADDR") if env_value(env, v)]
+    # The values themselves reach the recipe through the env contract (and are validated there).
+    return Cluster("env", f"explicit {', '.join(set_vars)} in the environment")
+
+
+def _volcano_hosts(env: Mapping[str, str], volcano_dir: Path) -> dict[str, list[str]]:
+    tasks: dict[str, list[str]] = {}
+    for k, v in env.items():
+        m = re.fullmatch(r"VC_(.+)_HOSTS", k)
+        if m and v:
+            tasks[m.group(1).lower().replace("_", "-")] = [h for h in v.split(",") if h]
+    if not tasks and volcano_dir.is_dir():
+        for f in sorted(volcano_dir.glob("*.host")):
+            tasks[f.stem] = [h.strip() for h in f.read_text().splitlines() if h.strip()]
+    return tasks
+
+
+def from_volcano(env: Mapping[str, str], me: set[str], volcano_dir: Path = Path("/etc/volcano")) -> Cluster | None:
+    """Volcano's env + svc plugins: VC_TASK_INDEX is the index inside this pod's task."""
+    if env_value(env, "VC_TASK_INDEX") is None:
+        return None
+    tasks = _volcano_hosts(env, volcano_dir)
+    if not tasks:
+        raise ClusterError("VC_TASK_INDEX is set but no VC_<TASK>_HOSTS variables or /etc/volcano/<task>.host "
+                           "files: enable the svc plugin in the Volcano Job (plugins: {svc: [], env: []})")
+    order = sorted(tasks, key=lambda t: (t not in ("master", "scheduler", "chief"), t))
+    hosts = [h for t in order for h in tasks[t]]
+    index = _int(env, "VC_TASK_INDEX")
+    mine = [i for i, h in enumerate(hosts) if _matches(h, me)]
+    if mine:
+        rank, how = mine[0], "matched this pod's hostname"
+    elif len(tasks) == 1:
+        rank, how = index, "VC_TASK_INDEX inside the only task"
+    else:
+        raise ClusterError(f"Volcano: this pod's hostname ({sorted(me)[0]}) is in none of the task host lists "
+                           f"({', '.join(order)}); VC_TASK_INDEX={index} only counts inside one task")
+    for t in order:
+        n = env_value(env, f"VC_{t.upper().replace('-', '_')}_NUM")
+        if n is not None and n.isdigit() and int(n) != len(tasks[t]):
+            raise ClusterError(f"Volcano: VC_{t.upper()}_NUM={n} but VC_{t.upper()}_HOSTS lists {len(tasks[t])} "
+                               "hosts; wait for all pods (minAvailable = replicas)")
+    port = _int(env, "MASTER_PORT") if env_value(env, "MASTER_PORT") else None
+    return Cluster("volcano", f"Volcano tasks {', '.join(order)}; node rank {rank}: {how}", nnodes=len(hosts),
+                   node_rank=rank, master_addr=hosts[0], master_port=port, hosts=hosts)
+
+
+def wait_rank_table(path: Path, timeout_s: float = 600.0, poll_s: float = 2.0,
+                    sleep: Callable[[float], None] = time.sleep) -> dict:
+    """Wait until the AscendJob operator's hccl.json says ``"status": "completed"``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            table = json.loads(path.read_text())
+            if table.get("status") == "completed":
+                return table
+        except (OSError, json.JSONDecodeError):
+            pass
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"RANK_TABLE_FILE={path}: status not 'completed' after {timeout_s:.0f}s; check the "
+                               "AscendJob operator (ascend-operator) and the hccl.json volume mount")
+        sleep(poll_s)
+
+
+def from_ascendjob(env: Mapping[str, str], rank_table_timeout_s: float = 600.0,
+                   sleep: Callable[[float], None] = time.sleep) -> Cluster | None:
+    """Ascend's AscendJob operator: MS_WORKER_NUM counts NPUs in the job, MS_LOCAL_WORKER per pod."""
+    if env_value(env, "MS_SCHED_HOST") is None or env_value(env, "MS_WORKER_NUM") is None:
+        return None
+    total, local = _int(env, "MS_WORKER_NUM"), _int(env, "MS_LOCAL_WORKER")
+    if local <= 0 or total % local:
+        raise ClusterError(f"MS_WORKER_NUM={total} is not a multiple of MS_LOCAL_WORKER={local}")
+    table = env_value(env, "RANK_TABLE_FILE")
+    if table:
+        wait_rank_table(Path(table), rank_table_timeout_s, sleep=sleep)
+    return Cluster("ascendjob", f"AscendJob: MS_WORKER_NUM={total} NPUs / MS_LOCAL_WORKER={local} per node",
+                   nnodes=total // local, node_rank=_int(env, "MS_NODE_RANK"),
+                   master_addr=env["MS_SCHED_HOST"], master_port=_int(env, "MS_SCHED_PORT"),
+                   nproc_per_node=local, rank_table=table)
+
+
+def from_torchrun(env: Mapping[str, str]) -> Cluster | None:
+    """torchrun / Kubeflow PyTorchJob: WORLD_SIZE and RANK count nodes (pods), PET_* win."""
+    nnodes = env_value(env, "PET_NNODES") or env_value(env, "WORLD_SIZE")
+    if nnodes is None or env_value(env, "MASTER_ADDR") is None:
+        return None
+    if ":" in nnodes:  # elastic "min:max"
+        nnodes = nnodes.split(":")[-1]
+    rank_var = "PET_NODE_RANK" if env_value(env, "PET_NODE_RANK") else "RANK"
+    nproc = env_value(env, "PET_NPROC_PER_NODE")
+    return Cluster("torchrun", f"torchrun/Kubeflow variables (nodes from "
+                   f"{'PET_NNODES' if env_value(env, 'PET_NNODES') else 'WORLD_SIZE'}, rank from {rank_var})",
+                   nnodes=int(nnodes), node_rank=_int(env, rank_var) if env_value(env, rank_var) else 0,
+                   master_addr=env["MASTER_ADDR"],
+                   master_port=_int(env, "MASTER_PORT") if env_value(env, "MASTER_PORT") else None,
+                   nproc_per_node=int(nproc) if nproc and nproc.isdigit() else None)
+
+
+def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
+    """``host slots=N`` lines (``#`` comments, blank lines allowed) -> [(host, slots)]."""
+    out = []
+    for no, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = None
+        for p in parts[1:]:
+            m = re.fullmatch(r"slots=(\d+)", p)
+            if not m:
+                raise ClusterError(f"{path}:{no}: {p!r} is not 'slots=N'; write e.g. 'node-a slots=8'")
+            slots = int(m.group(1))
+        out.append((parts[0], slots))
+    if not out:
+        raise ClusterError(f"{path}: no hosts; write one 'host slots=N' line per node")
+    return out
+
+
+def from_hostfile(hostfile: str | None, me: set[str]) -> Cluster | None:
+    """A hostfile: the first host is the master; this node is the line matching its names/addresses."""
+    if not hostfile:
+        return None
+    path = Path(hostfile)
+    if not path.is_file():
+        raise ClusterError(f"HOSTFILE={hostfile}: no such file; point it at e.g. hostfiles/two-nodes.txt")
+    entries = parse_hostfile(path)
+    mine = [i for i, (h, _) in enumerate(entries) if _matches(h, me)]
+    if not mine:
+        raise ClusterError(f"HOSTFILE={hostfile}: none of its hosts ({', '.join(h for h, _ in entries)}) is this "
+                           f"machine ({', '.join(sorted(me))}); list this host's name or address, or set NODE_RANK")
+    me_entry = entries[mine[0]][0]
+    return Cluster("hostfile", f"{hostfile}: this host is entry {mine[0] + 1} of {len(entries)} ({me_entry})",
+                   nnodes=len(entries), node_rank=mine[0], master_addr=entries[0][0],
+                   nproc_per_node=entries[mine[0]][1],
+                   hosts=[h for h, _ in entries])
+
+
+def detect(env: Mapping[str, str], hostfile: str | None = None, me: set[str] | None = None,
+           volcano_dir: Path = Path("/etc/volcano"), rank_table_timeout_s: float = 600.0,
+           sleep: Callable[[float], None] = time.sleep) -> Cluster:
+    """The first source that applies, in the documented order; a single node when none does."""
+    me = own_identities() if me is None else me
+    for probe in (lambda: from_explicit(env), lambda: from_volcano(env, me, volcano_dir),
+                  lambda: from_ascendjob(env, rank_table_timeout_s, sleep), lambda: from_torchrun(env),
+                  lambda: from_hostfile(hostfile or env_value(env, "HOSTFILE"), me)):
+        found = probe()
+        if found is not None:
+            return found
+    return Cluster("single", "no cluster variables, Volcano files or hostfile: one node")

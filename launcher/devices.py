@@ -1,0 +1,188 @@
+"""NPU discovery: /dev/davinciN, management devices, driver mounts, visibility variables, npu-smi.
+
+Every probe takes its root paths, environment and an ``npu-smi`` runner as parameters, so tests
+use a fake /dev tree and recorded ``npu-smi`` outputs.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")
+DRIVER_MOUNTS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi")
+NpuSmi = Callable[[list[str]], "str | None"]
+
+
+def run_npu_smi(args: list[str], timeout_s: float = 15.0) -> str | None:
+    """``npu-smi <args>`` output, or None when npu-smi is absent or fails."""
+    exe = shutil.which("npu-smi")
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def parse_id_list(text: str, var: str) -> list[int]:
+    """``0-3,6`` -> [0, 1, 2, 3, 6]; raise ValueError naming the variable and an example."""
+    ids: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"{var}={text!r}: expected ids or ranges like 0-3 or 0,1,4 (e.g. {var}=0-7)")
+        ids += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
+    return sorted(set(ids))
+
+
+def format_id_list(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the cpulist / device-range form)."""
+    out, ids = [], sorted(set(ids))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def parse_info(text: str) -> dict[int, dict]:
+    """``npu-smi info`` -> {npu id: {"name", "health", "bus_id", "hbm_used_mb", "hbm_total_mb"}}."""
+    out: dict[int, dict] = {}
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and "No running" not in line]
+    for first, second in zip(rows, rows[1:]):
+        m = re.fullmatch(r"(\d+)\s+(\S+)", first[0]) if len(first) >= 3 else None
+        if not m or len(second) < 3 or not re.fullmatch(r"[0-9A-Fa-f:.]+", second[1]):
+            continue
+        hbm = re.findall(r"(\d+)\s*/\s*(\d+)", second[2])
+        out[int(m.group(1))] = {"name": m.group(2), "health": first[1], "bus_id": second[1],
+                                "hbm_used_mb": int(hbm[-1][0]) if hbm else None,
+                                "hbm_total_mb": int(hbm[-1][1]) if hbm else None}
+    return out
+
+
+def parse_info_m(text: str) -> dict[int, int]:
+    """``npu-smi info -m`` -> {chip logic id: npu id} (Mcu rows, logic id '-', are skipped)."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(\d+)\s+(\d+)\s+(\d+)\s+\S", line)
+        if m:
+            out[int(m.group(3))] = int(m.group(1))
+    return out
+
+
+def parse_topo(text: str) -> dict[int, list[int]]:
+    """``npu-smi info -t topo`` -> {npu id: CPUs of its CPU Affinity column}."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"NPU(\d+)\s.*?\s([\d,-]+)\s*$", line)
+        if m and "CPU Affinity" not in line:
+            out[int(m.group(1))] = parse_id_list(m.group(2), "CPU Affinity")
+    return out
+
+
+@dataclass
+class Devices:
+    """What this node offers the workers."""
+
+    present: list[int] = field(default_factory=list)  # physical ids from /dev/davinciN
+    visible: list[int] = field(default_factory=list)  # physical ids the workers use, in local-rank order
+    missing_mgmt: list[str] = field(default_factory=list)
+    missing_mounts: list[str] = field(default_factory=list)
+    hbm_total_mb: dict[int, int] = field(default_factory=dict)  # physical id -> HBM size
+    cpu_affinity: dict[int, list[int]] = field(default_factory=dict)  # physical id -> CPUs (npu-smi topo)
+    logical: dict[int, int] = field(default_factory=dict)  # physical id -> logical id (npu-smi info -m)
+    bus_id: dict[int, str] = field(default_factory=dict)  # physical id -> PCI address (npu-smi info)
+    worker_env: dict[str, str] = field(default_factory=dict)  # visibility variables to give workers
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def has_npu(self) -> bool:
+        return bool(self.present)
+
+    def fix_flags(self) -> str:
+        """The exact docker run flags that add what is missing."""
+        flags = [f"--device=/dev/{d}" for d in self.missing_mgmt]
+        flags += [f"-v {m}:{m}:ro" for m in self.missing_mounts]
+        return " ".join(flags)
+
+    def summary(self) -> str:
+        if not self.has_npu:
+            return "no NPU (/dev/davinciN) found: workers run on CPU (the embedded default recipe)"
+        return (f"{len(self.present)} NPUs present (/dev/davinci{format_id_list(self.present)}), "
+                f"{len(self.visible)} visible to workers: physical {format_id_list(self.visible) or 'none'}")
+
+
+def probe(dev_dir: Path = Path("/dev"), root: Path = Path("/"), env: Mapping[str, str] | None = None,
+          npu_smi: NpuSmi | None = run_npu_smi) -> Devices:
+    """Find NPUs, apply ASCEND_VISIBLE_DEVICES (physical) then ASCEND_RT_VISIBLE_DEVICES (logical)."""
+    env = {} if env is None else env
+    d = Devices()
+    if dev_dir.is_dir():
+        d.present = sorted(int(m.group(1)) for p in dev_dir.iterdir()
+                           if (m := re.fullmatch(r"davinci(\d+)", p.name)))
+    if not d.present:
+        return d
+    d.missing_mgmt = [m for m in MGMT_DEVICES if not (dev_dir / m).exists()]
+    d.missing_mounts = [m for m in DRIVER_MOUNTS if not (root / m.lstrip("/")).exists()]
+    d.visible = list(d.present)
+    phys = env.get("ASCEND_VISIBLE_DEVICES", "").strip()
+    if phys:
+        try:
+            wanted = parse_id_list(phys, "ASCEND_VISIBLE_DEVICES")
+            absent = [i for i in wanted if i not in d.present]
+            if absent:
+                d.problems.append(f"ASCEND_VISIBLE_DEVICES={phys}: /dev/davinci{format_id_list(absent)} not present; "
+                                  f"use ids from {format_id_list(d.present)} or add --device=/dev/davinciN")
+            d.visible = [i for i in wanted if i in d.present]
+            d.notes.append(f"ASCEND_VISIBLE_DEVICES={phys} selects physical NPUs {format_id_list(d.visible)}")
+        except ValueError as e:
+            d.problems.append(str(e))
+    if npu_smi is not None:
+        _add_npu_smi(d, npu_smi)
+    # The runtime numbers the devices it sees 0..n-1 (npu-smi info -m: Chip Logic ID per NPU ID).
+    logical_of = {p: d.logical.get(p, i) for i, p in enumerate(d.present)}
+    rt = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
+    if rt:
+        try:
+            ids = parse_id_list(rt, "ASCEND_RT_VISIBLE_DEVICES")
+            bad = [i for i in ids if i >= len(d.present)]
+            if bad:
+                d.problems.append(f"ASCEND_RT_VISIBLE_DEVICES={rt}: logical ids {bad} >= the {len(d.present)} "
+                                  f"devices this container sees; use logical ids 0-{len(d.present) - 1}")
+            d.visible = [d.present[i] for i in ids if i < len(d.present) and d.present[i] in d.visible]
+            d.notes.append(f"ASCEND_RT_VISIBLE_DEVICES={rt} (logical ids) selects physical NPUs "
+                           f"{format_id_list(d.visible)}")
+        except ValueError as e:
+            d.problems.append(str(e))
+    if d.visible != d.present:  # workers number their devices 0..n-1; make the runtime agree
+        d.worker_env["ASCEND_RT_VISIBLE_DEVICES"] = ",".join(str(logical_of[p]) for p in d.visible)
+    return d
+
+
+def _add_npu_smi(d: Devices, npu_smi: NpuSmi) -> None:
+    info = npu_smi(["info"])
+    if info is None:
+        d.notes.append("npu-smi not available: HBM size and CPU affinity unknown (mount /usr/local/bin/npu-smi)")
+        return
+    for npu, row in parse_info(info).items():
+        d.bus_id[npu] = row["bus_id"].lower()
+        if row["hbm_total_mb"]:
+            d.hbm_total_mb[npu] = row["hbm_total_mb"]
+        if row["health"] not in ("OK", "Warning"):
+            d.problems.append(f"NPU {npu}: npu-smi health {row['health']}; check `npu-smi info -t health -i {npu}`")
+    chips = npu_smi(["info", "-m"])
+    if chips:
+        d.logical = {npu: logic for logic, npu in parse_info_m(chips).items()}
+    topo = npu_smi(["info", "-t", "topo"])
+    if topo:
+        d.cpu_affinity = parse_topo(topo)

@@ -1,0 +1,81 @@
+"""Env + CLI -> recipe: precedence, the default recipe, all problems at once with the variable named."""
+from __future__ import annotations
+
+import pytest
+
+from finetune.config import ConfigError
+from launcher import settings
+
+
+def load(env, cli=(), recipe=None, has_npu=False):
+    return settings.load(settings.collect(env, list(cli), recipe, has_npu))
+
+
+def test_precedence_cli_over_env_over_recipe():
+    r = load({"OVERRIDES": "train.lr=1e-4 train.epochs=2", "TP": "1"}, ["train.lr=5e-5"])
+    assert r.train.lr == 5e-5  # CLI beats OVERRIDES
+    assert r.train.epochs == 2  # OVERRIDES beats the recipe
+    assert r.train.max_steps == 60  # recipe (tiny-cpu) beats the schema default (0)
+    assert r.train.weight_decay == 0.01  # schema default
+    r = load({"TP": "1", "OVERRIDES": "parallel.tp=2"}, ["parallel.tp=1"])
+    assert r.parallel.tp == 1
+
+
+def test_env_vars_map_to_recipe_keys(tmp_path):
+    env = {"MODEL_DIR": str(tmp_path), "DATA": "a.json,b.jsonl", "DATA_FORMAT": "sharegpt", "OUTPUT_DIR": "/o",
+           "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "9000",
+           "NPROC_PER_NODE": "8", "TP": "2", "DP": "8", "NUMA_BIND": "affinity", "MAX_RESTARTS": "3",
+           "DRY_RUN": "1"}
+    r = load(env)
+    assert (r.model.dir, r.data.paths, r.data.format, r.output_dir) == (str(tmp_path), ["a.json", "b.jsonl"],
+                                                                         "sharegpt", "/o")
+    L = r.launch
+    assert (L.nnodes, L.node_rank, L.master_addr, L.master_port, L.nproc_per_node) == (2, 1, "10.0.0.1", 9000, 8)
+    assert (r.parallel.tp, r.parallel.dp, L.numa_bind, L.max_restarts, L.dry_run) == (2, 8, "affinity", 3, True)
+
+
+def test_empty_env_values_count_as_unset():
+    r = load({"TP": "", "MODEL_DIR": "  ", "MASTER_PORT": ""})
+    assert r.parallel.tp == 1 and r.model.dir == "" and r.launch.master_port == 8118
+
+
+def test_all_problems_reported_at_once_naming_env_vars():
+    with pytest.raises(ConfigError) as e:
+        load({"TP": "two", "NUMA_BIND": "sometimes", "DRY_RUN": "maybe", "OVERRIDES": "train.lrr=1 oops"},
+             ["train.epochs=0"])
+    p = e.value.problems
+    assert "TP='two' (parallel.tp): expected an integer (e.g. TP=8)" in p
+    assert any(x.startswith("NUMA_BIND='sometimes' (launch.numa_bind): must be one of auto") for x in p)
+    assert any(x.startswith("DRY_RUN='maybe' (launch.dry_run): expected true or false") for x in p)
+    assert any("train.lrr: unknown key; did you mean train.lr?" in x and x.startswith("OVERRIDES") for x in p)
+    assert any("'oops': expected key=value" in x for x in p)
+    assert any(x.startswith("train.epochs=0: must be >= 1") for x in p)
+    assert sum("parallel.tp" in x for x in p) == 1  # one problem per key, not a cascade
+
+
+@pytest.mark.parametrize("env,has_npu,expected", [
+    ({}, False, "tiny-cpu"),
+    ({"MODEL_DIR": "/m", "DATA": "/d"}, False, "tiny-cpu"),
+    ({}, True, "tiny-cpu"),
+    ({"MODEL_DIR": "/m"}, True, "tiny-cpu"),
+    ({"MODEL_DIR": "/m", "DATA": "/d"}, True, "qwen2.5-7b-full"),
+    ({"RECIPE": "tiny-cpu", "MODEL_DIR": "/m", "DATA": "/d"}, True, "tiny-cpu"),
+])
+def test_default_recipe(env, has_npu, expected):
+    assert settings.collect(env, [], None, has_npu).recipe == expected
+
+
+def test_cli_recipe_beats_env_recipe():
+    assert settings.collect({"RECIPE": "qwen2.5-7b-full"}, [], "tiny-cpu").recipe == "tiny-cpu"
+
+
+def test_unknown_recipe_names_the_choices():
+    with pytest.raises(ConfigError, match="RECIPE='nope': no such recipe; use one of: qwen2.5-7b-full, tiny-cpu"):
+        load({"RECIPE": "nope"})
+
+
+def test_cli_takes_variable_names_too():
+    r = load({"TP": "2"}, ["TP=1", "NUMA_BIND=off"])
+    assert r.parallel.tp == 1 and r.launch.numa_bind == "off"
+    with pytest.raises(ConfigError, match=r"PP='x' \(parallel.pp\): expected an integer"):
+        load({}, ["PP=x"])

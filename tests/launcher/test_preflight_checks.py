@@ -1,0 +1,219 @@
+"""Each preflight check failing on purpose, plus an all-ok Atlas node."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from launcher_fakes import make_dev, recorded_npu_smi
+
+from finetune.config import load_recipe
+from finetune.memory import MemoryEstimate
+from launcher import devices, preflight
+
+QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+          "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors",
+                                                 "model-00002-of-00002.safetensors"), present=None) -> Path:
+    d = root / "model"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "tokenizer.json").write_text("{}")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
+    for s in (shards if present is None else present):
+        (d / s).write_text("")
+    return d
+
+
+TINY = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+
+
+def ctx(root: Path, npu: bool = True, nproc: int = 8, cfg: dict = QWEN7B, **over) -> preflight.Context:
+    data = root / "train.jsonl"
+    data.write_text('{"instruction": "hi", "output": "hello"}\n')
+    o = {"model.dir": str(model_dir(root, cfg)), "data.paths": str(data), "output_dir": str(root / "out"), **over}
+    recipe = load_recipe("qwen2.5-7b-full" if npu else "tiny-cpu", o)
+    if npu and not (root / "dev").exists():
+        make_dev(root)
+    devs = devices.probe(root / "dev", root, {}, recorded_npu_smi if npu else None)
+    return preflight.Context(recipe, devs, nproc, root=root, data_checker=lambda cfg: [],
+                             port_free=lambda port: True)
+
+
+def rows(c, name):
+    return [r for r in preflight.run_checks(c) if r.name == name]
+
+
+def fails(c, name):
+    return [r for r in rows(c, name) if r.status == "fail"]
+
+
+def test_cpu_host_all_ok(tmp_path):
+    c = ctx(tmp_path, npu=False, nproc=1, cfg=TINY)
+    bad = [r for r in preflight.run_checks(c) if r.status == "fail"]
+    assert not bad, preflight.table(bad)
+
+
+def test_atlas_node_all_ok(atlas, monkeypatch):
+    Stat = namedtuple("Stat", "f_blocks f_frsize")
+    monkeypatch.setattr(preflight.os, "statvfs", lambda p: Stat(64 * 2**30 // 4096, 4096))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 10**13))
+    c = ctx(atlas)
+    c.memory_estimator = lambda cfg, **kw: MemoryEstimate(*(5 * 2**30,) * 6)
+    table = preflight.table(preflight.run_checks(c))
+    assert not preflight.failed(preflight.run_checks(c)), table
+    assert "driver 24.1.rc2" in table and "CANN toolkit 8.1.RC1" in table
+
+
+def test_devices_fail_npu_recipe_without_npu(tmp_path):
+    c = ctx(tmp_path, npu=False)
+    c.recipe.launch.device = "npu"
+    (r,) = fails(c, "devices")
+    assert "needs NPUs" in r.detail and "--device=/dev/davinci0" in r.fix
+
+
+def test_devices_fail_missing_management_device(atlas):
+    (atlas / "dev/hisi_hdc").unlink()
+    c = ctx(atlas)
+    (r,) = fails(c, "devices")
+    assert r.fix == "add to docker run: --device=/dev/hisi_hdc"
+
+
+def test_devices_fail_permission(atlas, monkeypatch):
+    monkeypatch.setattr(preflight.os, "access", lambda p, mode: False)
+    assert any("permission" in r.detail and "HwHiAiUser" in r.fix for r in fails(ctx(atlas), "devices"))
+
+
+def test_driver_and_cann_missing(tmp_path):
+    c = ctx(tmp_path)  # /dev has NPUs but no driver tree
+    assert fails(c, "driver")[0].fix == "-v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro"
+    assert "ascend-toolkit" in fails(c, "CANN")[0].detail
+
+
+def test_shm_too_small(tmp_path, monkeypatch):
+    Stat = namedtuple("Stat", "f_blocks f_frsize")
+    monkeypatch.setattr(preflight.os, "statvfs", lambda p: Stat(64 * 2**20 // 4096, 4096))  # docker's 64 MB
+    (r,) = fails(ctx(tmp_path, npu=False, nproc=2), "/dev/shm")
+    assert "--ipc=host" in r.fix
+
+
+def test_disk_too_small(tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 50 * 2**30))
+    (r,) = fails(ctx(tmp_path, npu=False), "disk")
+    assert "7.6" in r.detail or "7.7" in r.detail  # Qwen2.5-7B: ~7.6 B parameters
+    assert "OUTPUT_DIR" in r.fix
+
+
+def test_param_count_qwen7b():
+    assert 7.5e9 < preflight.param_count(QWEN7B) < 7.7e9
+
+
+def test_model_missing_shard_and_tokenizer(tmp_path):
+    c = ctx(tmp_path, npu=False)
+    d = model_dir(tmp_path / "m2", present=["model-00001-of-00002.safetensors"])
+    (d / "tokenizer.json").unlink()
+    c.recipe.model.dir, c.recipe.model.init = str(d), None
+    (r,) = fails(c, "model")
+    assert "tokenizer.json" in r.detail and "model-00002-of-00002.safetensors" in r.detail
+
+
+def test_model_dir_unset(tmp_path):
+    c = ctx(tmp_path, npu=False)
+    c.recipe.model.dir, c.recipe.model.init = "", None
+    assert "MODEL_DIR=" in fails(c, "model")[0].fix
+
+
+def test_data_missing_and_unparseable(tmp_path):
+    c = ctx(tmp_path, npu=False)
+    c.recipe.data.paths = [str(tmp_path / "nope.json")]
+    assert "nope.json" in fails(c, "data")[0].detail
+    c = ctx(tmp_path, npu=False)
+    c.data_checker = lambda cfg: [f"{cfg.paths[0]}:1: field 'output' missing; add it"]
+    assert "field 'output' missing" in fails(c, "data")[0].detail
+
+
+def test_memory_over_budget_suggests_layout(atlas):
+    c = ctx(atlas, **{"parallel.tp": "1"})
+
+    def est(cfg, *, tp, **kw):  # fits only with TP >= 2
+        return MemoryEstimate(*((90 if tp == 1 else 40) * 2**30 // 6,) * 6)
+    c.memory_estimator = est
+    (r,) = fails(c, "memory")
+    assert "64.0 GiB NPU HBM" in r.detail and r.fix.startswith("use TP=2")
+
+
+def test_memory_not_implemented_is_a_warning(atlas):
+    c = ctx(atlas)
+
+    def est(cfg, **kw):
+        raise NotImplementedError
+    c.memory_estimator = est
+    assert [r.status for r in rows(c, "memory")] == ["warn"]
+
+
+def test_network_master_port_busy(tmp_path):
+    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2"})
+    c.port_free = lambda port: False
+    assert "MASTER_PORT" in fails(c, "network")[0].fix
+
+
+def test_network_master_unresolvable(tmp_path):
+    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1",
+                                     "launch.master_addr": "no-such-host.invalid"})
+
+    def connect(host, port, t):
+        raise socket.gaierror(-2, "Name or service not known")
+    c.connect = connect
+    assert "does not resolve" in fails(c, "network")[0].detail
+
+
+def test_network_real_port_probe(tmp_path):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.master_port": str(port)})
+        c.port_free = None
+        assert fails(c, "network")
+        c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1",
+                                         "launch.master_addr": socket.gethostname(), "launch.master_port": str(port)})
+        assert [r.status for r in rows(c, "network")] == ["ok"]
+
+
+@pytest.mark.parametrize("over,nproc,msg", [
+    ({"parallel.tp": "3"}, 8, "TP=3 does not divide NPROC_PER_NODE=8"),
+    ({"parallel.tp": "2", "parallel.dp": "2"}, 8, "TP=2 x DP=2 x PP=1 = 4 != world 8"),
+    ({"parallel.tp": "8"}, 8, "TP=8 does not divide num_attention_heads=28"),
+])
+def test_world_layout(atlas, over, nproc, msg):
+    c = ctx(atlas, nproc=nproc, **over)
+    assert any(msg in r.detail for r in fails(c, "layout")), preflight.table(rows(c, "layout"))
+
+
+def test_table_shows_fixes_and_exit_status(tmp_path):
+    c = ctx(tmp_path, npu=False)
+    c.recipe.data.paths = []
+    out = preflight.run_checks(c)
+    assert preflight.failed(out)
+    assert "fix: set DATA=" in preflight.table(out)
+
+
+def test_a_crashing_check_does_not_hide_the_others(tmp_path, monkeypatch):
+    def boom(c):
+        raise RuntimeError("x")
+    monkeypatch.setattr(preflight, "CHECKS", (boom, preflight.check_world))
+    out = preflight.run_checks(ctx(tmp_path, npu=False))
+    assert [r.status for r in out] == ["fail", "ok"]
+    assert os.environ  # environment untouched
+
+
+def test_network_worker_node_pointing_at_loopback(tmp_path):
+    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1"})
+    assert "MASTER_ADDR" in fails(c, "network")[0].fix
