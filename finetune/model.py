@@ -147,8 +147,8 @@ class Attention(nn.Cell):
         self.fused = fused
         kv_out = self.kv_heads * hd
         self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
-        self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
-        self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
+        self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
+        self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
         self.o_proj = RowParallelLinear(nh * hd, h, False, rank, dtype)
 
     def _split(self, x, heads):
@@ -253,6 +253,9 @@ class Qwen2ForCausalLM(nn.Cell):
         self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size)
         self.tp_layout = self._tp_layout()
+        for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
+            if name in self.tp_layout:
+                p.tp_axis, p.tp_owner = self.tp_layout[name].axis, self.tp_layout[name].owner
 
     # ------------------------------------------------------------------ names and TP layout
     def hf_state(self) -> dict[str, Parameter]:
