@@ -104,8 +104,12 @@ def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = No
     """Fill ``model``'s parameters from the HF directory; each rank reads only its TP slices.
 
     Every missing tensor and shape mismatch is reported at once, before anything is loaded.
+    The slices follow ``model.rank`` (``rank``, when given, must be the same).
     """
     import mindspore as ms
+
+    if rank is not None and rank != model.rank:
+        raise ValueError(f"load_weights: rank {rank} differs from the model's {model.rank}; build the model with it")
 
     files = weight_files(model_dir)
     shapes = model.hf_shapes()
@@ -224,7 +228,8 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
         if tmp is None:
             return None
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(s for _, s in sizes)},
+            index = {"metadata": {"total_parameters": sum(s for _, s in sizes) // itemsize,
+                                  "total_size": sum(s for _, s in sizes)},
                      "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_configs(src, tmp, dtype)

@@ -127,6 +127,36 @@ class LMHead(nn.Cell):
         self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), ms.float32), name="weight")
 
 
+class LMHeadCrossEntropy(nn.Cell):
+    """``sum(-log_softmax(h @ w.T)[target])`` in fp32 with a hand-written backward.
+
+    MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
+    the closed form ``dlogits = softmax - onehot``; the backward recomputes the logits instead of
+    keeping them, so only the forward's logits are ever alive.
+    """
+
+    def __init__(self, compute_dtype):
+        super().__init__()
+        self.dtype = compute_dtype
+        self.mm_bt = ops.MatMul(transpose_b=True)
+        self.mm_at = ops.MatMul(transpose_a=True)
+
+    def _logits(self, h, w):
+        return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
+
+    def construct(self, h, w, target):
+        logp = ops.log_softmax(self._logits(h, w), -1)
+        return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+
+    def bprop(self, h, w, target, out, dout):
+        p = ops.softmax(self._logits(h, w), -1)
+        idx = target.reshape(-1, 1)
+        p = ops.tensor_scatter_elements(p, idx, ops.gather_elements(p, 1, idx) - 1.0, 1).astype(self.dtype)
+        dh = ops.matmul(p, w.astype(self.dtype)) * dout.astype(self.dtype)
+        dw = self.mm_at(p, (h.astype(ms.float32) * dout).astype(self.dtype))
+        return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return ops.cat((-x[..., half:], x[..., :half]), -1)
@@ -145,6 +175,8 @@ class Attention(nn.Cell):
         self.heads, self.kv_heads, self.head_dim = nh // tp, max(nkv // tp, 1), hd
         self.scale = hd ** -0.5
         self.fused = fused
+        # the fused kernel takes fp16/bf16 only and head_dim a multiple of 16
+        self.fused_attn = fused and dtype in (ms.float16, ms.bfloat16) and hd % 16 == 0
         kv_out = self.kv_heads * hd
         self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
         self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
@@ -164,11 +196,13 @@ class Attention(nn.Cell):
         if self.fused:
             q = ops.rotary_position_embedding(q, cos, sin, 0)
             k = ops.rotary_position_embedding(k, cos, sin, 0)
-            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
-                                            scalar_value=self.scale, input_layout="BNSD")
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        if self.fused_attn:  # GQA native: key/value keep kv_heads; mask 1 = not attended
+            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
+                                            scalar_value=self.scale, input_layout="BNSD")
+        else:
             rep = self.heads // self.kv_heads
             if rep > 1:
                 k = ops.repeat_interleave(k, rep, 1)
@@ -252,6 +286,7 @@ class Qwen2ForCausalLM(nn.Cell):
         fused = rank.device_target == "Ascend"
         self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.loss_fn = LMHeadCrossEntropy(compute_dtype)
         self.tp_layout = self._tp_layout()
         for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
             if name in self.tp_layout:
@@ -298,11 +333,10 @@ class Qwen2ForCausalLM(nn.Cell):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _project(self, h):
-        """Hidden states -> fp32 logits (matmul in compute dtype)."""
-        w = self._head_weight()
-        if w.dtype != self.compute_dtype:
-            w = w.astype(self.compute_dtype)
-        return ops.matmul(h.astype(self.compute_dtype), w.T).astype(ms.float32)
+        """Hidden states ``[..., hidden]`` -> fp32 logits (matmul in compute dtype)."""
+        lead = h.shape[:-1]
+        logits = self.loss_fn._logits(h.reshape(-1, h.shape[-1]), self._head_weight())
+        return logits.reshape(*lead, -1)
 
     def construct(self, input_ids, labels, position_ids, segment_ids):
         """Sum of token cross-entropies where the shifted label != -100 (fp32 scalar)."""
@@ -311,10 +345,11 @@ class Qwen2ForCausalLM(nn.Cell):
         h = h[:, :-1].reshape(-1, hidden)
         target = labels[:, 1:].reshape(-1)
         idx = ops.nonzero(target != IGNORE_INDEX).reshape(-1)
+        if idx.shape[0] == 0:  # no label in the batch: zero loss, zero gradients (empty kernels fail on CPU)
+            return h.sum().astype(ms.float32) * 0.0 + 0.0  # + 0.0 turns -0.0 into 0.0
         h = ops.gather(h, idx, 0)
         target = ops.gather(target, idx, 0).astype(ms.int32)
-        logp = ops.log_softmax(self._project(h), -1)
-        return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+        return self.loss_fn(h, self._head_weight(), target)
 
     def _hidden(self, input_ids, position_ids=None, segment_ids=None):
         b, s = input_ids.shape

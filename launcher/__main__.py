@@ -190,7 +190,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     return Job(recipe, devs, clus, nproc, plan, argv, env, log_dir, plan_path)
 
 
-def print_plan(job: Job) -> None:
+def print_plan(job: Job, full: bool = True) -> None:
+    """Log the resolved plan with the reason for each detected value; ``full`` also prints plan.json."""
     p = job.plan
     log(f"recipe: {p['sources']['recipe']}")
     log(f"cluster: {p['sources']['cluster']}")
@@ -208,7 +209,8 @@ def print_plan(job: Job) -> None:
     log(f"memory: {json.dumps(p['memory'])}")
     log(f"launch ({p['sources']['launch_mode']}): {json.dumps(p['msrun_argv'])}")
     log(f"worker env: {json.dumps(p['worker_env'])}")
-    print(json.dumps(p, indent=2, default=str), flush=True)
+    if full:
+        print(json.dumps(p, indent=2, default=str), flush=True)
 
 
 def ensure_model(recipe: Recipe) -> None:
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
         if rc:
             return rc
     launch.write_plan(job.plan_path, job.plan)
-    print_plan(job)
+    print_plan(job, full=False)
     log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
     return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
                             cwd=job.plan_path.parent,

@@ -78,6 +78,9 @@ def make(case: str) -> None:
                         logits=out.logits.detach().numpy(), loss=np.float32(out.loss.item()),
                         grad_norm=np.float32(norm), **grads)
     print(f"{case}: loss {out.loss.item():.6f} grad norm {norm:.6f} -> {out_dir}")
+    if case == "tied":  # the same weights as transformers writes them in bf16 (sharded), for the reader test
+        model.to(torch.bfloat16).save_pretrained(GOLDEN / "tied-bf16", safe_serialization=True,
+                                                 max_shard_size="40KB")
 
 
 def check(model_dir: str, case: str) -> int:

@@ -62,7 +62,7 @@ def test_sharded_export_and_load(ms_cpu, tmp_path):
         total += size
         for name in tensors:
             assert index["weight_map"][name] == shard.name
-    assert index["metadata"]["total_size"] == total
+    assert index["metadata"]["total_size"] == total and index["metadata"]["total_parameters"] == total // 4
     assert set(index["weight_map"]) == set(model.hf_state())
     again = _state(_model(ms_cpu, out))
     for name, value in _state(model).items():
@@ -155,3 +155,13 @@ def test_export_copies_tokenizer_and_replaces_old_export(ms_cpu, tmp_path, tiny_
     assert {m["dtype"] for m in header.values()} == {"F16"}
     with pytest.raises(ValueError, match="export.dtype"):
         export_hf(model, src, out, dtype="int8")
+
+
+def test_reads_bf16_shards_written_by_transformers(ms_cpu):
+    """golden/tied-bf16: the tied golden weights saved by transformers in bf16, two shards."""
+    model = _model(ms_cpu, GOLDEN / "tied-bf16")
+    fp32 = load_file(str(GOLDEN / "tied" / "model.safetensors"))
+    state = _state(model)
+    assert state.keys() == fp32.keys()
+    for name, value in fp32.items():
+        np.testing.assert_array_equal(state[name], bf16_to_fp32(fp32_to_bf16(value)), err_msg=name)
