@@ -382,6 +382,9 @@ def validate(r: Recipe) -> list[str]:
                  "(e.g. data.clean.mojibake_max_ratio=0.3)")
     if any(w < 0 for w in r.data.weights):
         p.append(f"data.weights={r.data.weights}: weights are >= 0 (e.g. data.weights=1,0.5)")
+    if r.parallel.vocab_parallel:
+        p.append("parallel.vocab_parallel=true: the vocab-parallel embedding/LM head is not built yet; "
+                 "use parallel.vocab_parallel=false (embedding and LM head replicated over TP)")
     if r.data.weights and len(r.data.weights) != len(r.data.paths):
         p.append(f"data.weights: {len(r.data.weights)} weights for {len(r.data.paths)} paths; "
                  "give one weight per data.paths entry or none")

@@ -1,11 +1,23 @@
 """Rank and process-group information for one worker, from the environment msrun gives it.
 
 No distributed globals: :func:`init_distributed` returns a :class:`RankInfo` that is passed on.
+
+msrun 2.10 sets, per worker: ``MS_ROLE=MS_WORKER``, ``MS_WORKER_NUM`` (world size), ``RANK_ID`` and
+``MS_NODE_ID`` (global rank), ``RANK_SIZE``, ``DEVICE_ID`` (local index on the node), and
+``MS_SCHED_HOST``/``MS_SCHED_PORT``. Layout: rank = dp_rank * tp + tp_rank, so a TP group is ``tp``
+contiguous ranks (inside one node when tp divides the local worker count) and a DP group is the
+ranks with the same tp_rank.
+
+Only the pure-Python parts (layout, group ranks) are importable without MindSpore; the collective
+helpers import it lazily so the launcher can use :func:`resolve_layout` for its plan.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+
+BUCKET_BYTES = 25 * 2**20  # gradient/optimizer bucket: about 25 MB per collective
 
 
 @dataclass(frozen=True)
@@ -22,6 +34,7 @@ class RankInfo:
     dp_rank: int = 0
     tp_group: str | None = None  # collective group names; None when the size is 1
     dp_group: str | None = None
+    world_group: str | None = None  # the backend's world group name once initialised
 
     @property
     def is_main(self) -> bool:
@@ -33,21 +46,157 @@ def under_msrun() -> bool:
     return "MS_ROLE" in os.environ and int(os.environ.get("MS_WORKER_NUM", "1")) >= 1
 
 
-def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU") -> RankInfo:
+def resolve_layout(world: int, tp: int, dp: int = 0, pp: int = 1) -> tuple[int, int]:
+    """Check ``world == tp * dp * pp`` (dp=0: derived) and return (tp, dp); ValueError names the fix."""
+    if pp != 1:
+        raise ValueError(f"parallel.pp={pp}: pipeline parallelism is not supported; use parallel.pp=1 "
+                         "and split the model with parallel.tp instead (e.g. parallel.tp=2)")
+    if tp < 1 or world % tp:
+        raise ValueError(f"parallel.tp={tp} does not divide the {world} worker(s) of this job; use a tp that "
+                         f"divides the worker count (e.g. parallel.tp={_divisor(world)}) or change the number "
+                         "of workers (launch.nproc_per_node x launch.nnodes)")
+    if dp == 0:
+        dp = world // tp
+    if tp * dp != world:
+        raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp} but the job has {world} worker(s) "
+                         f"(launch.nproc_per_node x launch.nnodes); set parallel.dp=0 to derive it "
+                         f"(here {world // tp}) or start {tp * dp} workers")
+    return tp, dp
+
+
+def _divisor(world: int) -> int:
+    return 2 if world % 2 == 0 and world > 1 else 1
+
+
+def tp_group_ranks(rank: int, tp: int) -> list[int]:
+    """The ``tp`` contiguous global ranks that share ``rank``'s model slices."""
+    start = rank - rank % tp
+    return list(range(start, start + tp))
+
+
+def dp_group_ranks(rank: int, tp: int, dp: int) -> list[int]:
+    """The ``dp`` global ranks holding the same TP slice as ``rank`` (equal tp_rank)."""
+    return [rank % tp + j * tp for j in range(dp)]
+
+
+def group_name(kind: str, ranks: list[int]) -> str:
+    """Stable group name from its members, e.g. ``tp-0-1`` or ``dp-1-3``."""
+    return f"{kind}-" + "-".join(str(r) for r in ranks)
+
+
+def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU", pp: int = 1) -> RankInfo:
     """Initialise collectives when launched by msrun and build the TP/DP groups.
 
-    Single process (no msrun): world 1, no groups, nothing initialised.
+    Single process (no msrun): world 1, no groups, nothing initialised. A group spanning all ranks
+    is the backend's world group (not a created sub-group), so world-only collectives can use it.
     """
     if not under_msrun():
-        if tp != 1 or dp not in (0, 1):
-            raise ValueError(f"parallel.tp={tp} parallel.dp={dp} need several workers; "
-                             "start through the launcher (python -m launcher train) so msrun runs them")
+        if tp != 1 or dp not in (0, 1) or pp != 1:
+            resolve_layout(1, tp, dp, pp)  # raises with the fix
         return RankInfo(device_target=device_target)
-    raise NotImplementedError("distributed init is built in finetune/dist.py by the distributed-training work")
+    world_env = int(os.environ["MS_WORKER_NUM"])
+    tp, dp = resolve_layout(world_env, tp, dp, pp)  # fail fast, before connecting to anyone
+    local_rank = int(os.environ.get("DEVICE_ID", "0"))
+
+    import mindspore as ms
+    from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
+
+    if device_target == "Ascend":  # one NPU per local worker; the trainer has set the device target
+        ms.set_context(device_id=local_rank)
+    init()
+    rank, world = get_rank(), get_group_size()
+    if world != world_env:
+        raise RuntimeError(f"collective world size {world} != MS_WORKER_NUM={world_env}")
+    try:
+        from mindspore.communication import get_local_rank
+
+        local_rank = get_local_rank()
+    except (RuntimeError, ValueError):  # some backends do not know it; DEVICE_ID is the local index
+        pass
+    world_group = GlobalComm.WORLD_COMM_GROUP
+
+    def group(kind: str, ranks: list[int]) -> str | None:
+        if len(ranks) == 1:
+            return None
+        if len(ranks) == world:
+            return world_group
+        name = group_name(kind, ranks)
+        create_group(name, ranks)
+        return name
+
+    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device_target=device_target, tp=tp,
+                    dp=dp, tp_rank=rank % tp, dp_rank=rank // tp, tp_group=group("tp", tp_group_ranks(rank, tp)),
+                    dp_group=group("dp", dp_group_ranks(rank, tp, dp)), world_group=world_group)
+
+
+# ------------------------------------------------------------------------------------- collectives
+
+_PRIMS: dict[tuple[str, str], Any] = {}  # cached primitive per (op, group): creating one per call is slow
+
+
+def _prim(op: str, group: str) -> Any:
+    from mindspore import ops
+
+    key = (op, group)
+    if key not in _PRIMS:
+        _PRIMS[key] = {"allreduce": lambda: ops.AllReduce(group=group),
+                       "allgather": lambda: ops.AllGather(group=group),
+                       "reducescatter": lambda: ops.ReduceScatter(group=group)}[op]()
+    return _PRIMS[key]
+
+
+def all_reduce_sum(x: Any, group: str | None) -> Any:
+    """Sum of ``x`` over ``group`` (identity when the group is None, i.e. of size 1)."""
+    if group is None:
+        return x
+    return _prim("allreduce", group)(x)
 
 
 def barrier(rank: RankInfo) -> None:
-    """Wait for every rank (no-op in a single process)."""
+    """Wait for every rank (an AllReduce of a scalar over the world; no-op in a single process)."""
     if rank.world_size == 1:
         return
-    raise NotImplementedError("barrier is built by the distributed-training work")
+    import mindspore as ms
+    import numpy as np
+
+    all_reduce_sum(ms.Tensor(np.ones(1, np.float32)), rank.world_group).asnumpy()
+
+
+def native_collectives(rank: RankInfo, group: str | None) -> dict[str, bool]:
+    """Which of AllGather / ReduceScatter the backend has for ``group``.
+
+    Ascend (HCCL) has both on every group. The CPU backend (MCCL) has AllGather only on the world
+    group and no ReduceScatter kernel at all; there the AllReduce-based equivalents are used.
+    """
+    if rank.device_target == "Ascend":
+        return {"allgather": True, "reducescatter": True}
+    return {"allgather": group is not None and group == rank.world_group, "reducescatter": False}
+
+
+def reduce_scatter_sum(flat: Any, size: int, index: int, group: str | None, native: bool) -> Any:
+    """Sum a 1-D ``flat`` (length divisible by ``size``) over ``group`` and keep chunk ``index``.
+
+    ``native=False``: AllReduce then slice (same sums; more traffic, used where ReduceScatter is missing).
+    """
+    if group is None:
+        return flat
+    if native:
+        return _prim("reducescatter", group)(flat)
+    n = flat.shape[0] // size
+    return all_reduce_sum(flat, group)[index * n:(index + 1) * n]
+
+
+def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native: bool) -> Any:
+    """Concatenate every member's 1-D ``chunk`` in group order.
+
+    ``native=False``: place this chunk into a zero buffer and AllReduce-sum it (exact: x + 0 = x).
+    """
+    if group is None:
+        return chunk
+    if native:
+        return _prim("allgather", group)(chunk)
+    from mindspore import ops
+
+    n = chunk.shape[0]
+    parts = [ops.zeros((index * n,), chunk.dtype), chunk, ops.zeros(((size - index - 1) * n,), chunk.dtype)]
+    return all_reduce_sum(ops.cat([p for p in parts if p.shape[0]]), group)

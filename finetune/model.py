@@ -179,8 +179,8 @@ class Attention(nn.Cell):
         self.fused_attn = fused and dtype in (ms.float16, ms.bfloat16) and hd % 16 == 0
         kv_out = self.kv_heads * hd
         self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
-        self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
-        self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out)
+        self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
+        self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
         self.o_proj = RowParallelLinear(nh * hd, h, False, rank, dtype)
 
     def _split(self, x, heads):
@@ -288,6 +288,9 @@ class Qwen2ForCausalLM(nn.Cell):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size)
         self.loss_fn = LMHeadCrossEntropy(compute_dtype)
         self.tp_layout = self._tp_layout()
+        for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
+            if name in self.tp_layout:
+                p.tp_axis, p.tp_owner = self.tp_layout[name].axis, self.tp_layout[name].owner
 
     # ------------------------------------------------------------------ names and TP layout
     def hf_state(self) -> dict[str, Parameter]:

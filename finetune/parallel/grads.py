@@ -1,27 +1,101 @@
 """Gradient reduction across data-parallel ranks and the global gradient norm.
 
-Single-process versions; the distributed-training work fills in DP (bucketed all-reduce) and TP.
+The trainer scales each micro-batch's summed token loss by ``1 / global_label_tokens`` (the label
+tokens of the whole global batch, equal on every rank). The one-process gradient is then the SUM of
+every DP rank's gradient, so the DP reduction here is a sum, not an average.
+
+A parameter is *TP-partitioned* when its ``tp_axis`` attribute is an int (set by the model from its
+TP layout): each TP rank holds a different slice and its squared gradient counts once per rank,
+except copies with ``tp_owner = False`` (a KV head replicated on several TP ranks when
+tp > num_key_value_heads), which are counted on their owner rank only. Parameters without
+``tp_axis`` are replicated over TP with identical gradients on every TP rank (counted once).
 """
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import ops
 
-from finetune.dist import RankInfo
+from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum
 
 
-def reduce_grads(grads: tuple, rank: RankInfo) -> tuple:
-    """Average gradients over the DP group (identity when dp == 1)."""
+def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """Consecutive index groups whose byte size stays under ``limit`` (a larger tensor is alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    nbytes = 0
+    for i, n in enumerate(sizes):
+        if cur and nbytes + n * itemsize > limit:
+            out.append(cur)
+            cur, nbytes = [], 0
+        cur.append(i)
+        nbytes += n * itemsize
+    if cur:
+        out.append(cur)
+    return out
+
+
+def sum_grads_over_dp(grads: tuple | list, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES) -> list:
+    """SUM gradients over the DP group in buckets (one flat AllReduce per ~25 MB); identity when dp == 1.
+
+    Gradients of one bucket must share a dtype; a dtype change starts a new bucket.
+    """
+    grads = list(grads)
     if rank.dp == 1:
         return grads
-    raise NotImplementedError("DP gradient reduction is built by the distributed-training work")
+    out = list(grads)
+    start = 0
+    while start < len(grads):  # split runs of equal dtype, then by size
+        end = start
+        while end < len(grads) and grads[end].dtype == grads[start].dtype:
+            end += 1
+        run = list(range(start, end))
+        itemsize = ms.Tensor(0, grads[start].dtype).itemsize
+        for bucket in buckets_by_bytes([grads[i].size for i in run], itemsize, bucket_bytes):
+            idx = [run[b] for b in bucket]
+            flat = ops.cat([grads[i].reshape(-1) for i in idx]) if len(idx) > 1 else grads[idx[0]].reshape(-1)
+            total = all_reduce_sum(flat, rank.dp_group)
+            offset = 0
+            for i in idx:
+                n = grads[i].size
+                out[i] = total[offset:offset + n].reshape(grads[i].shape)
+                offset += n
+        start = end
+    return out
 
 
-def global_grad_norm(grads: tuple, params: list, rank: RankInfo) -> ms.Tensor:
-    """L2 norm over all gradients of the whole model (each TP-split parameter's shards counted once)."""
-    total = ops.zeros((), ms.float32)
-    for g in grads:
-        total = total + ops.sum(ops.square(g.astype(ms.float32)))
-    if rank.tp == 1:
-        return ops.sqrt(total)
-    raise NotImplementedError("TP-aware grad norm is built by the distributed-training work")
+reduce_grads = sum_grads_over_dp  # the trainer's name for it (a SUM, see the module docstring)
+
+
+def is_tp_partitioned(param) -> bool:
+    """True when ``param`` holds this TP rank's slice (the model sets ``param.tp_axis``)."""
+    return isinstance(getattr(param, "tp_axis", None), int)
+
+
+def norm_weights(param) -> tuple[float, float]:
+    """(split, replicated) weights of ``param``'s squared gradient in the whole-model norm."""
+    if not is_tp_partitioned(param):
+        return 0.0, 1.0
+    return (1.0 if getattr(param, "tp_owner", True) else 0.0), 0.0
+
+
+def tp_aware_sq_norm(split_sq: ms.Tensor, replicated_sq: ms.Tensor, rank: RankInfo) -> ms.Tensor:
+    """Whole-model squared norm from this rank's partial sums over DP-reduced gradients.
+
+    ``split_sq``: squares of TP-partitioned grads (summed over the TP group); ``replicated_sq``:
+    squares of TP-replicated grads (already whole, counted once).
+    """
+    return all_reduce_sum(split_sq, rank.tp_group) + replicated_sq
+
+
+def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Tensor:
+    """L2 norm of the whole model's (DP-reduced) gradient; each TP slice counted once."""
+    split = ops.zeros((), ms.float32)
+    rep = ops.zeros((), ms.float32)
+    for g, p in zip(grads, params):
+        sq = ops.sum(ops.square(g.astype(ms.float32)))
+        ws, wr = norm_weights(p)
+        if ws:
+            split = split + sq
+        if wr:
+            rep = rep + sq
+    return ops.sqrt(tp_aware_sq_norm(split, rep, rank))

@@ -56,24 +56,53 @@ def linear(x, weight, bias, dtype):
     return ops.dense(x, weight, bias)
 
 
+class SumOverReplicas(nn.Cell):
+    """Identity forward; backward sums the gradient over the TP ranks holding the same replica.
+
+    For KV heads replicated when tp > num_key_value_heads: rank ``r`` of the TP group holds replica
+    ``r // copies``, and each copy only sees the gradient of its own query heads. The gradient is
+    placed in its replica's slot of a zero buffer and all-reduced over the TP group (no extra
+    process group needed); every copy then holds the full, identical gradient.
+    """
+
+    def __init__(self, rank: RankInfo, replicas: int):
+        super().__init__()
+        self.replicas, self.slot = replicas, rank.tp_rank // (rank.tp // replicas)
+        self.all_reduce = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group)
+
+    def construct(self, w):
+        return w
+
+    def bprop(self, w, out, dout):
+        zero = ops.zeros_like(dout)
+        buf = ops.stack([dout if i == self.slot else zero for i in range(self.replicas)])
+        return (self.all_reduce(buf)[self.slot],)
+
+
 class ColumnParallelLinear(nn.Cell):
     """Output features split over TP ranks: weight ``[out/tp, in]`` (``local_out`` overrides out/tp)."""
 
     split_axis = 0
 
     def __init__(self, in_features: int, out_features: int, has_bias: bool, rank: RankInfo,
-                 compute_dtype=ms.float32, local_out: int | None = None):
+                 compute_dtype=ms.float32, local_out: int | None = None, replicas: int = 0):
+        """``replicas`` > 0: the weight is one of ``replicas`` distinct slices, each copied on
+        tp / replicas ranks (KV heads when tp > num_key_value_heads); their grads are summed."""
         super().__init__()
         out = local_out if local_out is not None else _divide(out_features, rank.tp, "output features")
         self.dtype = compute_dtype
         self.weight = Parameter(initializer(Normal(0.02), (out, in_features), ms.float32), name="weight")
         self.bias = Parameter(initializer("zeros", (out,), ms.float32), name="bias") if has_bias else None
         self.copy = CopyToTP(rank) if rank.tp > 1 else None
+        self.share = SumOverReplicas(rank, replicas) if replicas and rank.tp > replicas else None
 
     def construct(self, x):
         if self.copy is not None:
             x = self.copy(x)
-        return linear(x, self.weight, self.bias, self.dtype)
+        if self.share is None:
+            return linear(x, self.weight, self.bias, self.dtype)
+        bias = self.share(self.bias) if self.bias is not None else None
+        return linear(x, self.share(self.weight), bias, self.dtype)
 
 
 class RowParallelLinear(nn.Cell):

@@ -1,0 +1,206 @@
+"""Sharded AdamW (ZeRO-1 style): each DP rank keeps fp32 master weights and Adam moments for 1/dp.
+
+As in ``optim.AdamW``, fp32 parameters are their own master: when every parameter is fp32 no
+master shard is stored (the chunk is read from the parameters, identical on all DP ranks), so the
+state is exactly the moments' 8 bytes per element / dp; bf16/fp16 parameters add a 4-byte master.
+
+Partition: the parameters (in model order) are laid end to end in one flat index space, cut into
+buckets of about 25 MB of fp32, and every bucket is split into ``dp`` equal contiguous chunks
+(the last padded with zeros). DP rank ``r`` owns chunk ``r`` of every bucket, so each rank holds
+1/dp of the state up to padding, whatever the parameter sizes (a huge embedding is split too).
+
+One step: per bucket, flatten the local gradients, reduce-scatter (SUM, see ``grads.py``) over
+the DP group to get this rank's chunk, unscale, take the global norm over all chunks (and TP
+slices), skip on a non-finite norm, clip, AdamW-update the chunk, then all-gather the updated
+chunks and write them back into the parameters. The math per element is that of
+``finetune.optim.AdamW`` (torch AdamW: decoupled decay, bias corrections, no decay on 1-D params).
+Where the backend lacks ReduceScatter/AllGather on the DP group (CPU), AllReduce-based
+equivalents give the same numbers; the choice is logged once.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from finetune.config import TrainConfig
+from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
+                           reduce_scatter_sum)
+from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
+
+log = logging.getLogger(__name__)
+
+Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
+
+
+def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Piece]:
+    """The parameter slices covering the flat range [lo, hi)."""
+    out = []
+    for i, (o, n) in enumerate(zip(offsets, sizes)):
+        a, b = max(lo, o), min(hi, o + n)
+        if a < b:
+            out.append((i, a - o, b - o))
+    return out
+
+
+class ShardedAdamW:
+    """AdamW whose fp32 state is partitioned over the DP group; same interface as ``optim.AdamW``."""
+
+    def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
+        self.params, self.cfg, self.rank = list(params), cfg, rank
+        self.sizes = [int(np.prod(p.shape)) for p in self.params]
+        self.offsets = list(np.cumsum([0] + self.sizes[:-1]).tolist())
+        total, per = sum(self.sizes), max(1, bucket_bytes // 4)
+        self.buckets = [(a, min(a + per, total)) for a in range(0, total, per)]  # flat [lo, hi)
+        dp, r = rank.dp, rank.dp_rank
+        self.chunk = [math.ceil((hi - lo) / dp) for lo, hi in self.buckets]
+        self.mine = [pieces_in(self.offsets, self.sizes, lo + r * c, min(lo + (r + 1) * c, hi))
+                     for (lo, hi), c in zip(self.buckets, self.chunk)]
+        self.keep_master = any(p.dtype != ms.float32 for p in self.params)
+        self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
+        self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
+        self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
+        self.segs = [self._segments(k) for k in range(len(self.buckets))]
+        self.t = 0
+        native = native_collectives(rank, rank.dp_group)
+        self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
+        if rank.is_main:
+            log.info("sharded optimizer over dp=%d: %d bucket(s); reduce-scatter %s, all-gather %s", dp,
+                     len(self.buckets), "native" if self.native_rs else "via AllReduce",
+                     "native" if self.native_ag else "via AllReduce")
+
+    # ---------------------------------------------------------------- layout helpers
+    def _own_chunk(self, k: int) -> ms.Tensor:
+        """This rank's chunk of bucket ``k`` of the parameters in fp32, zero-padded to the chunk size."""
+        parts = [self.params[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in self.mine[k]]
+        return self._pad(parts, self.chunk[k], ms.float32)
+
+    @staticmethod
+    def _pad(parts: list, length: int, dtype) -> ms.Tensor:
+        have = sum(int(p.shape[0]) for p in parts)
+        if have < length:
+            parts = parts + [ops.zeros((length - have,), dtype)]
+        return ops.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _segments(self, k: int) -> list[tuple[int, int, bool, float, float]]:
+        """Runs of this rank's chunk ``k`` with equal (decay?, split weight, replicated weight).
+
+        Ranges instead of per-element masks keep the extra memory at a few numbers per bucket.
+        """
+        out: list[tuple[int, int, bool, float, float]] = []
+        pos = 0
+        for i, a, b in self.mine[k]:
+            p = self.params[i]
+            attrs = (len(p.shape) > 1, *norm_weights(p))  # no decay on 1-D params; see grads.norm_weights
+            if out and out[-1][2:] == attrs and out[-1][1] == pos:
+                out[-1] = (out[-1][0], pos + b - a, *attrs)
+            else:
+                out.append((pos, pos + b - a, *attrs))
+            pos += b - a
+        return out
+
+    def _bucket_flat(self, grads: list, k: int) -> ms.Tensor:
+        lo, hi = self.buckets[k]
+        found = pieces_in(self.offsets, self.sizes, lo, hi)
+        dtype = grads[found[0][0]].dtype  # one dtype per bucket for the flat buffer
+        parts = [grads[i].reshape(-1)[a:b].astype(dtype) for i, a, b in found]
+        return self._pad(parts, self.chunk[k] * self.rank.dp, dtype)
+
+    # ---------------------------------------------------------------- step
+    def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
+        """Reduce-scatter, unscale, clip and apply ``grads``; returns (global grad_norm, applied)."""
+        grads = list(grads)
+        rk = self.rank
+        shards = []
+        for k in range(len(self.buckets)):
+            g = reduce_scatter_sum(self._bucket_flat(grads, k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
+            g = g.astype(ms.float32)
+            shards.append(g / grad_scale if grad_scale != 1.0 else g)
+        norm = self._global_norm(shards)
+        if not math.isfinite(norm):
+            return norm, False
+        clip = self.cfg.clip_grad
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+            shards = [g * coef for g in shards]
+        self.t += 1
+        b1, b2 = self.cfg.betas
+        bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        step_size = lr / bc1
+        keep = 1.0 - lr * self.cfg.weight_decay
+        pending: dict[int, list] = {}
+        for k, g in enumerate(shards):
+            self.m[k] = self.m[k] * b1 + g * (1.0 - b1)
+            self.v[k] = self.v[k] * b2 + ops.square(g) * (1.0 - b2)
+            denom = ops.sqrt(self.v[k] / bc2) + self.cfg.eps
+            w = self.master[k] if self.keep_master else self._own_chunk(k)
+            parts = [w[a:b] * keep if decay else w[a:b] for a, b, decay, _, _ in self.segs[k]]
+            if sum(b - a for a, b, *_ in self.segs[k]) < self.chunk[k]:
+                parts.append(w[sum(b - a for a, b, *_ in self.segs[k]):])  # padding stays zero
+            decayed = ops.cat(parts) if len(parts) > 1 else parts[0]
+            new = decayed - step_size * self.m[k] / denom
+            if self.keep_master:
+                self.master[k] = new
+            self._write_back(k, new, pending)
+        return norm, True
+
+    def _global_norm(self, shards: list) -> float:
+        split = ops.zeros((), ms.float32)
+        rep = ops.zeros((), ms.float32)
+        for g, segs in zip(shards, self.segs):
+            for a, b, _, ws, wr in segs:
+                sq = ops.sum(ops.square(g[a:b]))
+                split = split + sq * ws
+                rep = rep + sq * wr
+        both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
+        return float(ops.sqrt(tp_aware_sq_norm(both[0], both[1], self.rank)).asnumpy())
+
+    def _write_back(self, k: int, chunk: ms.Tensor, pending: dict[int, list]) -> None:
+        """All-gather bucket ``k``'s updated chunks and copy finished parameters back (``pending``:
+        pieces of parameters that continue in the next bucket)."""
+        rk = self.rank
+        lo, hi = self.buckets[k]
+        found = pieces_in(self.offsets, self.sizes, lo, hi)
+        dtype = self.params[found[0][0]].dtype
+        full = all_gather_flat(chunk.astype(dtype), rk.dp, rk.dp_rank, rk.dp_group, self.native_ag)
+        for i, a, b in found:
+            pending.setdefault(i, []).append(full[self.offsets[i] + a - lo:self.offsets[i] + b - lo])
+            if b == self.sizes[i]:
+                parts = pending.pop(i)
+                p = self.params[i]
+                flat = ops.cat(parts) if len(parts) > 1 else parts[0]
+                p.set_data(flat.reshape(p.shape).astype(p.dtype))
+
+    # ---------------------------------------------------------------- state
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held by this rank (moments, plus masters for low-precision params)."""
+        return sum(int(t.nbytes) for t in self.master + self.m + self.v)
+
+    def _meta(self) -> np.ndarray:
+        return np.array([self.rank.dp, self.rank.dp_rank, sum(self.sizes), len(self.buckets)], np.int64)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Only this DP rank's shard: ``shard.{master,m,v}.<bucket>`` plus the step and layout."""
+        out: dict[str, np.ndarray] = {"t": np.array(self.t, dtype=np.int64), "shard.layout": self._meta()}
+        for k in range(len(self.buckets)):
+            if self.keep_master:
+                out[f"shard.master.{k}"] = self.master[k].asnumpy()
+            out[f"shard.m.{k}"] = self.m[k].asnumpy()
+            out[f"shard.v.{k}"] = self.v[k].asnumpy()
+        return out
+
+    def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
+        """Restore a shard saved by the same DP rank of the same layout (ValueError otherwise)."""
+        if "shard.layout" not in d or not np.array_equal(np.asarray(d["shard.layout"]), self._meta()):
+            got = d.get("shard.layout")
+            raise ValueError(f"optimizer shard layout {None if got is None else list(got)} does not match this "
+                             f"run's [dp, dp_rank, params, buckets]={list(self._meta())}; resume with the same "
+                             "parallel.tp/parallel.dp as the checkpoint, or train.resume=never")
+        self.t = int(d["t"])
+        if self.keep_master:
+            self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
+        self.m = [ms.Tensor(d[f"shard.m.{k}"], ms.float32) for k in range(len(self.buckets))]
+        self.v = [ms.Tensor(d[f"shard.v.{k}"], ms.float32) for k in range(len(self.buckets))]

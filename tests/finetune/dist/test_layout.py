@@ -1,0 +1,32 @@
+"""Layout checks and group membership (pure Python, no workers)."""
+import pytest
+
+from finetune.dist import dp_group_ranks, group_name, init_distributed, resolve_layout, tp_group_ranks
+
+
+def test_dp_is_derived_and_products_are_checked():
+    assert resolve_layout(8, 2) == (2, 4)
+    assert resolve_layout(4, 2, 2) == (2, 2)
+    with pytest.raises(ValueError, match=r"parallel.tp=2 x parallel.dp=4 = 8 but the job has 4 worker"):
+        resolve_layout(4, 2, 4)
+    with pytest.raises(ValueError, match=r"parallel.tp=3 does not divide the 4 worker"):
+        resolve_layout(4, 3)
+    with pytest.raises(ValueError, match=r"parallel.pp=2: pipeline parallelism is not supported"):
+        resolve_layout(4, 2, 0, pp=2)
+
+
+def test_tp_groups_are_contiguous_and_dp_groups_share_the_tp_rank():
+    # world 8 = tp 2 x dp 4: TP pairs (0,1) (2,3) ...; DP groups: even ranks, odd ranks
+    assert [tp_group_ranks(r, 2) for r in (0, 1, 5)] == [[0, 1], [0, 1], [4, 5]]
+    assert dp_group_ranks(5, 2, 4) == [1, 3, 5, 7] and dp_group_ranks(2, 2, 4) == [0, 2, 4, 6]
+    assert group_name("tp", [2, 3]) == "tp-2-3"
+    every = sorted(r for g in {tuple(dp_group_ranks(r, 4, 2)) for r in range(8)} for r in g)
+    assert every == list(range(8))
+
+
+def test_single_process_needs_no_collectives_and_refuses_a_split(monkeypatch):
+    monkeypatch.delenv("MS_ROLE", raising=False)
+    rank = init_distributed(1, 0, "CPU")
+    assert (rank.world_size, rank.tp, rank.dp, rank.dp_group, rank.is_main) == (1, 1, 1, None, True)
+    with pytest.raises(ValueError, match="parallel.tp=2"):
+        init_distributed(2, 0, "CPU")

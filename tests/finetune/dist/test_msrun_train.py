@@ -1,0 +1,125 @@
+"""The real trainer under msrun (tiny Qwen2, CPU workers) is the one-process computation.
+
+Same data, seed and global batch (4 sequences: micro batch 2 x grad_accum 2/dp x dp) in every
+layout; compared: the per-step losses in metrics.jsonl (rel 1e-4, 5 steps) and the exported
+Hugging Face weights. One module-scoped one-process run is the reference for all.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import harness
+from finetune.config import load_recipe, to_dict
+
+pytestmark = pytest.mark.slow
+WORKER = harness.REPO / "finetune" / "worker.py"
+STEPS = 5
+GLOBAL_SEQS = 4
+
+
+def _plan(tmp: Path, name: str, tp: int, dp: int, **extra: str) -> Path:
+    """Write <tmp>/<name>/plan.json; the model and token cache are shared by every run."""
+    over = {"output_dir": str(tmp / name), "model.dir": str(tmp / "base-model"), "data.cache_dir": str(tmp / "cache"),
+            "data.seq_len": "64", "data.max_samples": "48", "train.micro_batch_size": "2",
+            "train.grad_accum": str(GLOBAL_SEQS // 2 // dp), "train.max_steps": str(STEPS), "train.log_every": "1",
+            "train.warmup_steps": "1", "train.lr": "5e-3", "train.save_every": "0", "parallel.tp": str(tp),
+            "parallel.dp": str(dp), "export.dtype": "fp32", **extra}
+    (tmp / name).mkdir(parents=True, exist_ok=True)
+    plan = tmp / name / "plan.json"
+    plan.write_text(json.dumps({"recipe": to_dict(load_recipe("tiny-cpu", over))}))
+    return plan
+
+
+def _msrun(tmp: Path, name: str, workers: int, nodes: int = 1, **kw) -> Path:
+    harness.msrun(WORKER, ["--config", str(tmp / name / "plan.json")], workers, tmp / name, nodes=nodes, **kw)
+    return tmp / name
+
+
+def _run_once(tmp: Path, name: str, tp: int, dp: int, workers: int, nodes: int = 1, **extra: str) -> Path:
+    """Plan and run a complete job unless this module already ran it."""
+    if not (tmp / name / "hf").is_dir():
+        _plan(tmp, name, tp, dp, **extra)
+        _msrun(tmp, name, workers, nodes)
+    return tmp / name
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _hf(out: Path) -> dict[str, np.ndarray]:
+    w: dict[str, np.ndarray] = {}
+    for f in sorted((out / "hf").glob("*.safetensors")):
+        w.update(load_file(str(f)))
+    return w
+
+
+def _assert_same_run(got: Path, ref: Path) -> None:
+    a, b = _losses(got), _losses(ref)
+    assert len(a) == len(b) == STEPS
+    np.testing.assert_allclose(a, b, rtol=1e-4)
+    wa, wb = _hf(got), _hf(ref)
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:  # atol: Adam's normalised step turns float noise in a ~0 gradient into up to lr per step
+        np.testing.assert_allclose(wa[k], wb[k], rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def _optim_bytes(out: Path) -> list[int]:
+    return [f.stat().st_size for f in sorted((out / "checkpoints").glob("step_*/optim_rank*.safetensors"))]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    """The one-process reference run (it also creates the tiny model and the token cache)."""
+    tmp = tmp_path_factory.mktemp("msrun")
+    from finetune.tiny import ensure_tiny_model
+
+    ensure_tiny_model(tmp / "base-model", load_recipe("tiny-cpu").model.init, 0)
+    harness.python(WORKER, ["--config", str(_plan(tmp, "one", 1, 1))], tmp / "one")
+    return tmp
+
+
+def test_dp2_sharded_and_unsharded_equal_one_process(tmp):
+    _assert_same_run(_run_once(tmp, "dp2", 1, 2, 2), tmp / "one")  # shard_optimizer unset: on (dp > 1)
+    _assert_same_run(_run_once(tmp, "dp2-full", 1, 2, 2, **{"parallel.shard_optimizer": "false"}), tmp / "one")
+    sharded, full = _optim_bytes(tmp / "dp2"), _optim_bytes(tmp / "dp2-full")
+    assert len(sharded) == 2 and len(full) == 1  # unsharded state is stored once (DP replicas equal)
+    for b in sharded:
+        assert abs(b - full[0] / 2) / (full[0] / 2) < 0.01, (sharded, full)
+
+
+def test_tp2_equals_one_process(tmp):
+    _assert_same_run(_run_once(tmp, "tp2", 2, 1, 2), tmp / "one")
+
+
+def test_tp2_dp2_on_two_nodes_equals_one_process(tmp):
+    """4 workers as two msrun "nodes" of 2 (TP groups inside a node), sharded optimizer over DP."""
+    _assert_same_run(_run_once(tmp, "tp2dp2", 2, 2, 4, nodes=2), tmp / "one")
+    sharded, per_tp_rank = _optim_bytes(tmp / "tp2dp2"), _optim_bytes(_run_once(tmp, "tp2", 2, 1, 2))
+    assert len(sharded) == 4 and len(per_tp_rank) == 2
+    for b in sharded:  # each rank: half of its TP slice's state
+        assert abs(b - per_tp_rank[0] / 2) / (per_tp_rank[0] / 2) < 0.01, (sharded, per_tp_rank)
+
+
+def test_killed_mid_run_and_resumed_equals_uninterrupted(tmp):
+    """SIGINT to msrun kills every worker after a mid-run checkpoint; rerunning resumes from it."""
+    name = "dp2-resume"
+    _plan(tmp, name, 1, 2, **{"train.save_every": "2"})
+    ckpt = tmp / name / "checkpoints" / "step_00000002" / "manifest.json"
+    _msrun(tmp, name, 2, kill_when=ckpt.is_file)
+    assert not (tmp / name / "hf").exists() and len(_losses(tmp / name)) < STEPS
+    shutil.rmtree(tmp / name / "msrun-logs-0")
+    _msrun(tmp, name, 2)
+    assert _losses(tmp / name) == _losses(_run_once(tmp, "dp2", 1, 2, 2))
+    _assert_same_run(tmp / name, tmp / "one")
+
+
+@pytest.mark.skipif(os.environ.get("DIST_EXTRA") != "1", reason="4 more workers; run with DIST_EXTRA=1")
+def test_tp4_replicated_kv_heads_equal_one_process(tmp):
+    """tp=4 > 2 KV heads: each KV head lives on two ranks; their gradients are summed (SumOverReplicas)."""
+    _assert_same_run(_run_once(tmp, "tp4", 4, 1, 4), tmp / "one")
