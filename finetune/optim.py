@@ -108,7 +108,7 @@ class AdamW:
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
-        self.t = int(d["t"])
+        self.t = int(np.asarray(d["t"]).item())
         for i, p in enumerate(self.params):
             self.m[i] = ms.Tensor(d[f"m.{p.name}"], ms.float32)
             self.v[i] = ms.Tensor(d[f"v.{p.name}"], ms.float32)
