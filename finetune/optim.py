@@ -27,6 +27,14 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def clip_by_norm(grads: list, norm: float, max_norm: float) -> list:
+    """Scale ``grads`` so their global norm is at most ``max_norm`` (0: no clipping), as torch does."""
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        return [g * coef for g in grads]
+    return grads
+
+
 class LossScaler:
     """Dynamic loss scale for fp16: x growth after `growth_interval` good steps, x backoff and skip on overflow."""
 
@@ -84,10 +92,7 @@ class AdamW:
         norm = float(global_grad_norm(grads, self.params, self.rank).asnumpy())
         if not math.isfinite(norm):
             return norm, False
-        clip = self.cfg.clip_grad
-        if clip > 0 and norm > clip:
-            coef = clip / (norm + 1e-6)
-            grads = [g * coef for g in grads]
+        grads = clip_by_norm(grads, norm, self.cfg.clip_grad)
         self.t += 1
         b1, b2 = self.cfg.betas
         bc1, bc2 = 1.0 - b1 ** self.t, math.sqrt(1.0 - b2 ** self.t)

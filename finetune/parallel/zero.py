@@ -29,6 +29,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
+from finetune.optim import clip_by_norm
 from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
 
 log = logging.getLogger(__name__)
@@ -122,10 +123,7 @@ class ShardedAdamW:
         norm = self._global_norm(shards)
         if not math.isfinite(norm):
             return norm, False
-        clip = self.cfg.clip_grad
-        if clip > 0 and norm > clip:
-            coef = clip / (norm + 1e-6)
-            shards = [g * coef for g in shards]
+        shards = clip_by_norm(shards, norm, self.cfg.clip_grad)
         self.t += 1
         b1, b2 = self.cfg.betas
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t

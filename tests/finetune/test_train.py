@@ -55,3 +55,20 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(straight, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_fp16_trains_with_dynamic_loss_scaling(tmp_path):
+    out = tmp_path / "fp16"
+    assert run(_recipe(out, **{"train.precision": "fp16", "train.max_steps": "3", "train.save_every": "0",
+                              "export.dtype": "fp16"})) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss_scale"] for r in records] == [65536.0] * 3
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == "float16"
+
+
+def test_bf16_on_cpu_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="train.precision=fp32"):
+        run(_recipe(tmp_path, **{"train.precision": "bf16"}))
