@@ -61,13 +61,20 @@ class Encoder:
         flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lens.sum()))
         labels = label_flat(flat, self.sp)
         ends = np.cumsum(lens)
-        tok_parts, lab_parts, kept, lengths, full, keys = [], [], [], [], [], []
+        begins = ends - lens
+        csum = np.r_[0, np.cumsum(labels != IGNORE)]
+        n_lab = csum[ends] - csum[begins]
+        # samples that pass the token rules, fit and have labels keep their ids as they are:
+        # only the others go through the per-sample Python path
+        plain = (lens >= self.clean.min_tokens) & (lens <= self.seq_len) & (n_lab > 0)
+        if self.clean.max_tokens:
+            plain &= lens <= self.clean.max_tokens
+        tok_parts, lab_parts, fixed = [], [], {}
         truncated = 0
-        for j, i in enumerate(todo):
-            n = int(lens[j])
-            a, b = int(ends[j]) - n, int(ends[j])
+        for j in np.flatnonzero(~plain).tolist():
+            i, n = todo[j], int(lens[j])
             reason = token_rule(n, self.clean)
-            ids, lab = flat[a:b], labels[a:b]
+            ids, lab = flat[begins[j]:ends[j]], labels[begins[j]:ends[j]]
             if reason is None and n > self.seq_len:
                 fit = truncate(ids, lab, self.seq_len, self.sp)
                 truncated += fit is not None
@@ -77,16 +84,27 @@ class Encoder:
                 reason = "no_labels"
             reasons[i] = reason
             if reason is None:
+                fixed[j] = (ids, lab)
+        keep_j = plain.copy()
+        keep_j[list(fixed)] = True
+        kept_j = np.flatnonzero(keep_j).tolist()
+        if not fixed:  # the common case: whole samples back to back
+            mask = np.repeat(plain, lens)
+            tokens, labs = flat[mask], labels[mask]
+            lengths = lens[plain].tolist()
+        else:
+            for j in kept_j:
+                ids, lab = fixed.get(j) or (flat[begins[j]:ends[j]], labels[begins[j]:ends[j]])
                 tok_parts.append(ids)
                 lab_parts.append(lab)
-                kept.append(i)
-                lengths.append(len(ids))
-                full.append(n)
-                keys.append(dedup_key(samples[i]) if self.clean.dedup else b"")
-        empty = np.zeros(0, np.int32)
+            tokens, labs = np.concatenate(tok_parts), np.concatenate(lab_parts)
+            lengths = [len(p) for p in tok_parts]
+        kept = [todo[j] for j in kept_j]
+        full = lens[kept_j].tolist()
+        keys = [dedup_key(samples[i]) for i in kept] if self.clean.dedup else [b""] * len(kept)
         return {"reasons": reasons, "kept": kept, "lengths": lengths, "full": full, "keys": keys,
-                "tokens": np.concatenate(tok_parts) if tok_parts else empty,
-                "labels": np.concatenate(lab_parts) if lab_parts else empty, "truncated": truncated,
+                "tokens": tokens.astype(np.int32, copy=False), "labels": labs.astype(np.int32, copy=False),
+                "truncated": truncated,
                 "pad_id": self.sp.pad}
 
 
@@ -238,7 +256,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
             if not keep_mask.all():
                 mask = np.repeat(keep_mask, lengths)
                 tok, lab, lengths = tok[mask], lab[mask], lengths[keep_mask]
-            kept = [i for j, i in enumerate(res["kept"]) if keep_mask[j]]
+            kept = list(itertools.compress(res["kept"], keep_mask.tolist()))
             if cfg.max_samples:
                 room = max(cfg.max_samples - n_entries, 0)
                 reps = np.minimum(np.cumsum([copies[i] for i in kept]), room) if kept else np.zeros(0, int)
