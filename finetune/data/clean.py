@@ -8,6 +8,8 @@ import functools
 import hashlib
 import re
 
+import numpy as np
+
 from finetune.config import CleanConfig
 from finetune.data.formats import Sample
 
@@ -42,8 +44,35 @@ def mojibake_ratio(text: str) -> float:
     return len(_BAD.findall(text)) / len(text)
 
 
-def text_rule(s: Sample, cfg: CleanConfig) -> str | None:
-    """The first text rule that drops the sample, or None to keep it."""
+def _joined(s: Sample) -> str:
+    return "\n".join([c for _, c in s.turns] + ([s.system] if s.system else []))
+
+
+def may_repeat(samples: list[Sample], max_run: int) -> list[bool]:
+    """Per sample: does its text hold a character repeated more than max_run times in a row?
+
+    A cheap vectorised pre-check of repeated_chars over a whole chunk (any character, so a True
+    still needs the exact regex; a False is final): the texts are joined by newlines, which
+    no run of the rule can cross.
+    """
+    texts = [_joined(s) for s in samples]
+    a = np.frombuffer("\n".join(texts).encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    m = max(max_run, 1)
+    if len(a) <= m:
+        return [False] * len(samples)
+    c = np.r_[0, np.cumsum(a[1:] == a[:-1])]  # c[i]: equal neighbour pairs before position i
+    hit = np.flatnonzero(c[m:] - c[:-m] == m)  # a[i..i+m] all equal
+    if not len(hit):
+        return [False] * len(samples)
+    starts = np.cumsum([0] + [len(t) + 1 for t in texts[:-1]])
+    out = np.zeros(len(samples), dtype=bool)
+    out[np.searchsorted(starts, hit, side="right") - 1] = True
+    return out.tolist()
+
+
+def text_rule(s: Sample, cfg: CleanConfig, run_possible: bool = True) -> str | None:
+    """The first text rule that drops the sample, or None to keep it (``run_possible`` False: the
+    sample is known to pass repeated_chars)."""
     if cfg.invalid_utf8 and s.bad_utf8:
         return "invalid_utf8"
     answers = _answers(s)
@@ -56,8 +85,10 @@ def text_rule(s: Sample, cfg: CleanConfig) -> str | None:
                     and _norm(content) == _norm(prev):
                 return "repeat_prompt"
             prev = content if role == "user" else prev
-    joined = "\n".join([c for _, c in s.turns] + ([s.system] if s.system else []))
-    if cfg.repeated_chars and _run_re(cfg.repeated_chars_max_run).search(joined):
+    if not (cfg.mojibake or (cfg.repeated_chars and run_possible)):
+        return None
+    joined = _joined(s)
+    if cfg.repeated_chars and run_possible and _run_re(cfg.repeated_chars_max_run).search(joined):
         return "repeated_chars"
     if cfg.mojibake and _BAD.search(joined) and mojibake_ratio(joined) > cfg.mojibake_max_ratio:
         return "mojibake"

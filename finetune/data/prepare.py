@@ -25,7 +25,7 @@ import numpy as np
 
 from finetune.config import ASSETS_DIR, CleanConfig, ConfigError, Recipe, load_recipe, resolved_model_dir
 from finetune.data import batching, cache
-from finetune.data.clean import RULES, dedup_key, text_rule, token_rule
+from finetune.data.clean import RULES, dedup_key, may_repeat, text_rule, token_rule
 from finetune.data.formats import DataError, Sample, iter_samples, resolve_sources
 from finetune.data.template import IGNORE, Specials, label_flat, render, truncate
 
@@ -52,7 +52,9 @@ class Encoder:
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
-        reasons: list[str | None] = [text_rule(s, self.clean) for s in samples]
+        runs = may_repeat(samples, self.clean.repeated_chars_max_run) if self.clean.repeated_chars \
+            else [False] * len(samples)
+        reasons: list[str | None] = [text_rule(s, self.clean, r) for s, r in zip(samples, runs)]
         todo = [i for i, r in enumerate(reasons) if r is None]
         encs = self.tok.encode_batch([render(samples[i], self.system_prompt) for i in todo],
                                      add_special_tokens=False)

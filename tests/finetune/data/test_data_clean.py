@@ -50,3 +50,24 @@ def test_token_length_rules():
 def test_dedup_key_normalizes_case_and_whitespace_only():
     assert dedup_key(s("Hello  World", "Yes.")) == dedup_key(s("hello world", " yes. "))
     assert dedup_key(s("Hello World", "Yes.")) != dedup_key(s("Hello World", "No."))
+
+
+def test_may_repeat_never_misses_a_run_the_regex_finds():
+    """The chunk pre-check may say yes wrongly (the regex decides) but never no wrongly."""
+    import random
+
+    from finetune.data.clean import _run_re, may_repeat
+
+    rng = random.Random(0)
+    samples = []
+    for _ in range(2000):
+        t = "".join(rng.choice("ab\n -=_x\u00e9") for _ in range(rng.randint(0, 40)))
+        samples.append(Sample(rng.choice([None, "", "zz" + t[:5]]), (("user", t[::-1]), ("assistant", t)), "w"))
+    for m in (1, 2, 3, 5):
+        got = may_repeat(samples, m)
+        exact = [bool(_run_re(m).search("\n".join([c for _, c in s.turns] + ([s.system] if s.system else []))))
+                 for s in samples]
+        assert sum(exact) > 0 or m == 5
+        assert all(g or not e for g, e in zip(got, exact))
+        assert sum(got) < len(samples)
+    assert may_repeat([], 10) == []
