@@ -102,9 +102,8 @@ class Encoder:
             tokens, labs = np.concatenate(tok_parts), np.concatenate(lab_parts)
             lengths = [len(p) for p in tok_parts]
         kept = [todo[j] for j in kept_j]
-        full = lens[kept_j].tolist()
         keys = [dedup_key(samples[i]) for i in kept] if self.clean.dedup else [b""] * len(kept)
-        return {"reasons": reasons, "kept": kept, "lengths": lengths, "full": full, "keys": keys,
+        return {"reasons": reasons, "kept": kept, "lengths": lengths, "keys": keys,
                 "tokens": tokens.astype(np.int32, copy=False), "labels": labs.astype(np.int32, copy=False),
                 "truncated": truncated,
                 "pad_id": self.sp.pad}
