@@ -33,6 +33,9 @@ CHUNK = 256  # samples per worker task
 # data.num_workers=0 (auto): below this much input, starting processes costs more than it gains
 # (encode_batch is multi-threaded in this process too); above it, one process per core
 AUTO_POOL_BYTES = 32 << 20
+# encodings of this many chunks are freed together: freeing each chunk's before the next encode
+# makes encode_batch ~1.4x slower (measured, glibc malloc); 16 chunks hold ~tens of MB
+HOLD_CHUNKS = 16
 
 
 @functools.lru_cache(maxsize=2)
@@ -50,6 +53,7 @@ class Encoder:
         self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
         self.sp = Specials(self.tok)
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
+        self._held: list = []  # recent chunks' encodings, see HOLD_CHUNKS
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
         runs = may_repeat(samples, self.clean.repeated_chars_max_run) if self.clean.repeated_chars \
@@ -59,6 +63,9 @@ class Encoder:
         encs = self.tok.encode_batch([render(samples[i], self.system_prompt) for i in todo],
                                      add_special_tokens=False)
         id_lists = [e.ids for e in encs]
+        self._held.append(encs)
+        if len(self._held) >= HOLD_CHUNKS:
+            self._held.clear()
         lens = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lens.sum()))
         labels = label_flat(flat, self.sp)
