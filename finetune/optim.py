@@ -86,7 +86,7 @@ class AdamW:
     def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied)."""
         grads = reduce_grads(grads, self.rank)
-        grads = [g.astype(ms.float32) for g in grads]
+        grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
         if grad_scale != 1.0:
             grads = [g / grad_scale for g in grads]
         norm = float(global_grad_norm(grads, self.params, self.rank).asnumpy())
@@ -100,8 +100,9 @@ class AdamW:
         # lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
         f32 = lambda x: ms.Tensor(x, ms.float32)  # noqa: E731
         lr_t, b1_t, b2_t, eps_t = f32(lr * bc2 / bc1), f32(b1), f32(b2), f32(self.cfg.eps * bc2)
+        wd_t = {d: f32(d * bc1 / bc2) for d in set(self.decay)}  # one tensor per distinct decay
         for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
-            self._update(w, self.m[i], self.v[i], lr_t, b1_t, b2_t, eps_t, f32(self.decay[i] * bc1 / bc2), g)
+            self._update(w, self.m[i], self.v[i], lr_t, b1_t, b2_t, eps_t, wd_t[self.decay[i]], g)
             if w is not p:
                 p.set_data(w.astype(p.dtype))
         return norm, True
