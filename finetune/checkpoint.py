@@ -109,6 +109,12 @@ def load_checkpoint(path: Path, model_params: list, rank: RankInfo) -> tuple[Tra
     if missing:
         raise ValueError(f"{model_file}: missing parameters {missing[:5]}; the checkpoint does not match "
                          "this model — point train.resume at another checkpoint or set train.resume=never")
+    wrong = [f"{p.name} {list(weights[p.name].shape)} vs {list(p.shape)}" for p in model_params
+             if tuple(weights[p.name].shape) != tuple(p.shape)]
+    if wrong:
+        raise ValueError(f"{model_file}: parameter shapes differ from this model's ({'; '.join(wrong[:3])}); "
+                         "it was written with another layout (parallel.vocab_parallel?) — resume with the "
+                         "settings that wrote it, or set train.resume=never")
     for p in model_params:
         p.set_data(ms.Tensor(weights[p.name]).astype(p.dtype))
     optim_file = _owner_file(path, "optim", rank)

@@ -119,7 +119,7 @@ class ParallelConfig:
     dp: int = 0
     pp: int = 1
     shard_optimizer: bool | None = None  # None: on when dp > 1
-    vocab_parallel: bool = False  # vocab-parallel embedding/LM head with parallel cross-entropy
+    vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
 
 
 @dataclass
@@ -382,9 +382,6 @@ def validate(r: Recipe) -> list[str]:
                  "(e.g. data.clean.mojibake_max_ratio=0.3)")
     if any(w < 0 for w in r.data.weights):
         p.append(f"data.weights={r.data.weights}: weights are >= 0 (e.g. data.weights=1,0.5)")
-    if r.parallel.vocab_parallel:
-        p.append("parallel.vocab_parallel=true: the vocab-parallel embedding/LM head is not built yet; "
-                 "use parallel.vocab_parallel=false (embedding and LM head replicated over TP)")
     if r.data.weights and len(r.data.weights) != len(r.data.paths):
         p.append(f"data.weights: {len(r.data.weights)} weights for {len(r.data.paths)} paths; "
                  "give one weight per data.paths entry or none")

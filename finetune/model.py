@@ -20,7 +20,7 @@ from mindspore.common import dtype as mstype
 from mindspore.common.initializer import Normal, initializer
 
 from finetune.dist import RankInfo
-from finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from finetune.parallel.layers import ColumnParallelLinear, ReduceFromTP, RowParallelLinear
 from finetune.tiny import hf_param_shapes
 
 IGNORE_INDEX = -100
@@ -107,20 +107,52 @@ class RMSNorm(nn.Cell):
         return self.weight.astype(dtype) * h.astype(dtype)
 
 
-class Embedding(nn.Cell):
-    """Token embedding (replicated on every TP rank)."""
+class VocabRange(NamedTuple):
+    """The token ids ``[start, start + size)`` whose rows this rank holds (all of them when not split)."""
 
-    def __init__(self, vocab: int, hidden: int, compute_dtype):
+    start: int
+    size: int
+
+    def local(self, ids):
+        """``(ids - start)`` clipped to a valid row and an fp32 mask of the ids this rank holds."""
+        local = ids - self.start
+        inside = ops.logical_and(local >= 0, local < self.size)
+        return ops.where(inside, local, ops.zeros_like(local)), inside.astype(ms.float32)
+
+
+def vocab_range(vocab: int, rank: RankInfo, vocab_parallel: bool) -> VocabRange:
+    """This rank's vocabulary rows: a contiguous ``vocab / tp`` slice when vocab-parallel over TP."""
+    if not vocab_parallel or rank.tp == 1:
+        return VocabRange(0, vocab)
+    if vocab % rank.tp:
+        raise ValueError(f"vocab_size={vocab} is not divisible by parallel.tp={rank.tp}; set "
+                         "parallel.vocab_parallel=false (embedding and LM head replicated) or pick a tp dividing it")
+    size = vocab // rank.tp
+    return VocabRange(rank.tp_rank * size, size)
+
+
+class Embedding(nn.Cell):
+    """Token embedding: replicated, or vocab-parallel (each TP rank looks up its rows, then a TP sum)."""
+
+    def __init__(self, vocab: int, hidden: int, compute_dtype, rank: RankInfo = RankInfo(),
+                 vocab_parallel: bool = False):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), ms.float32), name="weight")
+        self.rows = vocab_range(vocab, rank, vocab_parallel)
+        self.weight = Parameter(initializer(Normal(0.02), (self.rows.size, hidden), ms.float32), name="weight")
         self.dtype = compute_dtype
+        self.split = self.rows.size != vocab
+        self.reduce = ReduceFromTP(rank) if self.split else None
 
     def construct(self, ids):
-        return ops.gather(self.weight, ids, 0).astype(self.dtype)
+        if not self.split:
+            return ops.gather(self.weight, ids, 0).astype(self.dtype)
+        local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed
+        x = ops.gather(self.weight, local, 0) * inside.expand_dims(-1).astype(self.weight.dtype)
+        return self.reduce(x.astype(self.dtype))
 
 
 class LMHead(nn.Cell):
-    """Untied output projection ``[vocab, hidden]``."""
+    """Untied output projection ``[vocab, hidden]`` (``[vocab / tp, hidden]`` when vocab-parallel)."""
 
     def __init__(self, vocab: int, hidden: int):
         super().__init__()
@@ -133,26 +165,57 @@ class LMHeadCrossEntropy(nn.Cell):
     MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
     the closed form ``dlogits = softmax - onehot``; the backward recomputes the logits instead of
     keeping them, so only the forward's logits are ever alive.
+
+    Vocab-parallel (``rows`` a slice of the vocabulary, ``rank.tp > 1``): each TP rank holds the
+    logits of its rows only. The row maxima, the sums of exponentials and the target logits are
+    combined over the TP group, so every rank returns the whole loss; backward, each rank's
+    ``d hidden`` covers its rows and is summed over the TP group.
     """
 
-    def __init__(self, compute_dtype):
+    def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None):
         super().__init__()
         self.dtype = compute_dtype
         self.mm_bt = ops.MatMul(transpose_b=True)
         self.mm_at = ops.MatMul(transpose_a=True)
+        self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
+        self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
+        self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
 
     def _logits(self, h, w):
         return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
 
+    def _softmax_parts(self, logits, target):
+        """Vocab-parallel: (row max over all ranks, sum of exp(logits - max) over all ranks,
+        this rank's target logit or 0, local target column, 1.0 where this rank holds the target)."""
+        local_max = ops.amax(logits, -1)
+        slots = [local_max if i == self.tp_rank else ops.zeros_like(local_max) for i in range(self.tp)]
+        row_max = ops.amax(self.tp_sum(ops.stack(slots)), 0)  # exact: one AllReduce of tp x tokens values
+        col, inside = self.rows.local(target)
+        picked = ops.gather_elements(logits, 1, col.reshape(-1, 1)).reshape(-1) * inside
+        return row_max, ops.exp(logits - row_max.expand_dims(-1)).sum(-1), picked, col, inside
+
     def construct(self, h, w, target):
-        logp = ops.log_softmax(self._logits(h, w), -1)
-        return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+        logits = self._logits(h, w)
+        if not self.split:
+            logp = ops.log_softmax(logits, -1)
+            return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+        row_max, sum_exp, picked, _, _ = self._softmax_parts(logits, target)
+        total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
+        return (ops.log(total[0]) + row_max - total[1]).sum()
 
     def bprop(self, h, w, target, out, dout):
-        p = ops.softmax(self._logits(h, w), -1)
-        idx = target.reshape(-1, 1)
-        p = ops.tensor_scatter_elements(p, idx, ops.gather_elements(p, 1, idx) - 1.0, 1).astype(self.dtype)
+        logits = self._logits(h, w)
+        if not self.split:
+            p = ops.softmax(logits, -1)
+            col, hit = target.reshape(-1, 1), 1.0
+        else:
+            row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
+            p = ops.exp(logits - row_max.expand_dims(-1)) / self.tp_sum(sum_exp).expand_dims(-1)
+            col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
+        p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
         dh = ops.matmul(p, w.astype(self.dtype)) * dout.astype(self.dtype)
+        if self.split:  # every rank's rows contribute to d hidden
+            dh = self.tp_sum(dh)
         dw = self.mm_at(p, (h.astype(ms.float32) * dout).astype(self.dtype))
         return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
 
@@ -248,9 +311,10 @@ class DecoderLayer(nn.Cell):
 class Qwen2Model(nn.Cell):
     """Embedding, decoder layers and the final norm (``model.*`` in Hugging Face names)."""
 
-    def __init__(self, cfg: Qwen2Config, rank: RankInfo, recompute: bool, dtype, fused: bool):
+    def __init__(self, cfg: Qwen2Config, rank: RankInfo, recompute: bool, dtype, fused: bool,
+                 vocab_parallel: bool = False):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rank, vocab_parallel)
         self.layers = nn.CellList([DecoderLayer(cfg, rank, dtype, fused) for _ in range(cfg.num_hidden_layers)])
         if recompute:
             for layer in self.layers:
@@ -275,18 +339,26 @@ class Qwen2Model(nn.Cell):
 
 
 class Qwen2ForCausalLM(nn.Cell):
-    """Qwen2 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``."""
+    """Qwen2 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``.
+
+    ``vocab_parallel`` (with ``rank.tp > 1``): the embedding and the LM head hold ``vocab / tp``
+    rows per TP rank and the loss is the parallel cross-entropy; otherwise both are replicated.
+    """
 
     def __init__(self, cfg: Qwen2Config, rank: RankInfo = RankInfo(), recompute: bool = False,
-                 compute_dtype=mstype.float32):
+                 compute_dtype=mstype.float32, vocab_parallel: bool = False):
         super().__init__()
         self.config = cfg
         self.rank = rank
         self.compute_dtype = compute_dtype
+        self.vocab_parallel = vocab_parallel
+        self.vocab_rows = vocab_range(cfg.vocab_size, rank, vocab_parallel)
+        split = self.vocab_rows.size != cfg.vocab_size
         fused = rank.device_target == "Ascend"
-        self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused)
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size)
-        self.loss_fn = LMHeadCrossEntropy(compute_dtype)
+        self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, vocab_parallel)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
+        self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None)
+        self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
         self.tp_layout = self._tp_layout()
         for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
             if name in self.tp_layout:
@@ -310,6 +382,12 @@ class Qwen2ForCausalLM(nn.Cell):
         tp, r, cfg = self.rank.tp, self.rank.tp_rank, self.config
         if tp == 1:
             return {}
+        out = {}
+        rows = vocab_range(cfg.vocab_size, self.rank, self.vocab_parallel)
+        if rows.size != cfg.vocab_size:  # vocab-parallel embedding / LM head
+            out["model.embed_tokens.weight"] = TPSlice(0, rows.start, rows.size)
+            if not cfg.tie_word_embeddings:
+                out["lm_head.weight"] = TPSlice(0, rows.start, rows.size)
         hd, nkv = cfg.head_dim, cfg.num_key_value_heads
         q = cfg.num_attention_heads // tp * hd
         i = cfg.intermediate_size // tp
@@ -318,7 +396,6 @@ class Qwen2ForCausalLM(nn.Cell):
         else:
             group = tp // nkv  # ranks sharing one kv head
             kv = TPSlice(0, (r // group) * hd, hd, owner=r % group == 0)
-        out = {}
         for n in range(cfg.num_hidden_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
             out.update({a + "q_proj.weight": TPSlice(0, r * q, q), a + "q_proj.bias": TPSlice(0, r * q, q),
@@ -333,9 +410,15 @@ class Qwen2ForCausalLM(nn.Cell):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _project(self, h):
-        """Hidden states ``[..., hidden]`` -> fp32 logits (matmul in compute dtype)."""
+        """Hidden states ``[..., hidden]`` -> fp32 logits over the whole vocabulary (matmul in compute
+        dtype; vocab-parallel: each rank's columns placed in zeros and summed over the TP group)."""
         lead = h.shape[:-1]
         logits = self.loss_fn._logits(h.reshape(-1, h.shape[-1]), self._head_weight())
+        if self.tp_sum is not None:
+            rows, vocab = self.vocab_rows, self.config.vocab_size
+            parts = [ops.zeros((logits.shape[0], rows.start), ms.float32), logits,
+                     ops.zeros((logits.shape[0], vocab - rows.start - rows.size), ms.float32)]
+            logits = self.tp_sum(ops.cat([x for x in parts if x.shape[1]], -1))
         return logits.reshape(*lead, -1)
 
     def construct(self, input_ids, labels, position_ids, segment_ids):

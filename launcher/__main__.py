@@ -124,8 +124,21 @@ def memory_summary(recipe: Recipe, nproc: int, has_npu: bool) -> dict:
                                           is not None else dp > 1), vocab_parallel=recipe.parallel.vocab_parallel)
     except NotImplementedError:
         return {"unavailable": "finetune.memory.estimate_memory not implemented yet"}
+    except ValueError as e:  # a layout the model cannot take; preflight's layout check names the fix
+        return {"unavailable": str(e)}
     return {k: getattr(est, k) for k in ("weights", "grads", "master", "optimizer", "activations", "workspace",
                                          "total")}
+
+
+def memory_line(mem: dict, recipe: Recipe) -> str:
+    """``weights 7.1 GiB + ... = total 39.9 GiB per device (...)`` or why there is no estimate."""
+    if "total" not in mem:
+        return f"memory: no estimate ({mem.get('unavailable')})"
+    parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
+    head = "vocab-parallel" if recipe.parallel.vocab_parallel and recipe.parallel.tp > 1 else "replicated"
+    return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
+            f"(embedding/LM head {head}, seq_len {recipe.data.seq_len}, micro batch {recipe.train.micro_batch_size}, "
+            f"recompute {str(recipe.train.recompute).lower()})")
 
 
 def _abs(path: str) -> str:
@@ -206,7 +219,7 @@ def print_plan(job: Job, full: bool = True) -> None:
         f"{p['binding']['allowed_from']}):")
     for r in p["binding"]["ranks"]:
         log(f"  {r['applied']}")
-    log(f"memory: {json.dumps(p['memory'])}")
+    log(memory_line(p["memory"], job.recipe))
     log(f"launch ({p['sources']['launch_mode']}): {json.dumps(p['msrun_argv'])}")
     log(f"worker env: {json.dumps(p['worker_env'])}")
     if full:
@@ -267,7 +280,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     ap.add_argument("command", choices=COMMANDS)
     ap.add_argument("--recipe", default=None, help="recipe name in recipes/ or a YAML path (env RECIPE)")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides (beat the environment)")
-    args, rest = ap.parse_known_args(argv)
+    args, rest = ap.parse_known_intermixed_args(argv)  # overrides may follow --recipe
     if args.command in ("render", "generate"):  # their own options follow; recipe key=value items stay ours
         raw = list(sys.argv[1:] if argv is None else argv)
         mixed = raw[raw.index(args.command) + 1:]

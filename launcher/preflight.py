@@ -280,6 +280,10 @@ def check_world(c: Context) -> list[Check]:
     for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
         if n and n % tp:
             out.append(Check("layout", "fail", f"TP={tp} does not divide {name}={n}", f"use a TP dividing {n}"))
+    vocab = cfg.get("vocab_size")
+    if r.parallel.vocab_parallel and vocab and vocab % tp:
+        out.append(Check("layout", "fail", f"TP={tp} does not divide vocab_size={vocab} (parallel.vocab_parallel)",
+                         "OVERRIDES='parallel.vocab_parallel=false' (replicated embedding/LM head) or another TP"))
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {dp or c.world // (tp * pp)} x PP {pp}")]
 
 

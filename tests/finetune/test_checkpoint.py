@@ -53,3 +53,15 @@ def test_layout_mismatch_is_a_clear_error(tmp_path):
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match="parallel.tp"):
         load_checkpoint(path, _params(0), RankInfo())
+
+
+def test_shape_mismatch_names_the_parameter_and_leaves_weights_alone(tmp_path):
+    """E.g. a checkpoint of a vocab-parallel run resumed with parallel.vocab_parallel=false."""
+    root = tmp_path / "checkpoints"
+    path = save_checkpoint(root, TrainerState(1, {}, {"scale": 1.0, "good_steps": 0}, 0), _params(0),
+                           {"t": np.array(1)}, RankInfo(), keep=1)
+    dst = _params(1)
+    dst[0] = ms.Parameter(ms.Tensor(np.zeros((6, 2), np.float32)), name="a.weight")
+    with pytest.raises(ValueError, match=r"a.weight \[3, 2\] vs \[6, 2\].*train.resume=never"):
+        load_checkpoint(path, dst, RankInfo())
+    np.testing.assert_array_equal(dst[1].asnumpy(), _params(1)[1].asnumpy())

@@ -70,11 +70,13 @@ def test_estimator_is_pure_python():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("tp,dp,shard,precision", [(1, 1, False, "fp32"), (2, 1, False, "fp32"), (1, 2, True, "fp32"),
-                                                   (2, 2, True, "bf16"), (4, 2, True, "fp32"), (2, 2, False, "bf16")])
-def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precision):
+@pytest.mark.parametrize("tp,dp,shard,precision,vp", [
+    (1, 1, False, "fp32", True), (2, 1, False, "fp32", True), (2, 1, False, "fp32", False), (1, 2, True, "fp32", True),
+    (2, 2, True, "bf16", True), (4, 2, True, "fp32", True), (2, 2, False, "bf16", False)])
+def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precision, vp):
     """The model built for each TP rank (a RankInfo without collectives) and the optimizer for each
-    DP rank hold exactly the bytes the estimator predicts; tp=4 > 2 KV heads replicates them."""
+    DP rank hold exactly the bytes the estimator predicts; tp=4 > 2 KV heads replicates them;
+    vp: vocab-parallel embedding and LM head (1/tp of the rows each) or replicated."""
     ms = pytest.importorskip("mindspore")
     from finetune.config import TrainConfig
     from finetune.dist import RankInfo
@@ -84,12 +86,12 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
 
     cfg = dict(TINY_DEFAULTS, vocab_size=1024, tie_word_embeddings=False)  # small vocab: fast, untied head
     est = estimate_memory(cfg, seq_len=64, micro_batch_size=1, tp=tp, dp=dp, precision=precision,
-                          shard_optimizer=shard)
+                          shard_optimizer=shard, vocab_parallel=vp)
     dtype = {"fp32": ms.float32, "bf16": ms.bfloat16}[precision]
     for r in range(tp * dp):
         rank = RankInfo(rank=r, world_size=tp * dp, tp=tp, dp=dp, tp_rank=r % tp, dp_rank=r // tp,
                         tp_group="tp" if tp > 1 else None, dp_group="dp" if dp > 1 else None)
-        params = Qwen2ForCausalLM(Qwen2Config.from_dict(cfg), rank).trainable_params()
+        params = Qwen2ForCausalLM(Qwen2Config.from_dict(cfg), rank, vocab_parallel=vp).trainable_params()
         for p in params:
             p.set_dtype(dtype)  # (set_data(p.astype(...)) would keep the fp32 dtype)
         assert sum(int(p.nbytes) for p in params) == est.weights == est.grads

@@ -126,13 +126,19 @@ def test_tp_layout(tp, nkv):
     """Each rank's slices tile the full tensor; replicated KV heads have exactly one owner."""
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config.from_dict({"vocab_size": 10, "hidden_size": 32, "intermediate_size": 64,
+    cfg = Qwen2Config.from_dict({"vocab_size": 12, "hidden_size": 32, "intermediate_size": 64,
                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": nkv})
-    layouts = [Qwen2ForCausalLM._tp_layout(SimpleNamespace(rank=RankInfo(tp=tp, tp_rank=r), config=cfg))
-               for r in range(tp)]
+
+    def layout(r: int, vocab_parallel: bool) -> dict:
+        me = SimpleNamespace(rank=RankInfo(tp=tp, tp_rank=r), config=cfg, vocab_parallel=vocab_parallel)
+        return Qwen2ForCausalLM._tp_layout(me)
+
+    layouts = [layout(r, True) for r in range(tp)]
+    assert "lm_head.weight" in layouts[0] and "model.embed_tokens.weight" not in layout(0, False)
     hd = 8
     for name, full in (("model.layers.0.self_attn.q_proj.weight", 32), ("model.layers.0.mlp.down_proj.weight", 64),
-                       ("model.layers.0.self_attn.k_proj.weight", nkv * hd)):
+                       ("model.layers.0.self_attn.k_proj.weight", nkv * hd), ("model.embed_tokens.weight", 12),
+                       ("lm_head.weight", 12)):
         covered = np.zeros(full, int)
         for lay in layouts:
             s = lay[name]

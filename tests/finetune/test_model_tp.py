@@ -1,5 +1,8 @@
 """Tensor parallelism (tp=2) under msrun on CPU: same logits, loss, gradients and export as tp=1.
 
+Cases: the embedding and LM head replicated (untied), vocab-parallel with the parallel
+cross-entropy (untied and tied), and replicated KV heads (tp > num_key_value_heads).
+
 Gradients of replicated KV heads (tp > num_key_value_heads) are partial per rank and must be summed
 over the ranks sharing a head; that reduction belongs to the training step and is not checked here.
 """
@@ -40,12 +43,12 @@ g = np.load(sys.argv[3])
 ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
 pos = np.tile(np.arange(ids.shape[1], dtype=np.int32), (ids.shape[0], 1))
 args = [ms.Tensor(x) for x in (ids, labels, pos, np.ones_like(ids))]
-for case, model_dir in json.loads(sys.argv[4]).items():
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank)
+for case, (model_dir, vocab_parallel) in json.loads(sys.argv[4]).items():
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel)
     load_weights(model, model_dir)
     logits = model.logits(args[0]).asnumpy()
     full = {"loss": model(*args).asnumpy()}
-    if case == "untied":  # gradients too (KV heads split, not replicated: every slice is complete)
+    if case != "kv1":  # gradients too (KV heads split, not replicated: every slice is complete)
         params = model.trainable_params()
         loss, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(*args)
         full.update({"grad/" + p.name: gather_full(model, p.name, gr, rank) for p, gr in zip(params, grads)})
@@ -68,7 +71,8 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     if not msrun.exists() or not shutil.which("ip"):
         pytest.skip("msrun (mindspore) or iproute2 missing")
     replicated = tiny_hf_dir("kv1", vocab_size=256, num_key_value_heads=1)  # tp=2 > 1 KV head: replicated
-    cases = {"untied": str(GOLDEN / "untied"), "kv1": str(replicated)}
+    cases = {"untied": [str(GOLDEN / "untied"), False], "untied-vp": [str(GOLDEN / "untied"), True],
+             "tied-vp": [str(GOLDEN / "tied"), True], "kv1": [str(replicated), False]}
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
@@ -78,14 +82,16 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
     assert proc.returncode == 0, proc.stdout[-2000:] + logs
 
-    g = np.load(GOLDEN / "untied" / "golden.npz")
-    n = int((g["labels"][:, 1:] != -100).sum())
-    tp = np.load(tmp_path / "untied.npz")
-    np.testing.assert_allclose(tp["logits"], g["logits"], atol=1e-4)
-    np.testing.assert_allclose(float(tp["loss"]) / n, float(g["loss"]), rtol=1e-5)
-    for key in g.files:
-        if key.startswith("grad/"):
-            np.testing.assert_allclose(tp[key] / n, g[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    for case, golden in (("untied", "untied"), ("untied-vp", "untied"), ("tied-vp", "tied")):
+        g = np.load(GOLDEN / golden / "golden.npz")  # transformers' numbers for the same inputs
+        n = int((g["labels"][:, 1:] != -100).sum())
+        tp = np.load(tmp_path / f"{case}.npz")
+        np.testing.assert_allclose(tp["logits"], g["logits"], atol=1e-4, err_msg=case)
+        np.testing.assert_allclose(float(tp["loss"]) / n, float(g["loss"]), rtol=1e-5, err_msg=case)
+        grads = [k for k in g.files if k.startswith("grad/")]
+        assert grads and set(grads) <= set(tp.files), case
+        for key in grads:
+            np.testing.assert_allclose(tp[key] / n, g[key], rtol=1e-4, atol=1e-5, err_msg=f"{case}: {key}")
 
     # replicated KV heads: same logits and loss as this process's tp=1 run of the same weights
     from finetune.hf_io import load_hf_config, load_weights
@@ -101,7 +107,7 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     np.testing.assert_allclose(kv1["loss"], loss.asnumpy(), rtol=1e-5)
 
     # export gathers the TP slices back into the original tensors
-    for case, src in cases.items():
+    for case, (src, _) in cases.items():
         original = load_file(str(Path(src) / "model.safetensors"))
         exported = load_file(str(tmp_path / f"export-{case}" / "model.safetensors"))
         assert exported.keys() == original.keys()

@@ -60,6 +60,26 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # plan starts and writes nothing
 
 
+QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+          "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, capsys):
+    """7B on 4 NPUs, tp2 dp2 sharded: the guide's ~38 GB with the (default) vocab-parallel head;
+    overrides may follow --recipe."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN7B))
+    env = {"MODEL_DIR": str(tmp_path / "m"), "NPROC_PER_NODE": "4", "OUTPUT_DIR": str(tmp_path / "out")}
+    host = dict(env=env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys", npu_smi=recorded_npu_smi,
+                identities=set())
+    rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full"], capsys, **host)
+    assert rc == 0 and plan["topology"]["tp"] == 2 and plan["topology"]["dp"] == 2
+    assert abs(plan["memory"]["total"] / 2**30 - 38) / 38 < 0.1
+    assert "= 39.9 (embedding/LM head vocab-parallel, seq_len 4096" in out.out
+    rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full", "parallel.vocab_parallel=false"], capsys, **host)
+    assert rc == 0 and "= 46.7 (embedding/LM head replicated" in out.out
+
+
 def test_cpu_host_says_so_and_runs_the_worker_directly(tmp_path, capsys):
     (tmp_path / "dev").mkdir()
     rc, plan, out = run_main(["plan", f"output_dir={tmp_path}/o"], capsys, env={}, dev_dir=tmp_path / "dev",

@@ -197,6 +197,13 @@ def test_world_layout(atlas, over, nproc, msg):
     assert any(msg in r.detail for r in fails(c, "layout")), preflight.table(rows(c, "layout"))
 
 
+def test_vocab_parallel_needs_tp_dividing_the_vocab(tmp_path):
+    odd = dict(QWEN7B, vocab_size=152065)
+    bad = fails(ctx(tmp_path, cfg=odd, **{"parallel.tp": "2"}), "layout")
+    assert any("vocab_size=152065" in r.detail and "vocab_parallel=false" in r.fix for r in bad), bad
+    assert not fails(ctx(tmp_path, cfg=odd, **{"parallel.tp": "2", "parallel.vocab_parallel": "false"}), "layout")
+
+
 def test_table_shows_fixes_and_exit_status(tmp_path):
     c = ctx(tmp_path, npu=False)
     c.recipe.data.paths = []

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 WORKER = harness.REPO / "finetune" / "worker.py"
 STEPS = 5
 GLOBAL_SEQS = 4
+LR = 5e-3
 
 
 def _plan(tmp: Path, name: str, tp: int, dp: int, **extra: str) -> Path:
@@ -27,7 +28,7 @@ def _plan(tmp: Path, name: str, tp: int, dp: int, **extra: str) -> Path:
     over = {"output_dir": str(tmp / name), "model.dir": str(tmp / "base-model"), "data.cache_dir": str(tmp / "cache"),
             "data.seq_len": "64", "data.max_samples": "48", "train.micro_batch_size": "2",
             "train.grad_accum": str(GLOBAL_SEQS // 2 // dp), "train.max_steps": str(STEPS), "train.log_every": "1",
-            "train.warmup_steps": "1", "train.lr": "5e-3", "train.save_every": "0", "parallel.tp": str(tp),
+            "train.warmup_steps": "1", "train.lr": str(LR), "train.save_every": "0", "parallel.tp": str(tp),
             "parallel.dp": str(dp), "export.dtype": "fp32", **extra}
     (tmp / name).mkdir(parents=True, exist_ok=True)
     plan = tmp / name / "plan.json"
@@ -65,8 +66,16 @@ def _assert_same_run(got: Path, ref: Path) -> None:
     np.testing.assert_allclose(a, b, rtol=1e-4)
     wa, wb = _hf(got), _hf(ref)
     assert wa.keys() == wb.keys() and wa
-    for k in wa:  # atol: Adam's normalised step turns float noise in a ~0 gradient into up to lr per step
-        np.testing.assert_allclose(wa[k], wb[k], rtol=1e-4, atol=1e-4, err_msg=k)
+    for k in wa:
+        # Adam's normalised step turns float noise in a gradient that is ~0 (terms cancelling) into up
+        # to lr per step: a few elements per million may differ by more than 1e-4, never by a step.
+        off = ~np.isclose(wa[k], wb[k], rtol=1e-4, atol=1e-4)
+        assert off.sum() <= max(1, wa[k].size // 10**6), (k, int(off.sum()), np.abs(wa[k] - wb[k]).max())
+        np.testing.assert_allclose(wa[k], wb[k], rtol=0, atol=LR, err_msg=k)
+
+
+def _model_bytes(out: Path) -> list[int]:
+    return [f.stat().st_size for f in sorted((out / "checkpoints").glob("step_*/model_rank*.safetensors"))]
 
 
 def _optim_bytes(out: Path) -> list[int]:
@@ -94,7 +103,12 @@ def test_dp2_sharded_and_unsharded_equal_one_process(tmp):
 
 
 def test_tp2_equals_one_process(tmp):
+    """Vocab-parallel embedding/LM head with the parallel cross-entropy (the default), and replicated."""
     _assert_same_run(_run_once(tmp, "tp2", 2, 1, 2), tmp / "one")
+    _assert_same_run(_run_once(tmp, "tp2-replicated", 2, 1, 2, **{"parallel.vocab_parallel": "false"}), tmp / "one")
+    vp, rep = _model_bytes(tmp / "tp2"), _model_bytes(tmp / "tp2-replicated")
+    embed = 151936 * 64 * 4  # the tied embedding: split in two halves, or whole on both ranks
+    assert len(vp) == len(rep) == 2 and all(r - v == pytest.approx(embed / 2, rel=1e-3) for v, r in zip(vp, rep))
 
 
 def test_tp2_dp2_on_two_nodes_equals_one_process(tmp):
