@@ -85,8 +85,9 @@ def run(recipe: Recipe) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tc = recipe.train
     dtype = compute_dtype(recipe, device)
-    say(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}), "
-        f"compute dtype {dtype}, output {out}")
+    head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
+    say(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
+        f"{head}), compute dtype {dtype}, output {out}")
 
     # --- model directory (created once for the embedded default) and data cache
     model_dir = Path(resolved_model_dir(recipe))
