@@ -72,6 +72,7 @@ class DataConfig:
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)
     num_workers: int = 0  # tokenizer processes for prepare-data; 0: auto (one per core from 32 MB of input)
     max_samples: int = 0  # 0: all
+    worker_malloc: str = "auto"  # tokenizer processes' malloc: auto (tcmalloc/jemalloc/mimalloc if installed) | system | path
     clean: CleanConfig = field(default_factory=CleanConfig)
 
 
@@ -374,6 +375,10 @@ def validate(r: Recipe) -> list[str]:
                    ("data.clean.min_tokens", c.min_tokens), ("data.clean.max_tokens", c.max_tokens)):
         if v < 0:
             p.append(f"{key}={v}: must be >= 0 (e.g. {key}=0)")
+    wm = r.data.worker_malloc
+    if wm not in ("auto", "system") and not (wm.startswith("/") and ".so" in wm):
+        p.append(f"data.worker_malloc={wm!r}: auto, system or the absolute path of a malloc library "
+                 "(e.g. data.worker_malloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4)")
     if c.repeated_chars_max_run < 1:
         p.append(f"data.clean.repeated_chars_max_run={c.repeated_chars_max_run}: must be >= 1 "
                  "(e.g. data.clean.repeated_chars_max_run=10)")

@@ -24,17 +24,19 @@ from typing import Any, Iterator
 import numpy as np
 
 from finetune.config import ASSETS_DIR, CleanConfig, ConfigError, Recipe, load_recipe, resolved_model_dir
-from finetune.data import batching, cache
+from finetune.data import batching, cache, malloc
 from finetune.data.clean import RULES, dedup_key, may_repeat, text_rule, token_rule
 from finetune.data.formats import DataError, Sample, iter_samples, resolve_sources
-from finetune.data.template import IGNORE, Specials, label_flat, render, truncate
+from finetune.data.template import (IGNORE, Specials, label_flat, render, render_system, render_turns,
+                                    splits_at_specials, truncate)
 
 CHUNK = 256  # samples per worker task
 # data.num_workers=0 (auto): below this much input, starting processes costs more than it gains
 # (encode_batch is multi-threaded in this process too); above it, one process per core
 AUTO_POOL_BYTES = 32 << 20
-# encodings of this many chunks are freed together: freeing each chunk's before the next encode
-# makes encode_batch ~1.4x slower (measured, glibc malloc); 48 chunks: ~290 MB RSS per worker
+# under the system (glibc) malloc, encodings of this many chunks are freed together: freeing each
+# chunk's before the next encode makes encode_batch ~1.2-1.4x slower; 48 chunks: ~290 MB RSS per
+# worker. Not needed with the preloaded malloc of data.worker_malloc (finetune/data/malloc.py).
 HOLD_CHUNKS = 48
 
 
@@ -47,25 +49,54 @@ def load_tokenizer(path: str, mtime: float):
 
 
 class Encoder:
-    """Text rules, templating, tokenization, labels and truncation for one chunk of samples."""
+    """Text rules, templating, tokenization, labels and truncation for one chunk of samples.
 
-    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig):
+    The system block is encoded once per distinct system prompt and its ids reused: the special
+    tokens around it cut the text there, so the ids are those of the whole templated text.
+    """
+
+    SYSTEM_CACHE = 4096  # distinct system prompts remembered
+
+    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig,
+                 hold_chunks: int = HOLD_CHUNKS):
         self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
         self.sp = Specials(self.tok)
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
+        self.split = splits_at_specials(self.tok)
+        self._system_ids: dict[str, list[int]] = {}
+        self.hold_chunks = hold_chunks
         self._held: list = []  # recent chunks' encodings, see HOLD_CHUNKS
+
+    def _encode(self, samples: list[Sample]) -> list[list[int]]:
+        """Token ids of the templated samples."""
+        if not self.split:
+            encs = self.tok.encode_batch([render(s, self.system_prompt) for s in samples], add_special_tokens=False)
+            self._hold(encs)
+            return [e.ids for e in encs]
+        systems = [render_system(s, self.system_prompt) for s in samples]
+        cached = self._system_ids
+        new = list(dict.fromkeys(t for t in systems if t not in cached))
+        if len(cached) + len(new) > self.SYSTEM_CACHE:
+            cached.clear()
+            new = list(dict.fromkeys(systems))
+        for text, enc in zip(new, self.tok.encode_batch(new, add_special_tokens=False)):
+            cached[text] = enc.ids
+        encs = self.tok.encode_batch([render_turns(s) for s in samples], add_special_tokens=False)
+        self._hold(encs)
+        return [cached[t] + e.ids for t, e in zip(systems, encs)]
+
+    def _hold(self, encs: list) -> None:
+        if self.hold_chunks:
+            self._held.append(encs)
+            if len(self._held) >= self.hold_chunks:
+                self._held.clear()
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
         runs = may_repeat(samples, self.clean.repeated_chars_max_run) if self.clean.repeated_chars \
             else [False] * len(samples)
         reasons: list[str | None] = [text_rule(s, self.clean, r) for s, r in zip(samples, runs)]
         todo = [i for i, r in enumerate(reasons) if r is None]
-        encs = self.tok.encode_batch([render(samples[i], self.system_prompt) for i in todo],
-                                     add_special_tokens=False)
-        id_lists = [e.ids for e in encs]
-        self._held.append(encs)
-        if len(self._held) >= HOLD_CHUNKS:
-            self._held.clear()
+        id_lists = self._encode([samples[i] for i in todo])
         lens = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lens.sum()))
         labels = label_flat(flat, self.sp)
@@ -117,17 +148,24 @@ class Encoder:
 
 
 _WORKER: Encoder | None = None
+_PRELOADED: str | None = None  # the LD_PRELOAD library this worker really has mapped
 
 
 def _init_worker(*args: Any) -> None:
-    global _WORKER
+    global _WORKER, _PRELOADED
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _WORKER = Encoder(*args)
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    _PRELOADED = next((p for p in os.environ.get("LD_PRELOAD", "").split()
+                       if p and os.path.realpath(p) in maps), None)
 
 
 def _work(samples: list[Sample]) -> dict[str, Any]:
     assert _WORKER is not None
-    return _WORKER(samples)
+    return {**_WORKER(samples), "preloaded": _PRELOADED}
 
 
 def _chunks(recipe: Recipe, sources: list, counts: dict) -> Iterator[tuple[list[Sample], list[int]]]:
@@ -226,8 +264,15 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     tmp.mkdir(parents=True, exist_ok=True)
     size = sum(src.path.stat().st_size for src in sources)
     workers = cfg.num_workers or ((os.cpu_count() or 1) if size >= AUTO_POOL_BYTES else 1)
-    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
-    pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
+    malloc_name, malloc_lib = malloc.choose(cfg.worker_malloc) if workers > 1 else ("system", None)
+    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean, 0 if malloc_lib else HOLD_CHUNKS)
+    if progress:
+        how = (f"{workers} tokenizer processes, malloc {malloc_name}" + (f" ({malloc_lib})" if malloc_lib else
+               f" ({malloc.HINT})" if cfg.worker_malloc == "auto" else "")) if workers > 1 else "in this process"
+        print(f"prepare-data: {size / 2**20:,.1f} MB in {len(sources)} file(s); tokenizing {how}",
+              file=sys.stderr, flush=True)
+    with malloc.preloaded(malloc_lib):
+        pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
     pad_id = 0
     index_parts: list[np.ndarray] = []
     dropped = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels")}
@@ -243,6 +288,10 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
         for (samples, copies), res in _ordered_map(args, pool, workers, _chunks(recipe, sources, counts)):
             n_read += len(samples)
             pad_id = res["pad_id"]
+            if n_read == len(samples) and malloc_lib is not None and res.get("preloaded") != str(malloc_lib):
+                print(f"prepare-data: data.worker_malloc: the tokenizer processes did not load {malloc_lib}; "
+                      "they use the system malloc", file=sys.stderr, flush=True)
+                malloc_name, malloc_lib = "system", None
             truncated += res["truncated"]
             reasons = res["reasons"]
             keep_mask = np.ones(len(res["kept"]), dtype=bool)
@@ -291,6 +340,8 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
         np.save(tmp / "index.npy", index)
         elapsed = time.monotonic() - t0
         report = make_report(recipe, index[:, 1], n_read, n_unique, dropped, truncated, elapsed, offset)
+        report["tokenizer"] = {"workers": workers, "malloc": malloc_name,
+                               "malloc_library": str(malloc_lib) if malloc_lib else None}
         report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": counts.get(str(s.path), 0)}
                              for s in sources]
         (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))

@@ -18,10 +18,27 @@ TEMPLATE_VERSION = "qwen2.5-chatml-v1"  # part of the cache fingerprint
 
 def render(sample: Sample, default_system: str) -> str:
     """The templated text of one sample (no generation prompt)."""
+    return render_system(sample, default_system) + render_turns(sample)
+
+
+def render_system(sample: Sample, default_system: str) -> str:
+    """The system block of the templated text."""
     system = sample.system if sample.system is not None else default_system
-    parts = [f"<|im_start|>system\n{system}<|im_end|>\n"]
-    parts += [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in sample.turns]
-    return "".join(parts)
+    return f"<|im_start|>system\n{system}<|im_end|>\n"
+
+
+def render_turns(sample: Sample) -> str:
+    """The templated text after the system block."""
+    return "".join([f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in sample.turns])
+
+
+def splits_at_specials(tokenizer) -> bool:
+    """True when <|im_start|> / <|im_end|> cut the text into pieces that are encoded on their own
+    (no lstrip / rstrip / single_word), so ids(system block + turns) = ids(system block) + ids(turns)."""
+    for t in tokenizer.get_added_tokens_decoder().values():
+        if t.content in ("<|im_start|>", "<|im_end|>") and (t.lstrip or t.rstrip or t.single_word):
+            return False
+    return True
 
 
 class Specials:

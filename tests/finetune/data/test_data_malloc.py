@@ -1,0 +1,129 @@
+"""prepare-data's tokenizer processes: a preloaded malloc, and the system block encoded once."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from finetune.config import CleanConfig, ConfigError, load_recipe
+from finetune.data import cache, malloc
+from finetune.data import prepare as prep
+from finetune.data.formats import Sample
+from finetune.data.template import render, splits_at_specials
+from tests.finetune.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_jsonl
+
+
+def _maps() -> str:
+    """(runs in a pool worker) the libraries mapped into the process."""
+    return Path("/proc/self/maps").read_text()
+
+
+def test_choose_prefers_the_wheel_then_system_libraries_in_order(tmp_path):
+    name, lib = malloc.choose("auto")
+    assert name == "mimalloc" and lib is not None and lib.name.startswith("libmimalloc.so.") and lib.is_file()
+    for f in ("libjemalloc.so.2", "libtcmalloc_minimal.so.4"):
+        (tmp_path / f).write_bytes(b"")
+    assert malloc.choose("auto", dirs=(str(tmp_path),), dist="no-such-wheel") == \
+        ("tcmalloc", tmp_path / "libtcmalloc_minimal.so.4")
+    (tmp_path / "libtcmalloc_minimal.so.4").unlink()
+    assert malloc.choose("auto", dirs=(str(tmp_path),), dist="no-such-wheel")[0] == "jemalloc"
+    assert malloc.choose("auto", dirs=(str(tmp_path / "none"),), dist="no-such-wheel") == ("system", None)
+    assert malloc.choose("system") == ("system", None)
+    assert malloc.choose(str(tmp_path / "libjemalloc.so.2")) == ("jemalloc", tmp_path / "libjemalloc.so.2")
+    with pytest.raises(ConfigError, match=r"data.worker_malloc='/nope/libx.so': no such file.*auto, system"):
+        malloc.choose("/nope/libx.so")
+
+
+def test_worker_malloc_setting_is_validated():
+    with pytest.raises(ConfigError, match=r"data.worker_malloc='fast': auto, system or the absolute path"):
+        load_recipe(raw={"model": {"init": {}}}, overrides={"data.worker_malloc": "fast"})
+
+
+def test_preloaded_sets_and_restores_ld_preload(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with malloc.preloaded(Path("/x/liba.so")):
+        assert os.environ["LD_PRELOAD"] == "/x/liba.so"
+    assert "LD_PRELOAD" not in os.environ
+    monkeypatch.setenv("LD_PRELOAD", "/y/libuser.so")
+    with malloc.preloaded(Path("/x/liba.so")):
+        assert os.environ["LD_PRELOAD"] == "/x/liba.so /y/libuser.so"
+    assert os.environ["LD_PRELOAD"] == "/y/libuser.so"
+    with malloc.preloaded(None):
+        assert os.environ["LD_PRELOAD"] == "/y/libuser.so"
+
+
+def test_workers_run_with_the_library_and_write_the_same_cache(tmp_path):
+    name, lib = malloc.choose("auto")
+    args = (str(TOKENIZER), "sys", 128, CleanConfig(), 0)
+    with malloc.preloaded(lib):
+        pool = prep._start_pool(args, 2)
+    try:
+        assert "LD_PRELOAD" not in os.environ or str(lib) not in os.environ["LD_PRELOAD"]
+        assert str(lib.resolve()) in pool.apply(_maps)
+    finally:
+        pool.terminate()
+    assert lib.name not in _maps()  # this process keeps the system malloc
+    data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(600)])
+    infos = {w: prep.prepare(recipe_for(tmp_path / w, [data], num_workers="2", worker_malloc=w), TOKENIZER,
+                             progress=False) for w in ("auto", "system")}
+    assert infos["auto"].report["tokenizer"] == {"workers": 2, "malloc": name, "malloc_library": str(lib)}
+    assert infos["system"].report["tokenizer"]["malloc"] == "system"
+    one = prep.prepare(recipe_for(tmp_path / "one", [data]), TOKENIZER, progress=False)
+    for f in ("tokens.npy", "labels.npy", "index.npy"):
+        ref = (one.dir / f).read_bytes()
+        assert all((i.dir / f).read_bytes() == ref for i in infos.values()), f
+
+
+def _samples() -> list[Sample]:
+    turns = (("user", "Hi  there\n"), ("assistant", " Hello!\n\n"))
+    return [Sample(None, turns, "a"), Sample("Be brief.", turns, "b"), Sample(" \n", turns, "c"),
+            Sample(None, (("user", "1"), ("assistant", "2"), ("user", "\n3"), ("assistant", "4 ")), "d"),
+            Sample("Be brief.", (("user", "x"), ("assistant", "y")), "e")]
+
+
+def _full_ids(tok, samples: list[Sample], system: str) -> list[list[int]]:
+    return [e.ids for e in tok.encode_batch([render(s, system) for s in samples], add_special_tokens=False)]
+
+
+def test_system_block_encoded_once_gives_the_ids_of_the_whole_text():
+    enc = prep.Encoder(str(TOKENIZER), "You are a helpful assistant.", 128, CleanConfig())
+    assert enc.split
+    samples = _samples() * 3
+    assert enc._encode(samples) == _full_ids(enc.tok, samples, enc.system_prompt)
+    assert len(enc._system_ids) == 3  # default, "Be brief.", " \n"
+    enc.SYSTEM_CACHE = 2  # more distinct prompts than it holds: still right
+    assert enc._encode(samples) == _full_ids(enc.tok, samples, enc.system_prompt)
+
+
+def test_a_tokenizer_whose_specials_strip_whitespace_encodes_whole_texts(tmp_path):
+    spec = json.loads(TOKENIZER.read_text())
+    for t in spec["added_tokens"]:
+        if t["content"] == "<|im_end|>":
+            t["rstrip"] = True
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    enc = prep.Encoder(str(path), "You are a helpful assistant.", 128, CleanConfig())
+    assert not enc.split and not splits_at_specials(enc.tok)
+    samples = _samples()
+    assert enc._encode(samples) == _full_ids(enc.tok, samples, enc.system_prompt)
+
+
+def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
+    """Every bundled sample: the cache's tokens are the whole templated text's ids."""
+    r = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.seq_len": "4096", "data.clean.dedup": "false"})
+    info = prep.prepare(r, TOKENIZER, progress=False)
+    toks = np.load(info.dir / "tokens.npy")
+    idx = np.load(info.dir / "index.npy")
+    enc = prep.Encoder(str(TOKENIZER), r.data.system_prompt, 4096, r.data.clean)
+    enc.split = False
+    from finetune.data.formats import iter_samples, resolve_sources
+    samples = [s for src in resolve_sources(r.data) for s in iter_samples(src.path)]
+    kept = [s for s in samples if prep.text_rule(s, r.data.clean) is None]
+    full = _full_ids(enc.tok, kept, r.data.system_prompt)
+    full = [f for f in full if len(f) >= r.data.clean.min_tokens]
+    assert len(full) == len(idx) == cache.load_info(info.dir).num_samples
+    for (start, n), ids in zip(idx[:, :2].tolist(), full):
+        assert toks[start:start + n].tolist() == ids
