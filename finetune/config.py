@@ -103,6 +103,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # 0: derived from epochs
     recompute: bool = False  # per-layer activation recompute
+    loss_chunk_tokens: int = 1024  # LM head + cross-entropy over chunks of this many label tokens (0: all at once)
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on Ascend) | fp32 | bf16 | fp16
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     seed: int = 42
@@ -360,7 +361,8 @@ def validate(r: Recipe) -> list[str]:
     for key, v in (("train.max_steps", r.train.max_steps), ("train.warmup_steps", r.train.warmup_steps),
                    ("train.save_every", r.train.save_every), ("parallel.dp", r.parallel.dp),
                    ("launch.max_restarts", r.launch.max_restarts), ("launch.node_rank", r.launch.node_rank),
-                   ("data.max_tokens_per_batch", r.data.max_tokens_per_batch)):
+                   ("data.max_tokens_per_batch", r.data.max_tokens_per_batch),
+                   ("train.loss_chunk_tokens", r.train.loss_chunk_tokens)):
         if v < 0:
             p.append(f"{key}={v}: must be >= 0 (e.g. {key}=0)")
     if not (r.train.lr > 0):

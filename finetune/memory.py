@@ -7,7 +7,9 @@ sharded optimizer). Activations and workspace are an estimate:
 * full recompute: every layer's input is kept (b*s*H), plus one layer's activations while it is
   recomputed in backward (flash attention: no s*s score matrix);
 * no recompute: every layer's activations are kept;
-* the LM head's logits in the compute dtype plus an fp32 softmax/gradient buffer (b*s*V/tp_vocab);
+* the LM head + cross-entropy at its backward peak: three fp32 buffers (logits, exponentials,
+  softmax - onehot) and its compute-dtype copy over ``min(b*s, train.loss_chunk_tokens)`` tokens
+  and the local vocabulary rows (V/tp when vocab-parallel);
 * workspace: a fixed allowance for the framework, HCCL buffers and allocator fragmentation.
 """
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _layer_activation_elems(cfg: dict, tp: int) -> int:
 
 def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
-                    vocab_parallel: bool = False) -> MemoryEstimate:
+                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0) -> MemoryEstimate:
     """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}: one of bf16, fp16, fp32 for the estimate")
@@ -113,6 +115,7 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
     h, layers, vocab = model_config["hidden_size"], model_config["num_hidden_layers"], model_config["vocab_size"]
     per_layer = _layer_activation_elems(model_config, tp) * tokens * nbytes
     acts = layers * tokens * h * nbytes + per_layer if recompute else layers * per_layer
-    acts += tokens * (vocab // tp if vocab_parallel else vocab) * (nbytes + 4)
+    head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
+    acts += head_tokens * (vocab // tp if vocab_parallel else vocab) * (3 * 4 + nbytes)
     return MemoryEstimate(weights=n * nbytes, grads=n * nbytes, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=WORKSPACE_BYTES)

@@ -164,7 +164,9 @@ class LMHeadCrossEntropy(nn.Cell):
 
     MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
     the closed form ``dlogits = softmax - onehot``; the backward recomputes the logits instead of
-    keeping them, so only the forward's logits are ever alive.
+    keeping them, so only the forward's logits are ever alive. ``chunk_tokens`` > 0 computes both
+    over chunks of that many tokens (``d weight`` summed in fp32), so the ``[tokens, vocab]`` fp32
+    buffers shrink to ``[chunk, vocab]``; the sums are the same up to rounding order.
 
     Vocab-parallel (``rows`` a slice of the vocabulary, ``rank.tp > 1``): each TP rank holds the
     logits of its rows only. The row maxima, the sums of exponentials and the target logits are
@@ -172,9 +174,11 @@ class LMHeadCrossEntropy(nn.Cell):
     ``d hidden`` covers its rows and is summed over the TP group.
     """
 
-    def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None):
+    def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None,
+                 chunk_tokens: int = 0):
         super().__init__()
         self.dtype = compute_dtype
+        self.chunk = chunk_tokens  # > 0: logits of at most this many tokens alive at a time
         self.mm_bt = ops.MatMul(transpose_b=True)
         self.mm_at = ops.MatMul(transpose_a=True)
         self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
@@ -194,7 +198,33 @@ class LMHeadCrossEntropy(nn.Cell):
         picked = ops.gather_elements(logits, 1, col.reshape(-1, 1)).reshape(-1) * inside
         return row_max, ops.exp(logits - row_max.expand_dims(-1)).sum(-1), picked, col, inside
 
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        c = self.chunk if 0 < self.chunk < n else n
+        return [(a, min(a + c, n)) for a in range(0, n, c)]
+
     def construct(self, h, w, target):
+        parts = self._chunks(h.shape[0])
+        if len(parts) == 1:
+            return self._loss(h, w, target)
+        total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])
+        for a, b in parts[1:]:
+            total = total + self._loss(h[a:b], w, target[a:b])
+        return total
+
+    def bprop(self, h, w, target, out, dout):
+        parts = self._chunks(h.shape[0])
+        if len(parts) == 1:
+            dh, dw = self._grads(h, w, target, dout)
+            return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+        dhs, dw = [], None
+        for a, b in parts:
+            dh_c, dw_c = self._grads(h[a:b], w, target[a:b], dout)
+            dhs.append(dh_c)
+            dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
+        return ops.cat(dhs, 0).astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+
+    def _loss(self, h, w, target):
+        """The loss sum of one chunk of tokens."""
         logits = self._logits(h, w)
         if not self.split:
             logp = ops.log_softmax(logits, -1)
@@ -203,7 +233,8 @@ class LMHeadCrossEntropy(nn.Cell):
         total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
         return (ops.log(total[0]) + row_max - total[1]).sum()
 
-    def bprop(self, h, w, target, out, dout):
+    def _grads(self, h, w, target, dout):
+        """(d hidden, d weight) of one chunk of tokens, in the compute dtype."""
         logits = self._logits(h, w)
         if not self.split:
             p = ops.softmax(logits, -1)
@@ -217,7 +248,7 @@ class LMHeadCrossEntropy(nn.Cell):
         if self.split:  # every rank's rows contribute to d hidden
             dh = self.tp_sum(dh)
         dw = self.mm_at(p, (h.astype(ms.float32) * dout).astype(self.dtype))
-        return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+        return dh, dw
 
 
 def _rotate_half(x):
@@ -346,7 +377,7 @@ class Qwen2ForCausalLM(nn.Cell):
     """
 
     def __init__(self, cfg: Qwen2Config, rank: RankInfo = RankInfo(), recompute: bool = False,
-                 compute_dtype=mstype.float32, vocab_parallel: bool = False):
+                 compute_dtype=mstype.float32, vocab_parallel: bool = False, loss_chunk_tokens: int = 0):
         super().__init__()
         self.config = cfg
         self.rank = rank
@@ -357,7 +388,8 @@ class Qwen2ForCausalLM(nn.Cell):
         fused = rank.device_target == "Ascend"
         self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, vocab_parallel)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
-        self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None)
+        self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,
+                                          loss_chunk_tokens)
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
         self.tp_layout = self._tp_layout()
         for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)

@@ -110,7 +110,7 @@ def run(recipe: Recipe) -> int:
     ms.set_seed(tc.seed)
     cfg = Qwen2Config.from_dict(load_hf_config(model_dir))
     model = Qwen2ForCausalLM(cfg, rank, recompute=tc.recompute, compute_dtype=dtype,
-                             vocab_parallel=recipe.parallel.vocab_parallel)
+                             vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
     params = model.trainable_params()
     if dtype != ms.float32:  # low-precision weights; the optimizer keeps fp32 masters

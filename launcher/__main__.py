@@ -123,7 +123,8 @@ def memory_summary(recipe: Recipe, nproc: int, has_npu: bool) -> dict:
         est = est_fn(cfg, seq_len=recipe.data.seq_len, micro_batch_size=recipe.train.micro_batch_size, tp=tp, dp=dp,
                      precision=precision, recompute=recipe.train.recompute,
                      shard_optimizer=bool(recipe.parallel.shard_optimizer if recipe.parallel.shard_optimizer
-                                          is not None else dp > 1), vocab_parallel=recipe.parallel.vocab_parallel)
+                                          is not None else dp > 1), vocab_parallel=recipe.parallel.vocab_parallel,
+                     loss_chunk_tokens=recipe.train.loss_chunk_tokens)
     except NotImplementedError:
         return {"unavailable": "finetune.memory.estimate_memory not implemented yet"}
     except ValueError as e:  # a layout the model cannot take; preflight's layout check names the fix
@@ -133,14 +134,15 @@ def memory_summary(recipe: Recipe, nproc: int, has_npu: bool) -> dict:
 
 
 def memory_line(mem: dict, recipe: Recipe) -> str:
-    """``weights 7.1 GiB + ... = total 39.9 GiB per device (...)`` or why there is no estimate."""
+    """``weights 7.1 GiB + ... = total 39.1 GiB per device (...)`` or why there is no estimate."""
     if "total" not in mem:
         return f"memory: no estimate ({mem.get('unavailable')})"
     parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
     head = "vocab-parallel" if recipe.parallel.vocab_parallel and recipe.parallel.tp > 1 else "replicated"
     return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
             f"(embedding/LM head {head}, seq_len {recipe.data.seq_len}, micro batch {recipe.train.micro_batch_size}, "
-            f"recompute {str(recipe.train.recompute).lower()})")
+            f"recompute {str(recipe.train.recompute).lower()}, loss over chunks of "
+            f"{recipe.train.loss_chunk_tokens or 'all'} tokens)")
 
 
 def _abs(path: str) -> str:

@@ -204,7 +204,8 @@ def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
             continue
         est = c.memory_estimator(cfg, seq_len=c.recipe.data.seq_len, micro_batch_size=1, tp=tp,
                                  dp=max(1, c.world // tp), precision="bf16", recompute=True,
-                                 shard_optimizer=c.world // tp > 1, vocab_parallel=tp > 1)
+                                 shard_optimizer=c.world // tp > 1, vocab_parallel=tp > 1,
+                                 loss_chunk_tokens=c.recipe.train.loss_chunk_tokens)
         if est.total <= budget:
             return (f"TP={tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true'"
                     f" ({est.total / GIB:.1f} GiB per device)")
@@ -222,7 +223,7 @@ def check_memory(c: Context) -> list[Check]:
     try:
         est = c.memory_estimator(cfg, seq_len=r.data.seq_len, micro_batch_size=r.train.micro_batch_size, tp=tp,
                                  dp=dp, precision=precision, recompute=r.train.recompute, shard_optimizer=shard,
-                                 vocab_parallel=r.parallel.vocab_parallel)
+                                 vocab_parallel=r.parallel.vocab_parallel, loss_chunk_tokens=r.train.loss_chunk_tokens)
     except NotImplementedError:
         return [Check("memory", "warn", "memory estimate not implemented yet (finetune.memory)")]
     if c.devices.has_npu:

@@ -22,8 +22,10 @@ def test_qwen7b_parameter_count_is_the_published_one():
 
 
 def test_qwen7b_tp2_dp2_sharded_is_near_the_guides_38gb():
+    from finetune.config import TrainConfig
+
     est = estimate_memory(QWEN7B, seq_len=4096, micro_batch_size=1, tp=2, dp=2, precision="bf16", recompute=True,
-                          shard_optimizer=True, vocab_parallel=True)
+                          shard_optimizer=True, vocab_parallel=True, loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
     assert abs(est.total / 2**30 - 38) / 38 <= 0.15, est.table()
     # the model state alone is the arithmetic: (2+2) bytes / tp + 12 bytes / (tp*dp) per parameter
     state = est.weights + est.grads + est.master + est.optimizer
@@ -32,7 +34,7 @@ def test_qwen7b_tp2_dp2_sharded_is_near_the_guides_38gb():
 
 
 def test_sharding_and_tp_shrink_the_right_parts():
-    base = dict(seq_len=4096, micro_batch_size=1, precision="bf16")
+    base = dict(seq_len=4096, micro_batch_size=1, precision="bf16", loss_chunk_tokens=1024)
     full = estimate_memory(QWEN7B, tp=1, dp=1, **base)
     tp2 = estimate_memory(QWEN7B, tp=2, dp=2, **base)
     sh = estimate_memory(QWEN7B, tp=2, dp=2, shard_optimizer=True, **base)
@@ -41,6 +43,16 @@ def test_sharding_and_tp_shrink_the_right_parts():
     assert sh.optimizer == pytest.approx(tp2.optimizer / 2, rel=1e-6)
     no_rc = estimate_memory(QWEN7B, tp=2, dp=2, recompute=False, **base)
     assert no_rc.activations > 3 * sh.activations
+
+
+def test_loss_chunks_shrink_only_the_lm_head_buffers():
+    base = dict(seq_len=4096, micro_batch_size=1, precision="bf16", tp=2, dp=2, shard_optimizer=True,
+                vocab_parallel=True)
+    whole, chunked = estimate_memory(QWEN7B, **base), estimate_memory(QWEN7B, loss_chunk_tokens=1024, **base)
+    # three fp32 buffers and a bf16 copy over [tokens, vocab / tp]
+    assert whole.activations - chunked.activations == (4096 - 1024) * (152064 // 2) * (3 * 4 + 2)
+    assert estimate_memory(QWEN7B, loss_chunk_tokens=8192, **base).activations == whole.activations
+    assert (whole.weights, whole.optimizer) == (chunked.weights, chunked.optimizer)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -39,11 +39,14 @@ def _rows(ids):
     return np.tile(np.arange(s, dtype=np.int32), (b, 1)), np.ones((b, s), np.int32)
 
 
-@pytest.mark.parametrize("case", ["tied", "untied"])
-def test_matches_transformers(ms_cpu, golden_model, case):
+@pytest.mark.parametrize("case,chunk", [("tied", 0), ("untied", 0), ("tied", 4), ("untied", 7)])
+def test_matches_transformers(ms_cpu, golden_model, case, chunk, monkeypatch):
+    """chunk > 0: the LM head + loss over chunks of that many label tokens (train.loss_chunk_tokens)."""
     ms = ms_cpu
     g = np.load(GOLDEN / case / "golden.npz")
     model = golden_model(case)
+    monkeypatch.setattr(model.loss_fn, "chunk", chunk)
+    assert len(model.loss_fn._chunks(int((g["labels"][:, 1:] != -100).sum()))) > (1 if chunk else 0)
     assert ("lm_head.weight" in model.hf_state()) == (case == "untied")
     ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
     pos, seg = _rows(ids)

@@ -1,7 +1,8 @@
 """Tensor parallelism (tp=2) under msrun on CPU: same logits, loss, gradients and export as tp=1.
 
 Cases: the embedding and LM head replicated (untied), vocab-parallel with the parallel
-cross-entropy (untied and tied), and replicated KV heads (tp > num_key_value_heads).
+cross-entropy (untied, and tied with the loss over chunks of 5 tokens), and replicated KV heads
+(tp > num_key_value_heads).
 
 Gradients of replicated KV heads (tp > num_key_value_heads) are partial per rank and must be summed
 over the ranks sharing a head; that reduction belongs to the training step and is not checked here.
@@ -43,8 +44,9 @@ g = np.load(sys.argv[3])
 ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
 pos = np.tile(np.arange(ids.shape[1], dtype=np.int32), (ids.shape[0], 1))
 args = [ms.Tensor(x) for x in (ids, labels, pos, np.ones_like(ids))]
-for case, (model_dir, vocab_parallel) in json.loads(sys.argv[4]).items():
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel)
+for case, (model_dir, vocab_parallel, chunk) in json.loads(sys.argv[4]).items():
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel,
+                             loss_chunk_tokens=chunk)
     load_weights(model, model_dir)
     logits = model.logits(args[0]).asnumpy()
     full = {"loss": model(*args).asnumpy()}
@@ -71,8 +73,9 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     if not msrun.exists() or not shutil.which("ip"):
         pytest.skip("msrun (mindspore) or iproute2 missing")
     replicated = tiny_hf_dir("kv1", vocab_size=256, num_key_value_heads=1)  # tp=2 > 1 KV head: replicated
-    cases = {"untied": [str(GOLDEN / "untied"), False], "untied-vp": [str(GOLDEN / "untied"), True],
-             "tied-vp": [str(GOLDEN / "tied"), True], "kv1": [str(replicated), False]}
+    # [model dir, vocab_parallel, loss_chunk_tokens]: the tied vocab-parallel loss over chunks of 5 tokens
+    cases = {"untied": [str(GOLDEN / "untied"), False, 0], "untied-vp": [str(GOLDEN / "untied"), True, 0],
+             "tied-vp": [str(GOLDEN / "tied"), True, 5], "kv1": [str(replicated), False, 0]}
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
@@ -107,7 +110,7 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     np.testing.assert_allclose(kv1["loss"], loss.asnumpy(), rtol=1e-5)
 
     # export gathers the TP slices back into the original tensors
-    for case, (src, _) in cases.items():
+    for case, (src, _, _) in cases.items():
         original = load_file(str(Path(src) / "model.safetensors"))
         exported = load_file(str(tmp_path / f"export-{case}" / "model.safetensors"))
         assert exported.keys() == original.keys()
