@@ -5,7 +5,6 @@ layout; compared: the per-step losses in metrics.jsonl (rel 1e-4, 5 steps) and t
 Hugging Face weights. One module-scoped one-process run is the reference for all.
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -133,7 +132,6 @@ def test_killed_mid_run_and_resumed_equals_uninterrupted(tmp):
     _assert_same_run(tmp / name, tmp / "one")
 
 
-@pytest.mark.skipif(os.environ.get("DIST_EXTRA") != "1", reason="4 more workers; run with DIST_EXTRA=1")
 def test_tp4_replicated_kv_heads_equal_one_process(tmp):
     """tp=4 > 2 KV heads: each KV head lives on two ranks; their gradients are summed (SumOverReplicas)."""
     _assert_same_run(_run_once(tmp, "tp4", 4, 1, 4), tmp / "one")
