@@ -127,3 +127,28 @@ def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
     assert len(full) == len(idx) == cache.load_info(info.dir).num_samples
     for (start, n), ids in zip(idx[:, :2].tolist(), full):
         assert toks[start:start + n].tolist() == ids
+
+
+def test_auto_workers_follow_the_cgroup_cpu_quota(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert prep.available_cpus(tmp_path / "none") == 64
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")  # a Kubernetes limit of 2.5 CPUs
+    assert prep.available_cpus(v2) == 3
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert prep.available_cpus(v2) == 64
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("800000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert prep.available_cpus(v1) == 8
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert prep.available_cpus(v1) == 64
+    # data.num_workers=0 on a large input: one worker per available CPU, at most MAX_AUTO_WORKERS
+    monkeypatch.setattr(prep, "AUTO_POOL_BYTES", 0)
+    monkeypatch.setattr(prep, "MAX_AUTO_WORKERS", 3)
+    monkeypatch.setattr(prep, "available_cpus", lambda: 64)
+    data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(40)])
+    info = prep.prepare(recipe_for(tmp_path, [data], num_workers="0"), TOKENIZER, progress=False)
+    assert info.report["tokenizer"]["workers"] == 3
