@@ -18,6 +18,8 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -218,15 +220,32 @@ def _chunks(recipe: Recipe, sources: list, counts: dict) -> Iterator[tuple[list[
         yield buf, copies
 
 
-def _start_pool(args: tuple, workers: int):
-    """A spawn pool of tokenizer processes (None: tokenize in this process)."""
+def _start_pool(args: tuple, workers: int, lib: Path | None = None) -> ProcessPoolExecutor | None:
+    """``workers`` spawned tokenizer processes, started now with ``lib`` preloaded (None: tokenize in
+    this process). A process that dies fails every pending chunk (BrokenProcessPool), never hangs."""
     if workers <= 1:
         return None
     ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
-    return ctx.Pool(workers, initializer=_init_worker, initargs=args)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=args)
+    with malloc.preloaded(lib):  # processes start on submit: one per task while none is idle
+        for _ in range(workers):
+            pool.submit(int)
+    return pool
 
 
-def _ordered_map(args: tuple, pool, workers: int, items: Iterator) -> Iterator[tuple[Any, Any]]:
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop the tokenizer processes at once (their pending chunks are not needed)."""
+    procs = list(getattr(pool, "_processes", {}).values())  # the executor offers no terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+
+
+def _ordered_map(args: tuple, pool: ProcessPoolExecutor | None, workers: int,
+                 items: Iterator) -> Iterator[tuple[Any, Any]]:
     """(item, encoded item) in order, with at most 2 chunks per worker in flight."""
     if pool is None:
         enc = Encoder(*args)
@@ -235,13 +254,13 @@ def _ordered_map(args: tuple, pool, workers: int, items: Iterator) -> Iterator[t
         return
     backlog: collections.deque = collections.deque()
     for item in items:
-        backlog.append((item, pool.apply_async(_work, (item[0],))))
+        backlog.append((item, pool.submit(_work, item[0])))
         if len(backlog) >= 2 * workers:
-            it, res = backlog.popleft()
-            yield it, res.get()
+            it, fut = backlog.popleft()
+            yield it, fut.result()
     while backlog:
-        it, res = backlog.popleft()
-        yield it, res.get()
+        it, fut = backlog.popleft()
+        yield it, fut.result()
 
 
 class _Progress:
@@ -300,8 +319,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
                f" ({malloc.HINT})" if cfg.worker_malloc == "auto" else "")) if workers > 1 else "in this process"
         print(f"prepare-data: {size / 2**20:,.1f} MB in {len(sources)} file(s); tokenizing {how}",
               file=sys.stderr, flush=True)
-    with malloc.preloaded(malloc_lib):
-        pool = _start_pool(args, workers)  # workers load the tokenizer while the sources are hashed
+    pool = _start_pool(args, workers, malloc_lib)  # workers load the tokenizer while the sources are hashed
     pad_id = 0
     index_parts: list[np.ndarray] = []
     dropped = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels")}
@@ -378,12 +396,18 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
                         created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
         cache.publish(tmp, out)
+    except BrokenProcessPool:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"a tokenizer process died after {n_read:,} samples (killed, e.g. by the out-of-memory "
+                        "killer, or crashed); nothing was written. Lower data.num_workers (e.g. data.num_workers=2)"
+                        + ("" if malloc_lib is None else f" or set data.worker_malloc=system (it ran {malloc_name})")
+                        + " and run prepare-data again") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if pool is not None:
-            pool.terminate()
+            _stop_pool(pool)
     return cache.CacheInfo(out, int(len(index)), offset, manifest, report)
 
 

@@ -16,7 +16,7 @@ from finetune.data.template import render, splits_at_specials
 from tests.finetune.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_jsonl
 
 
-def _maps() -> str:
+def _maps(_: int = 0) -> str:
     """(runs in a pool worker) the libraries mapped into the process."""
     return Path("/proc/self/maps").read_text()
 
@@ -58,13 +58,13 @@ def test_preloaded_sets_and_restores_ld_preload(monkeypatch):
 def test_workers_run_with_the_library_and_write_the_same_cache(tmp_path):
     name, lib = malloc.choose("auto")
     args = (str(TOKENIZER), "sys", 128, CleanConfig(), 0)
-    with malloc.preloaded(lib):
-        pool = prep._start_pool(args, 2)
+    pool = prep._start_pool(args, 2, lib)
     try:
+        assert len(pool._processes) == 2  # both started with the library, and the variable restored
         assert "LD_PRELOAD" not in os.environ or str(lib) not in os.environ["LD_PRELOAD"]
-        assert str(lib.resolve()) in pool.apply(_maps)
+        assert all(str(lib.resolve()) in m for m in pool.map(_maps, range(8)))
     finally:
-        pool.terminate()
+        prep._stop_pool(pool)
     assert lib.name not in _maps()  # this process keeps the system malloc
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(600)])
     infos = {w: prep.prepare(recipe_for(tmp_path / w, [data], num_workers="2", worker_malloc=w), TOKENIZER,
@@ -152,3 +152,38 @@ def test_auto_workers_follow_the_cgroup_cpu_quota(tmp_path, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(40)])
     info = prep.prepare(recipe_for(tmp_path, [data], num_workers="0"), TOKENIZER, progress=False)
     assert info.report["tokenizer"]["workers"] == 3
+
+
+def test_a_killed_tokenizer_process_stops_prepare_with_a_clear_error(tmp_path):
+    """A worker killed mid-run (e.g. by the OOM killer) ends prepare-data with an error, not a hang."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from finetune.config import to_dict
+
+    data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(40_000)])
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"recipe": to_dict(recipe_for(tmp_path, [data], num_workers="2"))}))
+    proc = subprocess.Popen([sys.executable, "-m", "finetune.data.prepare", "--config", str(plan)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    killed = None
+    while killed is None and time.monotonic() < deadline and proc.poll() is None:
+        workers = [c for c in psutil.Process(proc.pid).children()
+                   if "spawn_main" in " ".join(c.cmdline()) and c.cpu_times().user > 1.0]  # tokenizing
+        if workers:
+            killed = workers[0]
+            killed.kill()
+        time.sleep(0.05)
+    assert killed is not None, "no tokenizer process seen"
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("prepare-data hung after a tokenizer process died")
+    assert proc.returncode == 2, err
+    assert "a tokenizer process died" in err and "data.num_workers" in err, err
+    assert not list((tmp_path / "out").glob(".data.tmp-*")) and not (tmp_path / "out" / "data").exists()
