@@ -2,7 +2,7 @@
 
     python finetune/generate.py --model-dir output/hf --prompt "What is the capital of France?"
 
-No KV cache: every step runs the whole sequence (fine for short checks on small models).
+Keys and values of earlier positions are cached: after the prompt each step runs one token.
 """
 from __future__ import annotations
 
@@ -55,13 +55,16 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, tempe
     rng = np.random.default_rng(seed)
     ids = list(prompt_ids)
     out: list[int] = []
+    caches = model.new_caches()
+    feed = ids  # the prompt first, then one token a step
     for _ in range(max_new_tokens):
-        logits = model.last_logits(ms.Tensor(np.array([ids], np.int32))).asnumpy()[0]
+        logits = model.last_logits(ms.Tensor(np.array([feed], np.int32)), caches).asnumpy()[0]
         tok = next_token(logits, ids, temperature, top_p, repetition_penalty, rng)
         if tok in stops:
             break
         ids.append(tok)
         out.append(tok)
+        feed = [tok]
     return out
 
 

@@ -281,7 +281,9 @@ class Attention(nn.Cell):
         b, s, _ = x.shape
         return x.reshape(b, s, heads, self.head_dim).swapaxes(1, 2)  # [b, heads, s, hd]
 
-    def construct(self, x, cos, sin, mask):
+    def construct(self, x, cos, sin, mask, cache=None):
+        """``cache`` (generation): a list holding this layer's [keys, values] of the earlier
+        positions (empty at first); the new ones are appended and attention covers all."""
         b, s, _ = x.shape
         q = self._split(self.q_proj(x), self.heads)
         k = self._split(self.k_proj(x), self.kv_heads)
@@ -293,7 +295,11 @@ class Attention(nn.Cell):
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if self.fused_attn:  # GQA native: key/value keep kv_heads; mask 1 = not attended
+        if cache is not None:
+            if cache:
+                k, v = ops.cat((cache[0], k), 2), ops.cat((cache[1], v), 2)
+            cache[:] = [k, v]
+        if self.fused_attn and cache is None:  # GQA native: key/value keep kv_heads; mask 1 = not attended
             out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
                                             scalar_value=self.scale, input_layout="BNSD")
         else:
@@ -334,8 +340,8 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.mlp = MLP(cfg, rank, dtype, fused)
 
-    def construct(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def construct(self, x, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,17 +361,22 @@ class Qwen2Model(nn.Cell):
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         self.inv_freq = Tensor(inv_freq.astype(np.float32))
 
-    def construct(self, input_ids, position_ids, segment_ids):
+    def construct(self, input_ids, position_ids, segment_ids, caches=None, past: int = 0):
+        """Final hidden states. ``caches`` (generation, one segment per row): one list per layer
+        with the keys/values of the ``past`` earlier positions, extended in place."""
         s = input_ids.shape[1]
         freqs = position_ids.astype(ms.float32).expand_dims(-1) * self.inv_freq  # [b, s, hd/2]
         emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # [b, 1, s, hd]
         cos, sin = ops.cos(emb), ops.sin(emb)
-        causal = Tensor(np.tril(np.ones((s, s), np.bool_)))
-        allowed = ops.logical_and(segment_ids.expand_dims(2) == segment_ids.expand_dims(1), causal)
-        mask = (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED  # [b, 1, s, s]
+        if caches is None:
+            causal = Tensor(np.tril(np.ones((s, s), np.bool_)))
+            allowed = ops.logical_and(segment_ids.expand_dims(2) == segment_ids.expand_dims(1), causal)
+        else:  # query i (position past + i) sees keys 0 .. past + i
+            allowed = Tensor(np.tril(np.ones((s, past + s), np.bool_), past)).expand_dims(0)
+        mask = (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED  # [b, 1, s, past + s]
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask) if caches is None else layer(x, cos, sin, mask, caches[i])
         return self.norm(x)
 
 
@@ -478,6 +489,18 @@ class Qwen2ForCausalLM(nn.Cell):
         """``[b, s, vocab]`` fp32 logits; default positions 0..s-1 and one segment per row."""
         return self._project(self._hidden(input_ids, position_ids, segment_ids))
 
-    def last_logits(self, input_ids):
-        """``[b, vocab]`` fp32 logits of the last position only (for generation)."""
-        return self._project(self._hidden(input_ids)[:, -1])
+    def last_logits(self, input_ids, caches: list | None = None):
+        """``[b, vocab]`` fp32 logits of the last position only (for generation). With ``caches``
+        (``new_caches()``, then kept between calls) ``input_ids`` are only the positions after
+        the cached ones, whose keys and values are reused."""
+        if caches is None:
+            return self._project(self._hidden(input_ids)[:, -1])
+        b, s = input_ids.shape
+        past = int(caches[0][0].shape[2]) if caches[0] else 0
+        pos = Tensor(np.broadcast_to(np.arange(past, past + s, dtype=np.int32), (b, s)).copy())
+        h = self.model(input_ids, pos, ops.ones((b, s), ms.int32), caches, past)
+        return self._project(h[:, -1])
+
+    def new_caches(self) -> list:
+        """Empty key/value caches for ``last_logits``."""
+        return [[] for _ in self.model.layers]

@@ -42,10 +42,16 @@ def test_greedy_generate_follows_full_logits(ms_cpu):
     model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / "tied")))
     load_weights(model, GOLDEN / "tied")
     prompt = [5, 17, 99]
-    out = generate(model, _Tok(-1), prompt, 3, temperature=0, repetition_penalty=1.0)
-    # greedy: each new token is the argmax of the full-sequence logits at the position before it
+    out = generate(model, _Tok(-1), prompt, 8, temperature=0, repetition_penalty=1.0)
+    # greedy with the key/value cache: each new token is the argmax of the full-sequence logits
+    # (no cache) at the position before it
     logits = model.logits(ms.Tensor(np.array([prompt + out], np.int32))).asnumpy()[0]
-    assert out == [int(x) for x in logits[len(prompt) - 1:-1].argmax(-1)]
+    assert len(out) == 8 and out == [int(x) for x in logits[len(prompt) - 1:-1].argmax(-1)]
+    caches = model.new_caches()
+    model.last_logits(ms.Tensor(np.array([prompt + out[:3]], np.int32)), caches)
+    step = model.last_logits(ms.Tensor(np.array([out[3:5]], np.int32)), caches).asnumpy()[0]  # 2 new at once
+    np.testing.assert_allclose(step, logits[len(prompt) + 4], atol=1e-5)
+    assert caches[0][0].shape[2] == len(prompt) + 5
     stop = out[-1]
     assert generate(model, _Tok(stop), prompt, 3, temperature=0, repetition_penalty=1.0) == out[:out.index(stop)]
 
