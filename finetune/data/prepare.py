@@ -309,7 +309,6 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     out = cache.cache_dir_for(recipe)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
     size = sum(src.path.stat().st_size for src in sources)
     workers = cfg.num_workers or (min(available_cpus(), MAX_AUTO_WORKERS) if size >= AUTO_POOL_BYTES else 1)
     malloc_name, malloc_lib = malloc.choose(cfg.worker_malloc) if workers > 1 else ("system", None)
@@ -328,6 +327,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     n_read = n_unique = n_entries = truncated = offset = 0
     bar = _Progress(progress)
     try:
+        tmp.mkdir(parents=True, exist_ok=True)
         manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
                     "sources": [cache.source_entry(s) for s in sources]}
         tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
@@ -337,7 +337,8 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
             pad_id = res["pad_id"]
             if n_read == len(samples) and malloc_lib is not None and res.get("preloaded") != str(malloc_lib):
                 print(f"prepare-data: data.worker_malloc: the tokenizer processes did not load {malloc_lib}; "
-                      "they use the system malloc", file=sys.stderr, flush=True)
+                      "they use the system malloc (data.worker_malloc=system says so up front)",
+                      file=sys.stderr, flush=True)
                 malloc_name, malloc_lib = "system", None
             truncated += res["truncated"]
             reasons = res["reasons"]

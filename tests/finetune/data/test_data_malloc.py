@@ -37,9 +37,14 @@ def test_choose_prefers_the_wheel_then_system_libraries_in_order(tmp_path):
         malloc.choose("/nope/libx.so")
 
 
-def test_worker_malloc_setting_is_validated():
+def test_worker_malloc_setting_is_validated(tmp_path):
     with pytest.raises(ConfigError, match=r"data.worker_malloc='fast': auto, system or the absolute path"):
         load_recipe(raw={"model": {"init": {}}}, overrides={"data.worker_malloc": "fast"})
+    data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(4)])
+    r = recipe_for(tmp_path, [data], num_workers="2", worker_malloc="/nope/libx.so")
+    with pytest.raises(ConfigError, match="no such file"):
+        prep.prepare(r, TOKENIZER, progress=False)
+    assert not list((tmp_path / "out").glob(".data.tmp-*"))  # nothing left behind
 
 
 def test_preloaded_sets_and_restores_ld_preload(monkeypatch):
