@@ -70,9 +70,9 @@ class DataConfig:
     max_tokens_per_batch: int = 0  # >0: dynamic batching by token budget instead of packing
     cache_dir: str = ""  # token cache; default <output_dir>/data
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)
-    num_workers: int = 0  # tokenizer processes for prepare-data; 0: auto (from 32 MB of input one per CPU, at most 8)
+    num_workers: int = 0  # tokenizer processes for prepare-data; 0: auto (from 8 MB of input one per CPU, at most 8)
     max_samples: int = 0  # 0: all
-    worker_malloc: str = "auto"  # tokenizer processes' malloc: auto (tcmalloc/jemalloc/mimalloc if installed) | system | path
+    worker_malloc: str = "auto"  # tokenizer processes' malloc: auto (the cmeel-mimalloc wheel, else a system tcmalloc/jemalloc/mimalloc) | system | path
     clean: CleanConfig = field(default_factory=CleanConfig)
 
 

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         t_raw, raw_tokens = t_raw + t2, raw_tokens + n2
         n_read = info.report["samples_read"]
     workers = info.report["tokenizer"]
+    if workers["malloc_library"] != (str(lib) if lib else None):  # e.g. --workers 1: no preloaded workers
+        lib = None
     prep_sps, raw_sps = n_read / t_prep, len(texts) / t_raw
     print(f"samples: {n_read:,} ({info.num_samples:,} kept, {info.num_tokens:,} tokens cached)")
     print(f"prepare-data end to end:   {t_prep:7.2f} s  {prep_sps:10,.0f} samples/s  "

@@ -11,7 +11,7 @@ import pytest
 from finetune.config import CleanConfig, ConfigError, load_recipe
 from finetune.data import cache, malloc
 from finetune.data import prepare as prep
-from finetune.data.formats import Sample
+from finetune.data.formats import Sample, iter_samples, resolve_sources
 from finetune.data.template import render, splits_at_specials
 from tests.finetune.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_jsonl
 
@@ -122,12 +122,10 @@ def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
     info = prep.prepare(r, TOKENIZER, progress=False)
     toks = np.load(info.dir / "tokens.npy")
     idx = np.load(info.dir / "index.npy")
-    enc = prep.Encoder(str(TOKENIZER), r.data.system_prompt, 4096, r.data.clean)
-    enc.split = False
-    from finetune.data.formats import iter_samples, resolve_sources
+    tok = prep.load_tokenizer(str(TOKENIZER), TOKENIZER.stat().st_mtime)
     samples = [s for src in resolve_sources(r.data) for s in iter_samples(src.path)]
     kept = [s for s in samples if prep.text_rule(s, r.data.clean) is None]
-    full = _full_ids(enc.tok, kept, r.data.system_prompt)
+    full = _full_ids(tok, kept, r.data.system_prompt)
     full = [f for f in full if len(f) >= r.data.clean.min_tokens]
     assert len(full) == len(idx) == cache.load_info(info.dir).num_samples
     for (start, n), ids in zip(idx[:, :2].tolist(), full):
