@@ -64,14 +64,13 @@ class Encoder:
 
     SYSTEM_CACHE = 4096  # distinct system prompts remembered
 
-    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig,
-                 hold_chunks: int = HOLD_CHUNKS):
+    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig):
         self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
         self.sp = Specials(self.tok)
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
         self.split = splits_at_specials(self.tok)
         self._system_ids: dict[str, list[int]] = {}
-        self.hold_chunks = hold_chunks
+        self.hold_chunks = HOLD_CHUNKS  # 0 in a worker with a preloaded malloc
         self._held: list = []  # recent chunks' encodings, see HOLD_CHUNKS
 
     def _encode(self, samples: list[Sample]) -> list[list[int]]:
@@ -168,6 +167,7 @@ def _init_worker(*args: Any) -> None:
         maps = ""
     _PRELOADED = next((p for p in os.environ.get("LD_PRELOAD", "").split()
                        if p and os.path.realpath(p) in maps), None)
+    _WORKER.hold_chunks = 0 if _PRELOADED else HOLD_CHUNKS  # holding only helps glibc malloc
 
 
 def _work(samples: list[Sample]) -> dict[str, Any]:
@@ -313,7 +313,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     size = sum(src.path.stat().st_size for src in sources)
     workers = cfg.num_workers or (min(available_cpus(), MAX_AUTO_WORKERS) if size >= AUTO_POOL_BYTES else 1)
     malloc_name, malloc_lib = malloc.choose(cfg.worker_malloc) if workers > 1 else ("system", None)
-    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean, 0 if malloc_lib else HOLD_CHUNKS)
+    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
     if progress:
         how = (f"{workers} tokenizer processes, malloc {malloc_name}" + (f" ({malloc_lib})" if malloc_lib else
                f" ({malloc.HINT})" if cfg.worker_malloc == "auto" else "")) if workers > 1 else "in this process"

@@ -21,6 +21,11 @@ def _maps(_: int = 0) -> str:
     return Path("/proc/self/maps").read_text()
 
 
+def _held_chunks(_: int = 0) -> int:
+    """(runs in a pool worker) how many chunks of encodings the worker holds before freeing."""
+    return prep._WORKER.hold_chunks
+
+
 def test_choose_prefers_the_wheel_then_system_libraries_in_order(tmp_path):
     name, lib = malloc.choose("auto")
     assert name == "mimalloc" and lib is not None and lib.name.startswith("libmimalloc.so.") and lib.is_file()
@@ -62,14 +67,20 @@ def test_preloaded_sets_and_restores_ld_preload(monkeypatch):
 
 def test_workers_run_with_the_library_and_write_the_same_cache(tmp_path):
     name, lib = malloc.choose("auto")
-    args = (str(TOKENIZER), "sys", 128, CleanConfig(), 0)
+    args = (str(TOKENIZER), "sys", 128, CleanConfig())
     pool = prep._start_pool(args, 2, lib)
     try:
         assert len(pool._processes) == 2  # both started with the library, and the variable restored
         assert "LD_PRELOAD" not in os.environ or str(lib) not in os.environ["LD_PRELOAD"]
         assert all(str(lib.resolve()) in m for m in pool.map(_maps, range(8)))
+        assert set(pool.map(_held_chunks, range(8))) == {0}  # holding only helps glibc
     finally:
         prep._stop_pool(pool)
+    system = prep._start_pool(args, 2, None)
+    try:
+        assert set(system.map(_held_chunks, range(8))) == {prep.HOLD_CHUNKS}
+    finally:
+        prep._stop_pool(system)
     assert lib.name not in _maps()  # this process keeps the system malloc
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(600)])
     infos = {w: prep.prepare(recipe_for(tmp_path / w, [data], num_workers="2", worker_malloc=w), TOKENIZER,
