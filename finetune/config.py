@@ -163,7 +163,6 @@ class TrainConfig:
         return []
 
 
-
 @dataclass
 class ParallelConfig:
     """Layout: world = tp x dp x pp. dp=0 derives it from the world size."""
