@@ -135,7 +135,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     s = settings.collect(host.env, args.overrides, args.recipe, devs.has_npu)
     first = settings.load(s)
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
-    cwd = host.cwd or Path.cwd()
+    cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
     device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
     nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
@@ -174,7 +174,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
                     "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(),
                     "device_notes": devs.notes,
-                    "output_dir": f"{out}: output_dir={first.output_dir!r} from {s.origin_of('output_dir')}; "
+                    "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                   f"a relative path is relative to the current directory ({cwd})",
                     "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
                                                              "msrun scheduler"},

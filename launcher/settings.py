@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from finetune.config import ConfigError, Problem, Recipe, load_recipe, overridden, parse_overrides
 
 # The env contract, the one table: (variable, recipe key or "", meaning). The README's table is
-# generated from it (python -m launcher env-table); a test keeps them equal.
+# generated from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
 ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("RECIPE", "", "name in `recipes/` or a YAML path; default `qwen2.5-7b-full` when NPUs are present and "
                    "`MODEL_DIR` and `DATA` are set, else `tiny-cpu`"),
