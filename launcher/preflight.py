@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config import Recipe, resolved_model_dir
+from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
 from finetune.memory import MemoryEstimate, estimate_memory
 from launcher.devices import Devices, format_id_list
 
@@ -171,28 +172,77 @@ def check_disk(c: Context) -> list[Check]:
     return [Check("disk", "ok", detail)]
 
 
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+REDOWNLOAD = "re-download the model (huggingface-cli download <repo> --local-dir DIR)"
+
+
+def _weights_problem(path: Path) -> str | None:
+    """Why a safetensors file is unusable (unreadable header, shorter than its header says), or None."""
+    from finetune.hf_io import read_header
+
+    try:
+        header, start = read_header(path)
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+        return f"{path}: not a readable safetensors file ({type(e).__name__})"
+    size = path.stat().st_size
+    if size < start + end:
+        return f"{path}: truncated: {size} bytes, its header needs {start + end}"
+    return None
+
+
 def check_model(c: Context) -> list[Check]:
     mdir = resolved_model_dir(c.recipe)
     if not mdir:
         return [Check("model", "fail", "no model directory", "set MODEL_DIR=/path/to/Qwen2.5-7B-Instruct (HF layout)")]
     d = Path(mdir)
-    if c.recipe.model.init is not None and not (d / "config.json").exists():
+    if creates_tiny_model(c.recipe) and not (d / "config.json").exists():
         return [Check("model", "ok", f"{d}: tiny model is created there before training (model.init)")]
+    if not d.is_dir():
+        return [Check("model", "fail", f"MODEL_DIR={d}: no such directory",
+                      "set MODEL_DIR to a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")]
     missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            missing += [s for s in shards if not (d / s).is_file()]
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            return [Check("model", "fail", f"{index}: unreadable ({e})", "re-download the model")]
-    elif not list(d.glob("*.safetensors")):
-        missing.append("*.safetensors")
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+            return [Check("model", "fail", f"{index}: unreadable ({e})", REDOWNLOAD)]
+        missing += [s for s in shards if not (d / s).is_file()]
+    else:
+        shards = [f.name for f in sorted(d.glob("*.safetensors"))]
+        if not shards:
+            missing.append("*.safetensors")
     if missing:
         return [Check("model", "fail", f"{d}: missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""),
                       "MODEL_DIR must be a complete Hugging Face model dir (huggingface-cli download <repo> "
                       "--local-dir DIR)")]
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        return [Check("model", "fail", f"{d / 'config.json'}: malformed ({e})", REDOWNLOAD)]
+    arch = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if not set(arch) & set(SUPPORTED_ARCHITECTURES):
+        return [Check("model", "fail", f"{d / 'config.json'}: architecture {', '.join(map(str, arch))} is not "
+                      f"supported (this trainer implements {', '.join(SUPPORTED_ARCHITECTURES)}: Qwen2 / Qwen2.5)",
+                      "set MODEL_DIR to a Qwen2 or Qwen2.5 model")]
+    bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
+    if bad:
+        return [Check("model", "fail", b, REDOWNLOAD) for b in bad]
     return [Check("model", "ok", f"{d}: config, weights, tokenizer present")]
+
+
+def check_resume(c: Context) -> list[Check]:
+    resume = c.recipe.train.resume
+    if resume in ("auto", "never"):
+        return [Check("resume", "ok", f"train.resume={resume}")]
+    if not (Path(resume) / "trainer_state.json").is_file():
+        return [Check("resume", "fail", f"train.resume={resume}: no checkpoint there (no trainer_state.json)",
+                      "OVERRIDES='train.resume=auto' (the newest checkpoint in OUTPUT_DIR) or the path of a "
+                      "checkpoints/step_N directory")]
+    return [Check("resume", "ok", f"resuming from {resume}")]
 
 
 def check_data(c: Context) -> list[Check]:
@@ -286,7 +336,8 @@ def check_world(c: Context) -> list[Check]:
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
 
 
-CHECKS = (check_devices, check_versions, check_shm, check_disk, check_model, check_data, check_memory,
+CHECKS = (check_devices, check_versions, check_shm, check_disk, check_model, check_resume, check_data,
+          check_memory,
           check_network, check_world)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 from collections import namedtuple
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from finetune.config import load_recipe
 from finetune.memory import MemoryEstimate
 from launcher import devices, preflight
 
-QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
 
 
@@ -27,11 +28,14 @@ def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
     for s in (shards if present is None else present):
-        (d / s).write_text("")
+        (d / s).write_bytes(EMPTY_SAFETENSORS)
     return d
 
 
-TINY = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+EMPTY_SAFETENSORS = struct.pack("<Q", 2) + b"{}"  # a valid safetensors file holding no tensors
+
+
+TINY = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
 
 
