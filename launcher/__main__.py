@@ -129,6 +129,19 @@ def _needs_master(recipe: Recipe, s: settings.Settings, cluster: clusterlib.Clus
     return []
 
 
+def _output_problems(out: Path) -> list[Problem]:
+    """OUTPUT_DIR must be a directory this user can create or write (checked before anything is written)."""
+    fix = dict(key="output_dir", example="/data/output/run1", value=repr(str(out)))
+    near = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
+    if not near.is_dir():
+        what = "is a file" if near == out else f"is inside {near}, which is a file"
+        return [Problem(message=f"{what}, not a directory", **fix)]
+    if not os.access(near, os.W_OK | os.X_OK):
+        return [Problem(message=f"{near} is not writable by this user (uid {os.getuid()}); use a writable "
+                                "directory or mount a volume there", **fix)]
+    return []
+
+
 def resolve(args: argparse.Namespace, host: Host) -> Job:
     """Everything up to (not including) side effects: recipe, cluster, devices, binding, argv, plan."""
     devs = deviceslib.probe(host.dev_dir, host.root, host.env, host.npu_smi)
@@ -141,7 +154,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
     world = recipe.launch.nnodes * nproc
     try:
-        problems = _needs_master(recipe, s, clus)
+        problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
         problems += e.items
@@ -261,17 +274,16 @@ def cmd_prepare_data(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
-    ensure_model(job.recipe)
     return 0 if run_preflight(job, host) else 1
 
 
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    ensure_model(job.recipe)
     if not run_preflight(job, host):
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
+    ensure_model(job.recipe)
     if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
         rc = prepare_data(job.recipe)
         if rc:
@@ -301,7 +313,7 @@ def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
 GENERATE = REPO_ROOT / "finetune" / "generate.py"
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
-    "train": (cmd_train, "create the tiny model if asked, preflight, prepare data, write plan.json, run msrun "
+    "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
                          "and supervise it", False),
     "plan": (cmd_plan, "resolve env + recipe + cluster into OUTPUT_DIR/plan.json and print it; start nothing",
              False),
@@ -388,5 +400,20 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     return COMMANDS[args.command][0](job, args, host)
 
 
+def console_main() -> int:
+    """main() with no traceback on the console: an unexpected error is one line, its traceback in a file."""
+    try:
+        return main()
+    except Exception as e:  # noqa: BLE001 - the last line of defence; every expected error is handled above
+        import tempfile
+        import traceback
+
+        fd, path = tempfile.mkstemp(prefix="launcher-error-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            traceback.print_exc(file=f)
+        print(f"[launcher] error: {type(e).__name__}: {e} (full traceback in {path})", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
