@@ -253,22 +253,10 @@ def run_preflight(job: Job, host: Host) -> bool:
 
 
 def prepare_data(recipe: Recipe) -> int:
-    fresh = _optional("finetune.data.cache", "cache_is_fresh")
-    prep = _optional("finetune.data.prepare", "main")
-    if prep is None:
-        log("finetune.data.prepare not available yet: skipping data preparation")
-        return 0
-    tok_for = _optional("finetune.data.prepare", "tokenizer_path_for")
-    try:
-        tok = tok_for(recipe) if tok_for else Path(resolved_model_dir(recipe)) / "tokenizer.json"
-    except ConfigError as e:
-        print(f"[launcher] {e}", file=sys.stderr)
-        return 2
-    if fresh is not None and fresh(recipe, tok):
-        log("data cache is fresh")
-        return 0
-    log("preparing data (cache missing or stale)")
-    return int(prep(recipe) or 0)
+    """prepare-data: build the token cache unless a fresh one exists (finetune.data.prepare decides)."""
+    from finetune.data.prepare import main as prepare_main
+
+    return prepare_main(recipe, table_when_fresh=False)
 
 
 def _is_override(item: str) -> bool:
