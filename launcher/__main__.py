@@ -158,6 +158,7 @@ def absolutize(recipe: Recipe) -> Recipe:
     recipe.output_dir = _abs(recipe.output_dir)
     recipe.model.dir = _abs(recipe.model.dir) if recipe.model.dir else ""
     recipe.data.paths = [_abs(p) for p in recipe.data.paths]
+    recipe.data.val_paths = [_abs(p) for p in recipe.data.val_paths]
     recipe.data.cache_dir = _abs(recipe.data.cache_dir) if recipe.data.cache_dir else ""
     recipe.launch.hostfile = _abs(recipe.launch.hostfile) if recipe.launch.hostfile else ""
     return recipe

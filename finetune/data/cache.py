@@ -5,6 +5,7 @@ Layout of ``data.cache_dir`` (default ``<output_dir>/data``)::
     tokens.npy   int32 [T]      all kept samples' input_ids, back to back
     labels.npy   int32 [T]      aligned labels (-100 = none)
     index.npy    int64 [N, 4]   start, length, shifted label count (labels[1:] != -100), labels[0] != -100
+    val_index.npy int64 [V, 4]  the same for the validation set (data.val_size / data.val_paths), if any
     manifest.json               fingerprint: sources (size, mtime, sha256), tokenizer hash, settings
     data_report.json            kept/dropped per rule, token-length percentiles, packing efficiency
 
@@ -24,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from finetune.config import Recipe
-from finetune.data.formats import Source, resolve_sources
+from finetune.data.files import Source, resolve_sources
 from finetune.data.template import TEMPLATE_VERSION
 
 MANIFEST = "manifest.json"
+VAL_INDEX = "val_index.npy"
 FORMAT_VERSION = 1
 _HEADER = 128  # fixed .npy header size so arrays can be streamed and the shape filled in last
 
@@ -41,6 +43,7 @@ class CacheInfo:
     num_tokens: int  # tokens stored (unique samples)
     manifest: dict
     report: dict
+    num_val: int = 0  # validation samples (val_index.npy)
 
 
 def cache_dir_for(recipe: Recipe) -> Path:
@@ -57,12 +60,16 @@ def file_hash(path: Path) -> str:
 
 
 def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict:
-    """Every setting that changes the cache's content (batching settings do not)."""
+    """Every setting that changes the cache's content (batching settings do not; settings added
+    later appear only when set, so a cache made before them stays fresh)."""
     d = recipe.data
+    later = (("columns", d.columns), ("on_error", d.on_error if d.on_error != "fail" else ""),
+             ("val_size", d.val_size), ("val_paths", d.val_paths))
     return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSION,
             "tokenizer_sha256": file_hash(Path(tokenizer_path)), "system_prompt": d.system_prompt,
             "seq_len": d.seq_len, "format": d.format, "max_samples": d.max_samples,
-            "clean": dataclasses.asdict(d.clean)}
+            "clean": dataclasses.asdict(d.clean),
+            **{k: v for k, v in later if v}}
 
 
 def source_entry(src: Source, with_hash: bool = True) -> dict:
@@ -89,7 +96,7 @@ def cache_is_fresh(recipe: Recipe, tokenizer_path: str | Path) -> bool:
     if not m or m.get("settings") != settings_of(recipe, tokenizer_path):
         return False
     try:
-        sources = resolve_sources(recipe.data)
+        sources = resolve_sources(recipe.data) + resolve_sources(recipe.data, val=True)
     except ValueError:
         return False
     old = m.get("sources", [])
@@ -110,7 +117,8 @@ def load_info(cache_dir: Path) -> CacheInfo:
         report = json.loads((Path(cache_dir) / "data_report.json").read_text())
     except (OSError, json.JSONDecodeError):
         report = {}
-    return CacheInfo(Path(cache_dir), int(m.get("num_samples", 0)), int(m.get("num_tokens", 0)), m, report)
+    return CacheInfo(Path(cache_dir), int(m.get("num_samples", 0)), int(m.get("num_tokens", 0)), m, report,
+                     int(m.get("num_val_samples", 0)))
 
 
 # ------------------------------------------------------------------------------ streamed writing

@@ -19,7 +19,7 @@ import numpy as np
 from finetune.config import CleanConfig
 from finetune.data import malloc
 from finetune.data.clean import dedup_key, may_repeat, text_rule, token_rule
-from finetune.data.formats import Sample
+from finetune.data.formats import Sample, is_text
 from finetune.data.template import (IGNORE, Specials, label_flat, render, render_system, render_turns,
                                     splits_at_specials, truncate)
 
@@ -80,6 +80,10 @@ class Encoder:
                 self._held.clear()
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
+        """Encode one chunk (all conversations or all plain-text documents): per sample the drop
+        reason or None, and the kept entries' tokens and labels back to back."""
+        if samples and is_text(samples[0]):
+            return self._documents(samples)
         runs = may_repeat(samples, self.clean.repeated_chars_max_run) if self.clean.repeated_chars \
             else [False] * len(samples)
         reasons: list[str | None] = [text_rule(s, self.clean, r) for s, r in zip(samples, runs)]
@@ -99,6 +103,7 @@ class Encoder:
             plain &= lens <= self.clean.max_tokens
         tok_parts, lab_parts, fixed = [], [], {}
         truncated = 0
+        sizes = {}  # tokens of the samples dropped after tokenizing
         for j in np.flatnonzero(~plain).tolist():
             i, n = todo[j], int(lens[j])
             reason = token_rule(n, self.clean)
@@ -113,6 +118,8 @@ class Encoder:
             reasons[i] = reason
             if reason is None:
                 fixed[j] = (ids, lab)
+            else:
+                sizes[i] = n
         keep_j = plain.copy()
         keep_j[list(fixed)] = True
         kept_j = np.flatnonzero(keep_j).tolist()
@@ -131,7 +138,32 @@ class Encoder:
         keys = [dedup_key(samples[i]) for i in kept] if self.clean.dedup else [b""] * len(kept)
         return {"reasons": reasons, "kept": kept, "lengths": lengths, "keys": keys,
                 "tokens": tokens.astype(np.int32, copy=False), "labels": labs.astype(np.int32, copy=False),
-                "truncated": truncated,
+                "truncated": truncated, "split": 0, "sizes": sizes, "pad_id": self.sp.pad}
+
+    def _documents(self, samples: list[Sample]) -> dict[str, Any]:
+        """Plain-text documents: each ends with <|endoftext|>, every token is a label, and a document
+        longer than seq_len becomes seq_len pieces (the last piece as long as what remains)."""
+        reasons: list[str | None] = [text_rule(s, self.clean) for s in samples]
+        todo = [i for i, r in enumerate(reasons) if r is None]
+        encs = self.tok.encode_batch([samples[i].turns[0][1] for i in todo], add_special_tokens=False)
+        kept, parts, keys, sizes, split = [], [], [], {}, 0
+        for i, e in zip(todo, encs):
+            ids = e.ids + [self.sp.pad]
+            reasons[i] = token_rule(len(ids), self.clean)
+            if reasons[i] is not None:
+                sizes[i] = len(ids)
+                continue
+            key = dedup_key(samples[i]) if self.clean.dedup else b""
+            pieces = [ids[k:k + self.seq_len] for k in range(0, len(ids), self.seq_len)]
+            pieces = [p for p in pieces if len(p) > 1] or pieces[:1]  # one token: nothing to predict
+            split += len(pieces) > 1
+            for k, piece in enumerate(pieces):
+                kept.append(i)
+                parts.append(piece)
+                keys.append(key + k.to_bytes(4, "little") if k else key)  # pieces are not duplicates
+        tokens = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int32)
+        return {"reasons": reasons, "kept": kept, "lengths": [len(p) for p in parts], "keys": keys,
+                "tokens": tokens, "labels": tokens.copy(), "truncated": 0, "split": split, "sizes": sizes,
                 "pad_id": self.sp.pad}
 
 

@@ -20,12 +20,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from finetune.config import ASSETS_DIR, ConfigError, Recipe, load_recipe, resolved_model_dir
+from finetune.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, load_recipe, resolved_model_dir
 from finetune.cpus import available_cpus
 from finetune.data import cache, malloc
 from finetune.data.clean import RULES
 from finetune.data.encode import ordered_map, start_pool, stop_pool
-from finetune.data.formats import DataError, Sample, iter_samples, resolve_sources
+from finetune.data.files import DataError, Source, resolve_sources
+from finetune.data.formats import Sample, file_format, is_text, read_samples
 from finetune.data.report import Progress, example, format_report, make_report
 from finetune.data.template import IGNORE
 from finetune.fsutil import atomic_dir
@@ -39,17 +40,28 @@ AUTO_POOL_BYTES = 8 << 20
 # (its share of the CPU, measured: 2.1 s of 9.6 s for 100k samples beside 2 workers at ~5k samples/s
 # each), so more workers only add memory and tokenizer loads
 MAX_AUTO_WORKERS = 8
+VAL_SEED = 20240917  # which samples data.val_size holds out (fixed: the same data gives the same split)
 
 
-def _chunks(recipe: Recipe, sources: list, counts: dict) -> Iterator[tuple[list[Sample], list[int]]]:
-    """(samples, copies) chunks; a file's weight w takes each sample floor(w) times plus an evenly
-    spread deterministic share (w - floor(w)) of them once more."""
+def _chunks(cfg: DataConfig, sources: list[Source], kinds: dict[Path, str], build: "_Build",
+            ) -> Iterator[tuple[list[Sample], list[int]]]:
+    """(samples, copies) chunks, each of one kind (conversations or plain text); a file's weight w
+    takes each sample floor(w) times plus an evenly spread deterministic share (w - floor(w)) of
+    them once more. Malformed records (data.on_error=skip) go to ``build``."""
     buf: list[Sample] = []
     copies: list[int] = []
     for src in sources:
         whole, frac = int(math.floor(src.weight)), src.weight - math.floor(src.weight)
-        for i, s in enumerate(iter_samples(src.path, recipe.data.format)):
-            counts[str(src.path)] = i + 1
+        kind = kinds[src.path]
+        if buf and (kind == "text") != is_text(buf[0]):
+            yield buf, copies
+            buf, copies = [], []
+        samples = read_samples(src.path, kind, columns=cfg.columns, skip=cfg.on_error == "skip")
+        for i, s in enumerate(samples):
+            build.counts[str(src.path)] = i + 1
+            if isinstance(s, DataError):
+                build.malformed(s)
+                continue
             k = whole + int(math.floor((i + 1) * frac) - math.floor(i * frac))
             if k == 0:
                 continue
@@ -85,6 +97,20 @@ def tokenizer_path_for(recipe: Recipe) -> Path:
                        "model directory (config.json, *.safetensors, tokenizer.json)"])
 
 
+def hold_out(index: np.ndarray, val_size: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) index rows: val_size (a fraction < 1, or a count) of the unique samples,
+    chosen by a fixed seed; a held-out sample leaves training with all its weight copies."""
+    starts = np.unique(index[:, 0])
+    n = int(round(val_size * len(starts))) if val_size < 1 else int(val_size)
+    if not 1 <= n < len(starts):
+        raise DataError(f"data.val_size={val_size}: holds out {n} of {len(starts)} samples; choose a size that "
+                        f"leaves both sets samples (e.g. data.val_size={max(1, len(starts) // 20)})")
+    picked = np.sort(np.random.default_rng(VAL_SEED).choice(starts, n, replace=False))
+    is_val = np.isin(index[:, 0], picked)
+    val = index[is_val]
+    return index[~is_val], val[np.unique(val[:, 0], return_index=True)[1]]
+
+
 class _Build:
     """The cache being written: token and label streams, index rows, drop counts, dedup keys."""
 
@@ -92,19 +118,27 @@ class _Build:
         self.tmp, self.cfg = tmp, recipe.data
         self.tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
         self.labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
-        self.index_parts: list[np.ndarray] = []
-        self.dropped: dict[str, dict] = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels")}
+        self.parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+        self.dropped: dict[str, dict] = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels", "malformed")}
         self.seen: set[bytes] = set()
         self.counts: dict[str, int] = {}  # records read per source
-        self.n_read = self.n_unique = self.n_entries = self.truncated = self.offset = self.pad_id = 0
+        self.n_read = self.n_unique = self.n_entries = self.truncated = self.split = self.offset = self.pad_id = 0
+        self.tails = {"count": 0, "examples": []}  # conversations whose last user/tool turns were dropped
         self.bar = Progress(progress)
 
-    def add(self, samples: list[Sample], copies: list[int], res: dict[str, Any]) -> bool:
+    def malformed(self, err: DataError) -> None:
+        d = self.dropped["malformed"]
+        d["count"] += 1
+        if len(d["examples"]) < 3:
+            d["examples"].append({"error": str(err)[:300]})
+
+    def add(self, samples: list[Sample], copies: list[int], res: dict[str, Any], part: str = "train") -> bool:
         """Write one encoded chunk (after dedup and max_samples); True when max_samples is reached."""
         cfg = self.cfg
         self.n_read += len(samples)
         self.pad_id = res["pad_id"]
         self.truncated += res["truncated"]
+        self.split += res["split"]
         reasons = res["reasons"]
         keep_mask = np.ones(len(res["kept"]), dtype=bool)
         if cfg.clean.dedup:
@@ -119,85 +153,106 @@ class _Build:
                 d = self.dropped[r]
                 d["count"] += 1
                 if len(d["examples"]) < 3:
-                    d["examples"].append(example(samples[i]))
+                    d["examples"].append(example(samples[i], res["sizes"].get(i)))
+        for s in samples:
+            if s.dropped_tail:
+                self.tails["count"] += 1
+                if len(self.tails["examples"]) < 3:
+                    self.tails["examples"].append({"where": s.where, "turns_dropped": s.dropped_tail})
         lengths = np.asarray(res["lengths"], dtype=np.int64)
         tok, lab = res["tokens"], res["labels"]
         if not keep_mask.all():
             mask = np.repeat(keep_mask, lengths)
             tok, lab, lengths = tok[mask], lab[mask], lengths[keep_mask]
         kept = list(itertools.compress(res["kept"], keep_mask.tolist()))
-        if cfg.max_samples:
-            room = max(cfg.max_samples - self.n_entries, 0)
+        limit = cfg.max_samples if part == "train" else 0
+        if limit:
+            room = max(limit - self.n_entries, 0)
             reps = np.minimum(np.cumsum([copies[i] for i in kept]), room) if kept else np.zeros(0, int)
             ncopies = np.diff(np.r_[0, reps]).astype(np.int64)
         else:
             ncopies = np.asarray([copies[i] for i in kept], dtype=np.int64)
-        self.index_parts.append(np.repeat(_index_rows(lengths, lab, self.offset), ncopies, axis=0))
+        self.parts[part].append(np.repeat(_index_rows(lengths, lab, self.offset), ncopies, axis=0))
         self.tokens.write(tok)
         self.labels.write(lab)
         self.offset += int(lengths.sum())
         self.n_unique += len(lengths)
-        self.n_entries += int(ncopies.sum())
+        if part == "train":
+            self.n_entries += int(ncopies.sum())
         self.bar.update(self.n_read, self.offset)
-        return bool(cfg.max_samples) and self.n_entries >= cfg.max_samples
+        return bool(limit) and self.n_entries >= limit
 
-    def finish(self, sources: list) -> np.ndarray:
-        """Close the streams and write index.npy; the index (a DataError when nothing was kept)."""
+    def finish(self, sources: list[Source]) -> tuple[np.ndarray, np.ndarray]:
+        """Close the streams, write index.npy (and val_index.npy); the train and validation index
+        rows (a DataError when nothing was kept)."""
         self.bar.update(self.n_read, self.offset, final=True)
         self.tokens.close()
         self.labels.close()
-        index = np.concatenate(self.index_parts) if self.index_parts else np.zeros((0, 4), np.int64)
+        index, val = (np.concatenate(p) if p else np.zeros((0, 4), np.int64) for p in self.parts.values())
         if len(index) == 0:
             counts = {k: v["count"] for k, v in self.dropped.items() if v["count"]}
             raise DataError(f"empty data set: all {self.n_read} samples of {', '.join(str(s.path) for s in sources)} "
                             "were dropped; see the drop counts in the report (relax data.clean.* rules or "
                             f"raise data.seq_len): {counts}")
+        if self.cfg.val_size:
+            index, val = hold_out(index, self.cfg.val_size)
+        elif self.cfg.val_paths and not len(val):
+            raise DataError(f"data.val_paths: no validation sample left of {self.cfg.val_paths} after the rules "
+                            "(a validation sample equal to a training sample is dropped as dedup); see the report")
         np.save(self.tmp / "index.npy", index)
-        return index
+        if len(val):
+            np.save(self.tmp / cache.VAL_INDEX, val)
+        return index, val
 
 
 def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -> cache.CacheInfo:
     """Build the token cache of recipe.data under cache_dir_for(recipe); returns what was written."""
     t0 = time.monotonic()
     cfg = recipe.data
-    sources = resolve_sources(cfg)
+    sources, val_sources = resolve_sources(cfg), resolve_sources(cfg, val=True)
+    kinds = {}
+    for src in sources + val_sources:  # every file's format (or its error) before any work
+        kinds[src.path], why = file_format(src.path, cfg.format, cfg.columns)
+        if progress:
+            print(f"prepare-data: {src.path}: {kinds[src.path]} ({why})", file=sys.stderr, flush=True)
     out = cache.cache_dir_for(recipe)
-    size = sum(src.path.stat().st_size for src in sources)
+    size = sum(src.path.stat().st_size for src in sources + val_sources)
     workers = cfg.num_workers or (min(available_cpus(), MAX_AUTO_WORKERS) if size >= AUTO_POOL_BYTES else 1)
     malloc_name, malloc_lib = malloc.choose(cfg.worker_malloc) if workers > 1 else ("system", None)
     args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
     if progress:
         how = (f"{workers} tokenizer processes, malloc {malloc_name}" + (f" ({malloc_lib})" if malloc_lib else
                f" ({malloc.HINT})" if cfg.worker_malloc == "auto" else "")) if workers > 1 else "in this process"
-        print(f"prepare-data: {size / 2**20:,.1f} MB in {len(sources)} file(s); tokenizing {how}",
+        print(f"prepare-data: {size / 2**20:,.1f} MB in {len(sources) + len(val_sources)} file(s); tokenizing {how}",
               file=sys.stderr, flush=True)
     pool = start_pool(args, workers, malloc_lib)  # workers load the tokenizer while the sources are hashed
     n_read = 0
     try:
         with atomic_dir(out) as tmp:
             manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
-                        "sources": [cache.source_entry(s) for s in sources]}
+                        "sources": [cache.source_entry(s) for s in sources + val_sources]}
             build = _Build(tmp, recipe, progress)
-            for (samples, copies), res in ordered_map(args, pool, workers, _chunks(recipe, sources, build.counts)):
-                if not build.n_read and malloc_lib is not None and res.get("preloaded") != str(malloc_lib):
-                    print(f"prepare-data: data.worker_malloc: the tokenizer processes did not load {malloc_lib}; "
-                          "they use the system malloc (data.worker_malloc=system says so up front)",
-                          file=sys.stderr, flush=True)
-                    malloc_name, malloc_lib = "system", None
-                stop = build.add(samples, copies, res)
-                n_read = build.n_read
-                if stop:
-                    break
-            index = build.finish(sources)
-            report = make_report(recipe, index[:, 1], build.n_read, build.n_unique, build.dropped, build.truncated,
-                                 time.monotonic() - t0, build.offset)
+            for part, srcs in (("train", sources), ("val", val_sources)):
+                for (samples, copies), res in ordered_map(args, pool, workers, _chunks(cfg, srcs, kinds, build)):
+                    if not build.n_read and malloc_lib is not None and res.get("preloaded") != str(malloc_lib):
+                        print(f"prepare-data: data.worker_malloc: the tokenizer processes did not load {malloc_lib}; "
+                              "they use the system malloc (data.worker_malloc=system says so up front)",
+                              file=sys.stderr, flush=True)
+                        malloc_name, malloc_lib = "system", None
+                    stop = build.add(samples, copies, res, part)
+                    n_read = build.n_read
+                    if stop:
+                        break
+            index, val = build.finish(sources)
+            report = make_report(recipe, build, index, val, time.monotonic() - t0)
             report["tokenizer"] = {"workers": workers, "malloc": malloc_name,
                                    "malloc_library": str(malloc_lib) if malloc_lib else None}
-            report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": build.counts.get(str(s.path), 0)}
-                                 for s in sources]
+            report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": build.counts.get(str(s.path), 0),
+                                  "format": kinds[s.path], **({"validation": True} if s in val_sources else {})}
+                                 for s in sources + val_sources]
             (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
             manifest.update(num_samples=int(len(index)), num_tokens=build.offset, pad_id=build.pad_id,
-                            created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                            num_val_samples=int(len(val)), created=time.strftime("%Y-%m-%dT%H:%M:%S"))
             (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
     except BrokenProcessPool:
         raise DataError(f"a tokenizer process died after {n_read:,} samples (killed, e.g. by the out-of-memory "
@@ -207,7 +262,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     finally:
         if pool is not None:
             stop_pool(pool)
-    return cache.CacheInfo(out, int(len(index)), build.offset, manifest, report)
+    return cache.CacheInfo(out, int(len(index)), build.offset, manifest, report, int(len(val)))
 
 
 def main(recipe: Recipe, table_when_fresh: bool = True) -> int:
