@@ -65,7 +65,7 @@ def _world_any(flag: bool, rank: RankInfo) -> bool:
 
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
-    from finetune.data.cache import ensure_cache
+    from finetune.data.prepare import ensure_cache
     from finetune.data.batching import BatchLoader
     from finetune.hf_io import export_hf, load_hf_config, load_weights
     from finetune.model import Qwen2Config, Qwen2ForCausalLM

@@ -117,6 +117,7 @@ def absolutize(recipe: Recipe, cwd: Path) -> Recipe:
         if recipe.data.cache_dir else ""
     recipe.model.dir = _input(recipe.model.dir) if recipe.model.dir else ""
     recipe.data.paths = [_input(p) for p in recipe.data.paths]
+    recipe.data.val_paths = [_input(p) for p in recipe.data.val_paths]
     recipe.launch.hostfile = _input(recipe.launch.hostfile) if recipe.launch.hostfile else ""
     return recipe
 
@@ -240,19 +241,10 @@ def run_preflight(job: Job, host: Host) -> bool:
 
 
 def prepare_data(recipe: Recipe) -> int:
-    from finetune.data.cache import cache_is_fresh
-    from finetune.data.prepare import main as prepare, tokenizer_path_for
+    """prepare-data: build the token cache unless a fresh one exists (finetune.data.prepare decides)."""
+    from finetune.data.prepare import main as prepare_main
 
-    try:
-        tok = tokenizer_path_for(recipe)
-    except ConfigError as e:
-        print(f"[launcher] {e}", file=sys.stderr)
-        return 2
-    if cache_is_fresh(recipe, tok):
-        log("data cache is fresh")
-        return 0
-    log("preparing data (cache missing or stale)")
-    return int(prepare(recipe) or 0)
+    return prepare_main(recipe, table_when_fresh=False)
 
 
 # ------------------------------------------------------------------------------------ commands
