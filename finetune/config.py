@@ -111,6 +111,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>
+    max_bad_steps: int = 25  # stop after this many consecutive non-finite steps (fp16 backs off 2^16 -> 1 in 16)
 
 
 @dataclass
@@ -354,6 +355,7 @@ def validate(r: Recipe) -> list[str]:
     for key, v, lo in (("data.seq_len", r.data.seq_len, 8), ("train.grad_accum", r.train.grad_accum, 1),
                        ("train.micro_batch_size", r.train.micro_batch_size, 1),
                        ("train.epochs", r.train.epochs, 1), ("train.log_every", r.train.log_every, 1),
+                       ("train.max_bad_steps", r.train.max_bad_steps, 1),
                        ("parallel.tp", r.parallel.tp, 1), ("parallel.pp", r.parallel.pp, 1),
                        ("launch.nnodes", r.launch.nnodes, 1)):
         if v < lo:

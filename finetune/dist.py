@@ -8,8 +8,8 @@ msrun 2.10 sets, per worker: ``MS_ROLE=MS_WORKER``, ``MS_WORKER_NUM`` (world siz
 contiguous ranks (inside one node when tp divides the local worker count) and a DP group is the
 ranks with the same tp_rank.
 
-Only the pure-Python parts (layout, group ranks) are importable without MindSpore; the collective
-helpers import it lazily so the launcher can use :func:`resolve_layout` for its plan.
+The layout and group-rank helpers are pure Python; everything touching collectives imports
+MindSpore lazily.
 """
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ class RankInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def log(self, msg: str) -> None:
+        """The job's one logger: a line on the console from rank 0 (every rank runs the same code)."""
+        if self.is_main:
+            print(msg, flush=True)
 
 
 def under_msrun() -> bool:
@@ -84,8 +89,20 @@ def group_name(kind: str, ranks: list[int]) -> str:
     return f"{kind}-" + "-".join(str(r) for r in ranks)
 
 
+def _set_device(target: str, device_id: int | None) -> None:
+    """``mindspore.set_device`` (before any kernel runs and before ``init()``), tolerating a process
+    that already runs kernels on that target (tests that train several times in one process)."""
+    import mindspore as ms
+
+    try:
+        ms.set_device(target, device_id)
+    except RuntimeError:
+        if ms.get_context("device_target") != target:
+            raise
+
+
 def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU", pp: int = 1) -> RankInfo:
-    """Initialise collectives when launched by msrun and build the TP/DP groups.
+    """Select the device, initialise collectives when launched by msrun and build the TP/DP groups.
 
     Single process (no msrun): world 1, no groups, nothing initialised. A group spanning all ranks
     is the backend's world group (not a created sub-group), so world-only collectives can use it.
@@ -93,16 +110,15 @@ def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU", pp: i
     if not under_msrun():
         if tp != 1 or dp not in (0, 1) or pp != 1:
             resolve_layout(1, tp, dp, pp)  # raises with the fix
+        _set_device(device_target, None)
         return RankInfo(device_target=device_target)
     world_env = int(os.environ["MS_WORKER_NUM"])
     tp, dp = resolve_layout(world_env, tp, dp, pp)  # fail fast, before connecting to anyone
     local_rank = int(os.environ.get("DEVICE_ID", "0"))
 
-    import mindspore as ms
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
-    if device_target == "Ascend":  # one NPU per local worker; the trainer has set the device target
-        ms.set_context(device_id=local_rank)
+    _set_device(device_target, local_rank if device_target == "Ascend" else None)  # one NPU per local worker
     init()
     rank, world = get_rank(), get_group_size()
     if world != world_env:
