@@ -162,7 +162,9 @@ def check_disk(c: Context) -> list[Check]:
 def check_model(c: Context) -> list[Check]:
     mdir = resolved_model_dir(c.recipe)
     if not mdir:
-        return [Check("model", "fail", "no model directory", "set MODEL_DIR=/path/to/Qwen2.5-7B-Instruct (HF layout)")]
+        return [Check("model", "fail", "no model directory",
+                      "set MODEL_DIR to a Hugging Face model dir (docker: -e MODEL_DIR=/models/Qwen2.5-7B-Instruct "
+                      "-v /data/models:/models:ro)")]
     d = Path(mdir)
     if c.recipe.model.init is not None and not (d / "config.json").exists():
         return [Check("model", "ok", f"{d}: tiny model is created there before training (model.init)")]
@@ -185,7 +187,8 @@ def check_model(c: Context) -> list[Check]:
 
 def check_data(c: Context) -> list[Check]:
     if not c.recipe.data.paths:
-        return [Check("data", "fail", "no data", "set DATA=/path/to/train.jsonl (files or dirs, comma-separated)")]
+        return [Check("data", "fail", "no data", "set DATA to files or dirs, comma-separated (docker: "
+                      "-e DATA=/data/train.jsonl -v /data:/data:ro)")]
     missing = [p for p in c.recipe.data.paths if not Path(p).exists()]
     if missing:
         return [Check("data", "fail", f"not found: {', '.join(missing)}", "fix DATA (files or dirs, comma-separated)")]
@@ -243,15 +246,16 @@ def check_network(c: Context) -> list[Check]:
     L = c.recipe.launch
     if L.nnodes == 1:
         return [Check("network", "ok", "single node")]
+    if L.master_addr in ("127.0.0.1", "localhost", "::1"):
+        return [Check("network", "fail", f"node {L.node_rank} of {L.nnodes} but MASTER_ADDR is {L.master_addr}",
+                      f"set MASTER_ADDR to node 0's address, the same on every node, and NODE_RANK "
+                      f"(docker: -e MASTER_ADDR=<node-0 IP> -e NODE_RANK=<0..{L.nnodes - 1}>), or HOSTFILE")]
     if L.node_rank == 0:
         free = (c.port_free or _port_free)(L.master_port)
         if not free:
             return [Check("network", "fail", f"master port {L.master_port} is in use on this node",
                           "set MASTER_PORT to a free port (the same on every node)")]
         return [Check("network", "ok", f"master: port {L.master_port} free")]
-    if L.master_addr in ("127.0.0.1", "localhost", "::1"):
-        return [Check("network", "fail", f"node {L.node_rank} of {L.nnodes} but MASTER_ADDR is {L.master_addr}",
-                      "set MASTER_ADDR to node 0's address (the same on every node)")]
     try:
         c.connect(L.master_addr, L.master_port, 3.0)
     except socket.gaierror as e:
