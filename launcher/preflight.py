@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.config import Recipe, resolved_model_dir
+from finetune import native as nativelib
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -42,6 +43,7 @@ class Context:
     memory_estimator: Callable | None = None  # finetune.memory.estimate_memory
     connect: Callable[[str, int, float], None] = lambda host, port, t: socket.create_connection((host, port), t).close()
     port_free: Callable[[int], bool] = field(default=None)  # type: ignore[assignment]
+    native_check: Callable[[], nativelib.NativeCheck] = nativelib.check_mindspore
 
     @property
     def world(self) -> int:
@@ -126,6 +128,12 @@ def check_versions(c: Context) -> list[Check]:
         out.append(Check("CANN", "fail", "no ascend-toolkit install info under /usr/local/Ascend/ascend-toolkit/latest",
                          "use the CANN base image (BASE_IMAGE) or install CANN 8.x toolkit"))
     return out
+
+
+def check_mindspore(c: Context) -> list[Check]:
+    """MindSpore's native libraries are built for this machine (PyPI's wheel is x86-64 whatever the host)."""
+    n = c.native_check()
+    return [Check("mindspore", n.status, n.detail, n.fix)]
 
 
 def check_shm(c: Context) -> list[Check]:
@@ -292,8 +300,8 @@ def check_world(c: Context) -> list[Check]:
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {dp or c.world // (tp * pp)} x PP {pp}")]
 
 
-CHECKS = (check_devices, check_versions, check_shm, check_disk, check_model, check_data, check_memory,
-          check_network, check_world)
+CHECKS = (check_devices, check_versions, check_mindspore, check_shm, check_disk, check_model, check_data,
+          check_memory, check_network, check_world)
 
 
 def run_checks(c: Context) -> list[Check]:
