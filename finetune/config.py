@@ -111,6 +111,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>
+    tensorboard: bool = True  # scalar event files under <output_dir>/tensorboard (rank 0)
 
 
 @dataclass

@@ -17,8 +17,9 @@ from finetune.checkpoint import (TrainerState, checkpoint_root, find_latest, loa
                                  save_checkpoint)
 from finetune.config import Recipe, resolved_model_dir
 from finetune.dist import RankInfo, barrier, init_distributed
-from finetune.metrics import MetricsWriter, log, progress_line, summarize
+from finetune.metrics import MetricsWriter, log, progress_line
 from finetune.optim import LossScaler, build_optimizer, lr_at
+from finetune.report import summarize
 
 
 def device_target(recipe: Recipe) -> str:
