@@ -19,7 +19,8 @@ from mindspore import ops
 
 from finetune.config import Recipe
 from finetune.dist import RankInfo, all_reduce_sum, barrier, init_distributed, launched_world
-from finetune.metrics import MetricsWriter, progress_line, read_metrics, summarize
+from finetune.metrics import MetricsWriter, progress_line, read_metrics
+from finetune.report import summarize
 from finetune.optim import lr_at
 from finetune.trainer import BATCH_KEYS, Trainer, setup
 

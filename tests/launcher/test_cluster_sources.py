@@ -109,3 +109,10 @@ def test_shipped_hostfiles():
     assert (two.nnodes, two.node_rank, two.master_addr, two.nproc_per_node) == (2, 1, "192.168.10.11", 8)
     one = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/one-node.txt"), me={"localhost"})
     assert (one.nnodes, one.node_rank, one.nproc_per_node) == (1, 0, 8)
+
+
+def test_explicit_multi_node_needs_this_nodes_rank():
+    """Without NODE_RANK every node would plan itself node 0: refused, with the flag that fixes it."""
+    with pytest.raises(cluster.ClusterError, match=r"-e NODE_RANK=1"):
+        cluster.detect({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, me=ME)
+    assert cluster.detect({"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"}, me=ME).source == "env"
