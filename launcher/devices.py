@@ -27,6 +27,19 @@ def parse_id_list(text: str, var: str) -> list[int]:
     return sorted(set(ids))
 
 
+def parse_visible_devices(text: str) -> list[int]:
+    """ASCEND_VISIBLE_DEVICES: ids and ranges (``0-3,6``) or the operator's annotation form
+    (``Ascend910-0,Ascend910-1``, from the ``huawei.com/Ascend910`` pod annotation)."""
+    named = [re.fullmatch(r"[A-Za-z][A-Za-z0-9]*-(\d+)", p.strip()) for p in text.split(",")]
+    if all(named):
+        return sorted({int(m.group(1)) for m in named})
+    try:
+        return parse_id_list(text, "ASCEND_VISIBLE_DEVICES")
+    except ValueError:
+        raise ValueError(f"ASCEND_VISIBLE_DEVICES={text!r}: expected ids or ranges (0-3 or 0,1,4) or the "
+                         "device names Ascend910-0,Ascend910-1 (e.g. ASCEND_VISIBLE_DEVICES=0-7)") from None
+
+
 def format_id_list(ids: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5' (the cpulist / device-range form)."""
     out, ids = [], sorted(set(ids))
@@ -131,7 +144,7 @@ def probe(dev_dir: Path = Path("/dev"), root: Path = Path("/"), env: Mapping[str
     phys = env.get("ASCEND_VISIBLE_DEVICES", "").strip()
     if phys:
         try:
-            wanted = parse_id_list(phys, "ASCEND_VISIBLE_DEVICES")
+            wanted = parse_visible_devices(phys)
             absent = [i for i in wanted if i not in d.present]
             if absent:
                 d.problems.append(f"ASCEND_VISIBLE_DEVICES={phys}: /dev/davinci{format_id_list(absent)} not present; "

@@ -62,6 +62,7 @@ def test_full_atlas_node(atlas):
 @pytest.mark.parametrize("env,visible,rt", [
     ({"ASCEND_VISIBLE_DEVICES": "0-3"}, [0, 1, 2, 3], "0,1,2,3"),
     ({"ASCEND_VISIBLE_DEVICES": "4,6-7"}, [4, 6, 7], "4,6,7"),
+    ({"ASCEND_VISIBLE_DEVICES": "Ascend910-4,Ascend910-5,Ascend910-6,Ascend910-7"}, [4, 5, 6, 7], "4,5,6,7"),
     ({"ASCEND_RT_VISIBLE_DEVICES": "2,3"}, [2, 3], "2,3"),
     ({"ASCEND_VISIBLE_DEVICES": "0-7", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}, [0, 1], "0,1"),
 ])
@@ -83,7 +84,8 @@ def test_container_with_four_devices_uses_logical_ids(tmp_path):
 
 @pytest.mark.parametrize("env,msg", [
     ({"ASCEND_VISIBLE_DEVICES": "0-9"}, "/dev/davinci8-9 not present"),
-    ({"ASCEND_VISIBLE_DEVICES": "three"}, "expected ids or ranges like 0-3"),
+    ({"ASCEND_VISIBLE_DEVICES": "three"}, "or the device names Ascend910-0,Ascend910-1"),
+    ({"ASCEND_VISIBLE_DEVICES": "Ascend910-0,1"}, "expected ids or ranges (0-3 or 0,1,4)"),
     ({"ASCEND_RT_VISIBLE_DEVICES": "8"}, "logical ids [8] >= the 8 devices"),
 ])
 def test_bad_visibility_values(atlas, env, msg):
