@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
         if fn is None:
             log("launcher.render is not available in this build")
             return 2
-        return int(fn(rest, job.recipe))
+        return int(fn(rest, overrides=args.overrides, recipe_arg=args.recipe))
     if args.command == "generate":
         script = REPO_ROOT / "finetune" / "generate.py"
         if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model

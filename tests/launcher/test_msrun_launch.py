@@ -268,14 +268,14 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
     fake = type(sys)("launcher.render")
-    fake.main = lambda args, recipe: seen.setdefault("render", (args, recipe.train.lr)) and 0
+    fake.main = lambda args, overrides, recipe_arg: seen.setdefault("render", (args, overrides, recipe_arg)) and 0
     monkeypatch.setitem(sys.modules, "launcher.render", fake)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()
     host = dict(env={"OUTPUT_DIR": str(tmp_path)}, dev_dir=tmp_path / "dev", npu_smi=None)
     assert lm.main(["render", "--nodes", "2", "volcano", "train.lr=1e-4", "--recipe", "tiny-cpu"],
                    lm.Host(**host)) == 0
-    assert seen["render"] == (["--nodes", "2", "volcano"], 1e-4)
+    assert seen["render"] == (["--nodes", "2", "volcano"], ["train.lr=1e-4"], "tiny-cpu")
     assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
     assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
     assert seen["generate"][2:4] == ["--model-dir", str(tmp_path / "base-model")]  # no export yet: the base model

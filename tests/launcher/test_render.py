@@ -1,31 +1,27 @@
-"""launcher/render.py: Volcano Job manifests, checked against the Volcano CRD's schema."""
+"""launcher/render.py: Volcano Job and AscendJob manifests, checked against the vendored CRD schemas."""
 from __future__ import annotations
 
 import copy
 import functools
+import json
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-from finetune.config import load_recipe
+import launcher.__main__ as lm
 from launcher import render
+from launcher_fakes import recorded_npu_smi
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).parent / "fixtures" / "crds"  # vendored upstream CRDs (provenance in its README.md)
 EXAMPLE = REPO / "deploy" / "volcano" / "qwen2.5-7b-2nodes.yaml"
 # The inputs of the committed example (regenerate it with the same ones).
 EXAMPLE_ARGS = ["volcano", "--nodes", "2", "--image", "registry.example.com/ascend-finetune:0.1.0",
-                "--out", "deploy/volcano/qwen2.5-7b-2nodes.yaml"]
+                "--pvc", "sft-data", "--out", "deploy/volcano/qwen2.5-7b-2nodes.yaml"]
 EXAMPLE_ENV = {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",
                "DATA": "/data/sft/train.jsonl", "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft"}
-
-
-def example_recipe():
-    return load_recipe(EXAMPLE_ENV["RECIPE"], {"model.dir": EXAMPLE_ENV["MODEL_DIR"],
-                                               "data.paths": EXAMPLE_ENV["DATA"],
-                                               "output_dir": EXAMPLE_ENV["OUTPUT_DIR"]})
 
 
 def _strict(schema):
@@ -53,42 +49,58 @@ def crd_validator(filename: str) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema)
 
 
-def rendered(tmp_path: Path, nodes: int, env: dict | None = None, extra: list[str] | None = None) -> dict:
-    out = tmp_path / f"job{nodes}.yaml"
-    args = ["volcano", "--nodes", str(nodes), "--out", str(out), *(extra or [])]
-    assert render.main(args, example_recipe(), env={**EXAMPLE_ENV, **(env or {})}) == 0
+def rendered(tmp_path: Path, nodes: int, env: dict | None = None, extra: list[str] | None = None,
+             kind: str = "volcano", overrides: list[str] | None = None) -> dict:
+    out = tmp_path / f"{kind}{nodes}.yaml"
+    args = [kind, "--nodes", str(nodes), "--out", str(out), *(extra or [])]
+    assert render.main(args, env={**EXAMPLE_ENV, **(env or {})}, overrides=overrides or []) == 0
     return yaml.safe_load(out.read_text())
+
+
+def refused(args: list[str], env: dict, capsys, overrides: list[str] | None = None) -> str:
+    assert render.main(args, env=env, overrides=overrides or []) == 2
+    return capsys.readouterr().err
+
+
+def container(job: dict) -> dict:
+    (task,) = job["spec"]["tasks"]
+    (c,) = task["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict:
+    return {e["name"]: e["value"] for e in c["env"]}
+
+
+def errors(job: dict, crd: str) -> list[str]:
+    return [f"{list(e.absolute_path)}: {e.message}" for e in crd_validator(crd).iter_errors(job)]
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes: int) -> None:
     job = rendered(tmp_path, nodes, env={"OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"})
-    errors = sorted(crd_validator("batch.volcano.sh_jobs.yaml").iter_errors(job), key=str)
-    assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
+    assert not errors(job, "batch.volcano.sh_jobs.yaml")
     assert job["apiVersion"] == "batch.volcano.sh/v1alpha1" and job["kind"] == "Job"
     spec = job["spec"]
     assert spec["schedulerName"] == "volcano" and spec["minAvailable"] == nodes and spec["maxRetry"] >= 1
     assert set(spec["plugins"]) == {"svc", "env"}
-    assert {(p["event"], p["action"]) for p in spec["policies"]} >= {
-        ("PodEvicted", "RestartJob"), ("TaskCompleted", "CompleteJob")}
+    assert {(p["event"], p["action"]) for p in spec["policies"]} == {
+        ("PodFailed", "RestartJob"), ("PodEvicted", "RestartJob"), ("TaskCompleted", "CompleteJob")}
     (task,) = spec["tasks"]
     assert task["replicas"] == nodes and task["name"] == "worker"
     pod = task["template"]
     assert pod["metadata"]["labels"]["ring-controller.atlas"] == "ascend-910b"
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 300
-    (c,) = pod["spec"]["containers"]
+    c = container(job)
     assert c["command"] == ["/opt/ascend-finetune/entrypoint.sh"]
-    assert c["resources"]["requests"]["huawei.com/Ascend910"] == 8
-    assert c["resources"]["limits"]["huawei.com/Ascend910"] == 8
-    env = {e["name"]: e["value"] for e in c["env"]}
-    assert env == {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",
-                   "DATA": "/data/sft/train.jsonl", "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft",
-                   "NNODES": str(nodes), "NPROC_PER_NODE": "8",
-                   "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
-    assert "MASTER_ADDR" not in env and "NODE_RANK" not in env  # the launcher reads Volcano's env
+    assert c["resources"] == {"requests": {"cpu": "96", "memory": "512Gi", "huawei.com/Ascend910": 8},
+                              "limits": {"memory": "512Gi", "huawei.com/Ascend910": 8}}
+    assert env_of(c) == {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",
+                         "DATA": "/data/sft/train.jsonl", "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft",
+                         "NPROC_PER_NODE": "8", "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    assert vols[mounts["/dev/shm"]["name"]]["emptyDir"] == {"medium": "Memory"}
+    assert vols[mounts["/dev/shm"]["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     for path in ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi",
                  "/etc/ascend_install.info"):
         assert mounts[path]["readOnly"] is True
@@ -96,30 +108,97 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     assert vols[mounts["/data"]["name"]]["hostPath"]["path"] == "/data"
 
 
-def test_pvc_and_name_options(tmp_path: Path) -> None:
-    job = rendered(tmp_path, 2, extra=["--pvc", "sft-data", "--data-dir", "/mnt/sft", "--name", "My_Job.1"])
+def test_pod_one_of_the_rendered_job_plans_itself_node_one(tmp_path: Path, atlas: Path, capsys) -> None:
+    """The rendered env plus what Volcano's env and svc plugins add on pod 1 (VC_TASK_INDEX=1, hosts)."""
+    job = rendered(tmp_path, 2)
+    name = job["metadata"]["name"]
+    hosts = [f"{name}-worker-{i}.{name}" for i in range(2)]
+    pod_env = {**env_of(container(job)), "VC_TASK_INDEX": "1", "VK_TASK_INDEX": "1",
+               "VC_WORKER_HOSTS": ",".join(hosts), "VC_WORKER_NUM": "2"}
+    host = lm.Host(env=pod_env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys",
+                   npu_smi=recorded_npu_smi, identities={f"{name}-worker-1", "10.244.1.7"})
+    # output_dir: plan may write plan.json, and /data is the pods' volume, not this machine's
+    assert lm.main(["plan", f"output_dir={tmp_path}/o"], host) == 0
+    text = capsys.readouterr().out
+    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+    t = plan["topology"]
+    assert (t["nnodes"], t["node_rank"], t["master_addr"], t["world_size"]) == (2, 1, hosts[0], 16)
+    assert plan["sources"]["cluster"].startswith("volcano:")
+    assert plan["msrun_argv"][plan["msrun_argv"].index("--node_rank") + 1] == "1"
+
+
+def test_overrides_given_to_render_reach_the_manifest(tmp_path: Path) -> None:
+    job = rendered(tmp_path, 2, overrides=["train.lr=1e-5", "TP=4", "data.seq_len=2048"])
+    env = env_of(container(job))
+    assert env["TP"] == "4" and env["OVERRIDES"] == "train.lr=1e-5 data.seq_len=2048"
+
+
+@pytest.mark.parametrize("env,overrides,msg", [
+    ({"NNODES": "2"}, [], "NNODES=2: the pods must not be given it; use --nodes N"),
+    ({}, ["launch.master_addr=10.0.0.1"], "MASTER_ADDR=10.0.0.1: the pods must not be given it"),
+    ({"OUTPUT_DIR": "./output"}, [], "OUTPUT_DIR=./output: not a path on the volume mounted at --data-dir /data"),
+    ({"DATA": "/home/me/train.jsonl,/data/b.jsonl"}, [], "DATA=/home/me/train.jsonl: not a path on the volume"),
+    ({}, ["model.dir=/srv/models/q"], "MODEL_DIR=/srv/models/q: not a path on the volume"),
+    ({"NPROC_PER_NODE": "9"}, [], "NPROC_PER_NODE=9: NPUs per pod, 1 to 8"),
+    ({"MODEL_DIR": ""}, [], "MODEL_DIR is not set: recipe qwen2.5-7b-full needs"),
+    ({}, ["train.lr=fast"], "train.lr"),
+])
+def test_what_cannot_work_in_a_pod_is_refused(env: dict, overrides: list, msg: str, capsys) -> None:
+    err = refused(["volcano", "--nodes", "2"], {**EXAMPLE_ENV, **env}, capsys, overrides)
+    assert msg in err and "nothing written" in err
+
+
+def test_a_recipe_file_of_this_machine_is_refused(tmp_path: Path, capsys) -> None:
+    mine = tmp_path / "my.yaml"
+    mine.write_text((REPO / "recipes" / "qwen2.5-7b-full.yaml").read_text())
+    err = refused(["volcano"], {**EXAMPLE_ENV, "RECIPE": str(mine)}, capsys)
+    assert f"RECIPE={mine}: a file of this machine" in err and "RECIPE=/data/recipes/my.yaml" in err
+    ok = rendered(tmp_path, 1, env={"RECIPE": str(REPO / "recipes" / "qwen2.5-7b-full.yaml")})
+    assert env_of(container(ok))["RECIPE"] == "qwen2.5-7b-full"  # a bundled recipe goes by its name
+
+
+def test_nproc_per_node_sets_the_npu_request(tmp_path: Path) -> None:
+    c = container(rendered(tmp_path, 2, env={"NPROC_PER_NODE": "4"}))
+    assert c["resources"]["requests"]["huawei.com/Ascend910"] == 4 == c["resources"]["limits"]["huawei.com/Ascend910"]
+    assert env_of(c)["NPROC_PER_NODE"] == "4"
+
+
+def test_output_on_a_per_node_host_path_warns(tmp_path: Path, capsys) -> None:
+    rendered(tmp_path, 2)
+    assert "is a hostPath: each node has its own" in capsys.readouterr().err
+    job = rendered(tmp_path, 2, extra=["--pvc", "sft-data"])
+    assert "hostPath" not in capsys.readouterr().err
+    assert env_of(container(job))["OVERRIDES"] == "data.shared_storage=true"
+
+
+def test_pvc_name_and_default_output_dir(tmp_path: Path) -> None:
+    env = {k: v for k, v in EXAMPLE_ENV.items() if k != "OUTPUT_DIR"}
+    out = tmp_path / "j.yaml"
+    assert render.main(["volcano", "--nodes", "2", "--pvc", "sft-data", "--data-dir", "/mnt/sft", "--name",
+                        "My_Job.1", "--out", str(out)], env={**env, "MODEL_DIR": "/mnt/sft/m",
+                                                             "DATA": "/mnt/sft/d.jsonl"}) == 0
+    job = yaml.safe_load(out.read_text())
     assert job["metadata"]["name"] == "my-job-1"
+    assert env_of(container(job))["OUTPUT_DIR"] == "/mnt/sft/output/my-job-1"
     vols = {v["name"]: v for v in job["spec"]["tasks"][0]["template"]["spec"]["volumes"]}
     assert vols["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "sft-data"}}
-    assert not list(crd_validator("batch.volcano.sh_jobs.yaml").iter_errors(job))
+    assert not errors(job, "batch.volcano.sh_jobs.yaml")
 
 
 def test_schema_check_catches_a_misspelled_field(tmp_path: Path) -> None:
     job = rendered(tmp_path, 1)
     job["spec"]["minAvailible"] = 1
     job["spec"]["policies"][0]["event"] = "PodGone"
-    errors = list(crd_validator("batch.volcano.sh_jobs.yaml").iter_errors(job))
-    assert len(errors) == 2
+    assert len(errors(job, "batch.volcano.sh_jobs.yaml")) == 2
 
 
 @pytest.mark.parametrize("args", [["volcano", "--nodes", "0"], ["volcano", "--data-dir", "rel"]])
 def test_bad_arguments_are_reported(args: list[str], capsys) -> None:
-    assert render.main(args, example_recipe(), env={}) == 2
-    assert "render:" in capsys.readouterr().err
+    assert "render: nothing written" in refused(args, EXAMPLE_ENV, capsys)
 
 
 def test_committed_example_equals_a_fresh_render(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert render.main(EXAMPLE_ARGS, example_recipe(), env=EXAMPLE_ENV) == 0
+    assert render.main(EXAMPLE_ARGS, env=EXAMPLE_ENV) == 0
     assert (tmp_path / EXAMPLE_ARGS[-1]).read_text() == EXAMPLE.read_text(), \
         "deploy/volcano example is stale: re-render it (see EXAMPLE_ARGS in this test)"
