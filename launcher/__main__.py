@@ -66,7 +66,7 @@ from pathlib import Path
 from finetune.config import REPO_ROOT, ConfigError, Recipe, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import launch, numa, preflight, settings
+from launcher import ascendjob, launch, numa, preflight, settings
 
 COMMANDS = ("train", "plan", "preflight", "prepare-data", "generate", "render")
 
@@ -204,6 +204,9 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
                     "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
                                                              "msrun scheduler"},
     }
+    if clus.role == "scheduler" and not devs.has_npu:  # AscendJob Scheduler pod: msrun's scheduler only
+        argv, env, plan, plan_path = ascendjob.scheduler_only(recipe, clus, plan, env, out)
+        nproc = 0
     return Job(recipe, devs, clus, nproc, plan, argv, env, log_dir, plan_path)
 
 
@@ -247,7 +250,7 @@ def run_preflight(job: Job, host: Host) -> bool:
     ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root,
                             data_checker=_optional("finetune.data.formats", "check_data"),
                             memory_estimator=_optional("finetune.memory", "estimate_memory"))
-    rows = preflight.run_checks(ctx)
+    rows = ascendjob.scheduler_checks(ctx, job.cluster) if job.nproc == 0 else preflight.run_checks(ctx)
     print(preflight.table(rows), flush=True)
     return not preflight.failed(rows)
 
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     if not ok:
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
-    if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+    if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
         rc = prepare_data(job.recipe)
         if rc:
             return rc

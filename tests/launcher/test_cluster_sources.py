@@ -109,3 +109,11 @@ def test_shipped_hostfiles():
     assert (two.nnodes, two.node_rank, two.master_addr, two.nproc_per_node) == (2, 1, "192.168.10.11", 8)
     one = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/one-node.txt"), me={"localhost"})
     assert (one.nnodes, one.node_rank, one.nproc_per_node) == (1, 0, 8)
+
+
+def test_ascendjob_roles():
+    sched = dict(CASES[3][1], MS_ROLE="MS_SCHED", MS_NODE_RANK="0", MS_SCHED_HOST="10.244.3.15")
+    assert cluster.detect(sched, me=ME).role == "scheduler"
+    assert cluster.detect(CASES[3][1], me=ME).role == "worker"
+    with pytest.raises(cluster.ClusterError, match="MS_ROLE='MS_PSERVER': expected MS_SCHED or MS_WORKER"):
+        cluster.detect(dict(CASES[3][1], MS_ROLE="MS_PSERVER"), me=ME)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import copy
+import sys
 import functools
 import json
+import socket
 from pathlib import Path
 
 import jsonschema
@@ -202,3 +204,88 @@ def test_committed_example_equals_a_fresh_render(tmp_path: Path, monkeypatch) ->
     assert render.main(EXAMPLE_ARGS, env=EXAMPLE_ENV) == 0
     assert (tmp_path / EXAMPLE_ARGS[-1]).read_text() == EXAMPLE.read_text(), \
         "deploy/volcano example is stale: re-render it (see EXAMPLE_ARGS in this test)"
+
+
+ASCENDJOB_EXAMPLE = REPO / "deploy" / "ascendjob" / "qwen2.5-7b-2nodes.yaml"
+OPERATOR_ENV = Path(__file__).parent / "fixtures" / "ascendjob"  # what ascend-operator adds (README there)
+
+
+def replica_container(job: dict, kind: str) -> dict:
+    (c,) = job["spec"]["replicaSpecs"][kind]["template"]["spec"]["containers"]
+    return c
+
+
+def test_ascendjob_validates_one_scheduler_without_npus_and_n_workers(tmp_path: Path) -> None:
+    job = rendered(tmp_path, 2, kind="ascendjob")
+    assert not errors(job, "mindxdl.gitee.com_ascendjobs.yaml")
+    assert job["apiVersion"] == "mindxdl.gitee.com/v1" and job["kind"] == "AscendJob"
+    assert job["metadata"]["labels"]["framework"] == "mindspore"
+    spec = job["spec"]
+    assert set(spec["replicaSpecs"]) == {"Scheduler", "Worker"}  # additionalProperties: the CRD names no keys
+    assert spec["runPolicy"]["schedulingPolicy"]["minAvailable"] == 3 and spec["successPolicy"] == "AllWorkers"
+    assert (spec["replicaSpecs"]["Scheduler"]["replicas"], spec["replicaSpecs"]["Worker"]["replicas"]) == (1, 2)
+    sched, worker = replica_container(job, "Scheduler"), replica_container(job, "Worker")
+    assert sched["name"] == worker["name"] == "ascend"  # the operator writes its env into this container only
+    assert "huawei.com/Ascend910" not in sched["resources"]["requests"]
+    assert worker["resources"]["requests"]["huawei.com/Ascend910"] == 8
+    assert sched["ports"] == worker["ports"] == [{"name": "ascendjob-port", "containerPort": 8118}]
+    assert env_of(sched) == env_of(worker)
+    bad = copy.deepcopy(job)
+    bad["spec"]["runPolicy"]["backoffLimt"] = 3
+    assert len(errors(bad, "mindxdl.gitee.com_ascendjobs.yaml")) == 1
+
+
+def test_committed_ascendjob_example_equals_a_fresh_render(tmp_path: Path, monkeypatch) -> None:
+    args = ["ascendjob", *EXAMPLE_ARGS[1:-1], "deploy/ascendjob/qwen2.5-7b-2nodes.yaml"]
+    monkeypatch.chdir(tmp_path)
+    assert render.main(args, env=EXAMPLE_ENV) == 0
+    assert (tmp_path / args[-1]).read_text() == ASCENDJOB_EXAMPLE.read_text(), "re-render deploy/ascendjob"
+
+
+def operator_pod_env(kind: str, fixture: str) -> dict:
+    job = yaml.safe_load(ASCENDJOB_EXAMPLE.read_text())
+    return {**env_of(replica_container(job, kind)), **json.loads((OPERATOR_ENV / fixture).read_text())}
+
+
+def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsys) -> None:
+    (tmp_path / "dev").mkdir()
+    seen = tmp_path / "seen.json"
+    stub = [sys.executable, "-c", f"import json, sys; json.dump(sys.argv, open({str(seen)!r}, 'w'))",
+            "--config", str(tmp_path / "o" / "plan-scheduler.json")]
+    host = lm.Host(env=operator_pod_env("Scheduler", "scheduler.json"), dev_dir=tmp_path / "dev", root=tmp_path,
+                   sys_root=tmp_path / "sys", npu_smi=None, identities={"10.244.3.15"}, command=stub)
+    out_dir = tmp_path / "o"
+    assert lm.main(["plan", f"output_dir={out_dir}"], host) == 0
+    text = capsys.readouterr().out
+    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+    argv = plan["msrun_argv"]
+    opt = {argv[i]: argv[i + 1] for i in range(1, 15, 2)}
+    assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--master_port"]) == \
+        ("16", "0", "10.244.3.15", "8118")
+    assert argv[-1] == str(out_dir / "plan-scheduler.json") and plan["ranks"] == []
+    assert plan["recipe"]["launch"]["device"] == "cpu" and "scheduler only" in plan["sources"]["launch_mode"]
+    with socket.socket() as s:  # a port free on this (shared) machine for the preflight port check
+        s.bind(("", 0))
+        port = f"launch.master_port={s.getsockname()[1]}"
+    assert lm.main(["preflight", f"output_dir={out_dir}", port], host) == 0  # no NPU, no model, no data here
+    rows = capsys.readouterr().out
+    checks = [line.split()[1] for line in rows.splitlines()[1:] if line.split()[0] in ("ok", "warn", "fail")]
+    assert checks == ["role", "network", "layout"] and "fail" not in rows
+    assert lm.main(["train", f"output_dir={out_dir}", port], host) == 0
+    assert json.loads(seen.read_text())[1:] == ["--config", str(out_dir / "plan-scheduler.json")]
+    assert json.loads((out_dir / "plan-scheduler.json").read_text())["topology"]["nproc_per_node"] == 0
+    assert not (out_dir / "data").exists() and not (out_dir / "plan.json").exists()
+
+
+def test_ascendjob_worker_pod_is_node_of_its_index(tmp_path: Path, atlas: Path, capsys) -> None:
+    host = lm.Host(env=operator_pod_env("Worker", "worker-1.json"), dev_dir=atlas / "dev", root=atlas,
+                   sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities={"10.244.5.9"})
+    assert lm.main(["plan", f"output_dir={tmp_path}/o"], host) == 0
+    text = capsys.readouterr().out
+    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+    argv = plan["msrun_argv"]
+    opt = {argv[i]: argv[i + 1] for i in range(1, 15, 2)}
+    assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--node_rank"]) == \
+        ("16", "8", "10.96.41.7", "1")  # the Service IP is not this pod: msrun starts no scheduler here
+    assert [r["device"] for r in plan["ranks"]] == list(range(8))  # ASCEND_VISIBLE_DEVICES=Ascend910-0,...
+    assert [r["global_rank"] for r in plan["ranks"]] == list(range(8, 16))
