@@ -113,12 +113,7 @@ def run(recipe: Recipe) -> int:
                              vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
     params = model.trainable_params()
-    if dtype != ms.float32:  # low-precision weights; the optimizer keeps fp32 masters
-        for p in params:
-            # A tied embedding stays fp32: its two gradient paths (lookup and LM head) must agree in
-            # dtype. Only small Qwen2.5 models tie embeddings; 7B does not.
-            if not (cfg.tie_word_embeddings and p.name == "model.embed_tokens.weight"):
-                p.set_dtype(dtype)  # set_data(p.astype(...)) would keep the Parameter's fp32 dtype
+    model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
     shard = recipe.parallel.shard_optimizer if recipe.parallel.shard_optimizer is not None else rank.dp > 1
     opt = build_optimizer(params, tc, rank, shard=shard)
     scaler = LossScaler(tc.loss_scale, enabled=dtype == ms.float16)

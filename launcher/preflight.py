@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import qwen2_layout
 from finetune.config import Recipe, resolved_model_dir
 from launcher.devices import Devices, format_id_list
 
@@ -58,16 +59,11 @@ def model_config(recipe: Recipe) -> dict | None:
 
 
 def param_count(cfg: dict) -> int:
-    """Rough Qwen2 parameter count from config.json (embeddings, attention, MLP, norms)."""
-    h, v, n = cfg.get("hidden_size", 0), cfg.get("vocab_size", 0), cfg.get("num_hidden_layers", 0)
-    heads = cfg.get("num_attention_heads", 1) or 1
-    kv = cfg.get("num_key_value_heads", heads) or heads
-    inter = cfg.get("intermediate_size", 4 * h)
-    hd = h // heads
-    attn = h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd  # q,o + k,v (+ q/k/v biases)
-    per_layer = attn + 3 * h * inter + 2 * h
-    emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return emb + n * per_layer + h
+    """Exact Qwen2 parameter count from config.json (``finetune.qwen2_layout``); 0 when sizes are missing."""
+    try:
+        return qwen2_layout.param_count(cfg)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return 0
 
 
 def _port_free(port: int) -> bool:
