@@ -30,7 +30,7 @@ NUMA_BIND            launch.numa_bind         auto | numactl | affinity | off
 MAX_RESTARTS         launch.max_restarts      relaunches after a failure, each resuming from the last checkpoint
 DRY_RUN              launch.dry_run           1: print the plan, start nothing
 HCCL_CONNECT_TIMEOUT (worker env)             defaulted to 1200 s when unset
-HCCL_EXEC_TIMEOUT    (worker env)             defaulted to 1800 s when unset
+HCCL_EXEC_TIMEOUT    (worker env)             defaulted to 1836 s (CANN's A2 default) when unset
 HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE passed through to workers unchanged
 ASCEND_VISIBLE_DEVICES                        physical NPU ids (0-3, 0,2,4); read, not set
 ASCEND_RT_VISIBLE_DEVICES                     logical NPU ids; read; set for workers when a subset is used
@@ -199,7 +199,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         "msrun_argv": argv,
         "worker_env": launch.set_vars(env, host.env),
         "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
-                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(),
+                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(recipe.launch.device, recipe.name),
                     "device_notes": devs.notes,
                     "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
                                                              "msrun scheduler"},

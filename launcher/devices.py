@@ -121,9 +121,13 @@ class Devices:
         flags += [f"-v {m}:{m}:ro" for m in self.missing_mounts]
         return " ".join(flags)
 
-    def summary(self) -> str:
+    def summary(self, launch_device: str = "auto", recipe: str = "") -> str:
+        """What was found and, without NPUs, what the recipe will really do (``launch.device``)."""
+        if not self.has_npu and launch_device == "npu":
+            return (f"no NPU (/dev/davinciN) found, but recipe {recipe} runs on NPUs (launch.device=npu): preflight "
+                    "stops here; add the --device=/dev/davinciN flags, or RECIPE=tiny-cpu for CPU workers")
         if not self.has_npu:
-            return "no NPU (/dev/davinciN) found: workers run on CPU (the embedded default recipe)"
+            return f"no NPU (/dev/davinciN) found: workers run on CPU (recipe {recipe or 'tiny-cpu'})"
         return (f"{len(self.present)} NPUs present (/dev/davinci{format_id_list(self.present)}), "
                 f"{len(self.visible)} visible to workers: physical {format_id_list(self.visible) or 'none'}")
 

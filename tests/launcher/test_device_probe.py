@@ -106,7 +106,19 @@ def test_missing_management_devices_and_mounts_give_exact_flags(tmp_path):
 def test_no_npu_is_said_plainly(tmp_path):
     (tmp_path / "dev").mkdir()
     d = devices.probe(tmp_path / "dev", tmp_path, {}, recorded_npu_smi)
-    assert not d.has_npu and "workers run on CPU" in d.summary()
+    assert not d.has_npu and d.summary("auto", "tiny-cpu").endswith("workers run on CPU (recipe tiny-cpu)")
+
+
+def test_no_npu_with_an_npu_recipe_says_what_really_happens(tmp_path, capsys):
+    import launcher.__main__ as lm
+
+    (tmp_path / "dev").mkdir()
+    host = lm.Host(env={"RECIPE": "qwen2.5-7b-full", "OUTPUT_DIR": str(tmp_path / "o")}, dev_dir=tmp_path / "dev",
+                   root=tmp_path, sys_root=tmp_path / "sys", npu_smi=None, identities=set())
+    assert lm.main(["plan"], host) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "devices:" in ln)
+    assert "workers run on CPU" not in line
+    assert "recipe qwen2.5-7b-full runs on NPUs (launch.device=npu): preflight stops here" in line
 
 
 def test_id_lists_round_trip():

@@ -33,6 +33,7 @@ def test_worker_env_puts_the_venv_first_and_defaults_hccl():
                             {"AF_BIND_MODE": "affinity"}, python="/opt/venv/bin/python")
     assert env["PATH"] == "/opt/venv/bin:/usr/bin" and env["PYTHONPATH"].startswith(str(REPO_ROOT))
     assert env["HCCL_EXEC_TIMEOUT"] == "99" and env["HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert launch.worker_env({}, {})["HCCL_EXEC_TIMEOUT"] == "1836"  # never below CANN's Atlas A2 default
     assert env["HCCL_IF_IP"] == "10.0.0.11" and env["AF_BIND_MODE"] == "affinity"
 
 
