@@ -36,7 +36,7 @@ from pathlib import Path
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import launch, numa, preflight, settings
+from launcher import ascendjob, launch, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -186,13 +186,16 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         "msrun_argv": argv,
         "worker_env": launch.set_vars(env, host.env),
         "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
-                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(),
+                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(recipe.launch.device, recipe.name),
                     "device_notes": devs.notes,
                     "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                   f"a relative path is relative to the current directory ({cwd})",
                     "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
                                                              "msrun scheduler"},
     }
+    if clus.role == "scheduler" and not devs.has_npu:  # AscendJob Scheduler pod: msrun's scheduler only
+        argv, env, plan, plan_path = ascendjob.scheduler_only(recipe, clus, plan, env, out)
+        nproc = 0
     return Job(recipe, devs, clus, nproc, plan, argv, env, log_dir, plan_path)
 
 
@@ -235,7 +238,7 @@ def run_preflight(job: Job, host: Host) -> bool:
     from finetune.data.formats import check_data
 
     ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root, data_checker=check_data)
-    rows = preflight.run_checks(ctx)
+    rows = ascendjob.scheduler_checks(ctx, job.cluster) if job.nproc == 0 else preflight.run_checks(ctx)
     print(preflight.table(rows), flush=True)
     return not preflight.failed(rows)
 
@@ -276,7 +279,7 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
     ensure_model(job.recipe)
-    if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+    if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
         rc = prepare_data(job.recipe)
         if rc:
             return rc
@@ -291,7 +294,7 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_render(job: Job, args: argparse.Namespace, host: Host) -> int:
     from launcher import render
 
-    return int(render.main(args.rest, job.recipe))
+    return int(render.main(args.rest, overrides=args.overrides, recipe_arg=args.recipe))
 
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:

@@ -106,6 +106,7 @@ def check_devices(c: Context) -> list[Check]:
         out.append(Check("devices", "fail", f"missing {', '.join(missing)}", f"add to docker run: {d.fix_flags()}"))
     for p in d.problems:
         out.append(Check("devices", "fail", p, "fix the variable or the --device flags"))
+    out += [Check("devices", "fail", detail, fix) for detail, fix in d.busy_rows()]
     denied = [i for i in d.visible if not os.access(c.root / "dev" / f"davinci{i}", os.R_OK | os.W_OK)]
     if denied:
         out.append(Check("devices", "fail", f"no read/write permission on /dev/davinci{format_id_list(denied)}",

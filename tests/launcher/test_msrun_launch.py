@@ -33,6 +33,7 @@ def test_worker_env_puts_the_venv_first_and_defaults_hccl():
                             {"AF_BIND_MODE": "affinity"}, python="/opt/venv/bin/python")
     assert env["PATH"] == "/opt/venv/bin:/usr/bin" and env["PYTHONPATH"].startswith(str(REPO_ROOT))
     assert env["HCCL_EXEC_TIMEOUT"] == "99" and env["HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert launch.worker_env({}, {})["HCCL_EXEC_TIMEOUT"] == "1836"  # never below CANN's Atlas A2 default
     assert env["HCCL_IF_IP"] == "10.0.0.11" and env["AF_BIND_MODE"] == "affinity"
 
 
@@ -303,14 +304,14 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
-    monkeypatch.setattr("launcher.render.main",
-                        lambda args, recipe: seen.setdefault("render", (args, recipe.train.lr)) and 0)
+    monkeypatch.setattr("launcher.render.main", lambda args, overrides, recipe_arg:
+                        seen.setdefault("render", (args, overrides, recipe_arg)) and 0)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()
     host = dict(env={"OUTPUT_DIR": str(tmp_path)}, dev_dir=tmp_path / "dev", npu_smi=None)
     assert lm.main(["render", "--nodes", "2", "volcano", "train.lr=1e-4", "--recipe", "tiny-cpu"],
                    lm.Host(**host)) == 0
-    assert seen["render"] == (["--nodes", "2", "volcano"], 1e-4)
+    assert seen["render"] == (["--nodes", "2", "volcano"], ["train.lr=1e-4"], "tiny-cpu")
     assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
     assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
     assert seen["generate"][2:4] == ["--model-dir", str(tmp_path / "base-model")]  # no export yet: the base model
