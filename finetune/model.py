@@ -159,6 +159,7 @@ class Qwen2Model(nn.Cell):
         hd = cfg.head_dim
         attn = self.layers[0].self_attn if cfg.num_hidden_layers else None
         self.fused_attn = attn is not None and fused and kernels.flash_fits(dtype, hd, attn.heads, attn.kv_heads)
+        self.graphs: list = []  # compile_layers()
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         self.inv_freq = Tensor(inv_freq.astype(np.float32))
 
@@ -171,8 +172,17 @@ class Qwen2Model(nn.Cell):
         mask = self._mask(segment_ids, past, caches is not None)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask) if caches is None else layer(x, cos, sin, mask, caches[i])
+            if caches is not None:
+                x = layer(x, cos, sin, mask, caches[i])
+            else:
+                x = self.graphs[i](x, cos, sin, mask) if self.graphs else layer(x, cos, sin, mask)
         return self.norm(x)
+
+    def compile_layers(self) -> None:
+        """Run each decoder layer of the reference path as one graph (``mindspore.jit``): forward +
+        backward ~5x faster than op by op in PyNative on CPU (docs/speed.md), but compiled again for
+        each new input shape. Not for the fused path (its attention spec is host data) or recompute."""
+        self.graphs = [ms.jit(layer.construct) for layer in self.layers]
 
     def _mask(self, segment_ids, past: int, cached: bool):
         """The fused attention's spec of the sequences (same-segment causal; a prompt with an empty
