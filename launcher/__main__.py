@@ -63,10 +63,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Recipe, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import launch, numa, preflight, settings
+from launcher import launch, lock, numa, preflight, settings
 
 COMMANDS = ("train", "plan", "preflight", "prepare-data", "generate", "render")
 
@@ -175,7 +176,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir).resolve()
-    log_dir, plan_path = out / "logs", out / "plan.json"
+    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
     world = recipe.launch.nnodes * nproc
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
@@ -328,17 +329,28 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     if not ok:
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
-    if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
-        rc = prepare_data(job.recipe)
-        if rc:
-            return rc
-    launch.write_plan(job.plan_path, job.plan)
-    print_plan(job, full=False)
-    log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
-    return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                            cwd=job.plan_path.parent,
-                            tee_to=job.log_dir / "worker_0.log" if job.plan["topology"]["world_size"] == 1 else None,
-                            signal_workers_only=job.plan["topology"]["world_size"] > 1)
+    try:  # one job per OUTPUT_DIR, held until every process of this job is gone
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
+    except lock.Locked as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 1
+    try:
+        if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+            rc = prepare_data(job.recipe)
+            if rc:
+                return rc
+        launch.write_plan(job.plan_path, job.plan)
+        print_plan(job, full=False)
+        log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
+        t = job.plan["topology"]
+        return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                cwd=job.plan_path.parent,
+                                tee_to=job.log_dir / "worker_0.log" if t["world_size"] == 1 else None,
+                                under_msrun=t["world_size"] > 1, lock_fd=lock_fd,
+                                ranks=range(t["node_rank"] * t["nproc_per_node"],
+                                            (t["node_rank"] + 1) * t["nproc_per_node"]))
+    finally:
+        lock.release(lock_fd)
 
 
 if __name__ == "__main__":
