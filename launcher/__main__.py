@@ -322,19 +322,19 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
         return subprocess.call([sys.executable, str(script), *rest], env=job.env)
     if args.command == "prepare-data":
         return prepare_data(job.recipe)
-    ensure_model(job.recipe)
-    ok = run_preflight(job, host)
     if args.command == "preflight":
-        return 0 if ok else 1
-    if not ok:
-        log("preflight failed: nothing started (fix the rows marked fail above)")
-        return 1
+        ensure_model(job.recipe)
+        return 0 if run_preflight(job, host) else 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
         lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
     except lock.Locked as e:
         print(f"[launcher] {e}", file=sys.stderr)
         return 1
     try:
+        ensure_model(job.recipe)
+        if not run_preflight(job, host):
+            log("preflight failed: nothing started (fix the rows marked fail above)")
+            return 1
         if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
             rc = prepare_data(job.recipe)
             if rc:
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
         log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
         t = job.plan["topology"]
         return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                                cwd=job.plan_path.parent,
+                                cwd=job.plan_path.parent, log=log,
                                 tee_to=job.log_dir / "worker_0.log" if t["world_size"] == 1 else None,
                                 under_msrun=t["world_size"] > 1, lock_fd=lock_fd,
                                 ranks=range(t["node_rank"] * t["nproc_per_node"],

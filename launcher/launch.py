@@ -103,19 +103,21 @@ class _Output:
 
 @dataclass
 class Failure:
-    """The first rank that failed: its number, exit code and what is known about why."""
+    """The first process of the job that failed: who, its exit code, why, and its log."""
 
-    rank: int
+    who: str
     code: int
     why: str
+    log: Path | None = None
 
 
 class _Attempt:
-    """One start of the job: the process, its output, and the ranks' status files."""
+    """One start of the job: the process, its output, the ranks' status files and msrun's scheduler."""
 
     def __init__(self, argv, env, cwd, log_dir, ranks, lock_fd, under_msrun, tee_to, oom_base):
         self.started = time.time()
         self.log_dir, self.ranks, self.under_msrun, self.oom_base = log_dir, list(ranks), under_msrun, oom_base
+        self.tee_to = tee_to
         death = signal.SIGINT if under_msrun else signal.SIGKILL  # msrun's SIGINT handler kills its workers
         self.proc = subprocess.Popen(argv, env=dict(env), cwd=cwd, start_new_session=True,
                                      preexec_fn=lambda: lifecycle.set_parent_death_signal(death),
@@ -123,11 +125,14 @@ class _Attempt:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.out = _Output(self.proc, tee_to)
         self.known: set[int] = set()  # worker pids seen, killed with the job even after msrun is gone
+        self.scheduler: int | None = None
 
     def statuses(self) -> dict[int, dict]:
         found = lifecycle.read_statuses(self.log_dir, since=self.started - 1)
         st = {r: s for r, s in found.items() if r in self.ranks}
         self.known |= {s["pid"] for s in st.values()}
+        if self.scheduler is None and self.under_msrun:
+            self.scheduler = procs.find_by_role(self.proc.pid, "MS_SCHED")
         return st
 
     def workers(self) -> list[int]:
@@ -136,28 +141,38 @@ class _Attempt:
         return procs.group_leaders(self.proc.pid)
 
     def failure(self, st: dict[int, dict], stopping: bool) -> Failure | None:
-        """The earliest failed rank: a non-zero exit record, or a pid gone without one."""
+        """The earliest failure: a non-zero exit record, a rank gone without one, or a dead scheduler."""
         bad = []
         for rank, s in st.items():
+            wlog = self.log_dir / f"worker_{rank}.log"
             if s["state"] == "exited":
-                ok = s["exit_code"] == 0 or (stopping and s["exit_code"] in (130, 143))
-                if not ok:
+                if not (s["exit_code"] == 0 or (stopping and s["exit_code"] in (130, 143))):
                     err = s.get("error")
                     why = f"{err['type']}: {err['message']}" if err else f"exit code {s['exit_code']}"
-                    bad.append((s["ended_at"], Failure(rank, s["exit_code"], why)))
-            elif self.under_msrun and not procs.alive(s["pid"]):
-                code = self._signal_code(s["pid"])
+                    bad.append((s["ended_at"], Failure(f"rank {rank}", s["exit_code"], why, wlog)))
+            elif not procs.alive(s["pid"]):
+                code = self._exit_code(s["pid"])
                 if not (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
-                    bad.append((time.time(), Failure(rank, code if code is not None else -9,
-                                                     self._why_killed(s["pid"], code))))
+                    bad.append((time.time(), Failure(f"rank {rank}", code if code is not None else -9,
+                                                     self._why_killed(s["pid"], code), wlog)))
+        ended = all(s["state"] == "exited" or not procs.alive(s["pid"]) for s in st.values())
+        if not bad and self.scheduler and not procs.alive(self.scheduler) and not (ended and len(st) == len(self.ranks)):
+            code = procs.zombie_exit_code(self.scheduler)
+            why = self._why_killed(self.scheduler, code) if code is not None and code < 0 else \
+                f"exit code {code}" if code is not None else "it is gone"
+            bad.append((time.time(), Failure(f"msrun's scheduler (pid {self.scheduler})", code or -9,
+                                             f"{why}; the ranks cannot continue without it",
+                                             self.log_dir / "scheduler.log")))
         return min(bad, key=lambda b: b[0])[1] if bad else None
 
-    def _signal_code(self, pid: int, wait_s: float = 1.5) -> int | None:
-        """msrun's logged exit code of ``pid`` (it polls its workers once a second)."""
+    def _exit_code(self, pid: int, wait_s: float = 1.5) -> int | None:
+        """An unreaped worker's status, else msrun's logged exit code (it polls once a second)."""
+        code = procs.zombie_exit_code(pid)
         deadline = time.monotonic() + wait_s
-        while pid not in self.out.codes and time.monotonic() < deadline and self.proc.poll() is None:
+        while code is None and pid not in self.out.codes and time.monotonic() < deadline and self.proc.poll() is None:
             time.sleep(0.05)
-        return self.out.codes.get(pid)
+            code = procs.zombie_exit_code(pid)
+        return code if code is not None else self.out.codes.get(pid)
 
     def _why_killed(self, pid: int, code: int | None) -> str:
         if code is None:
@@ -172,9 +187,9 @@ class _Attempt:
             return None
         s = lifecycle.read_statuses(self.log_dir, since=self.started - 1).get(0, {})
         err = s.get("error")
-        if err:
-            return Failure(0, rc, f"{err['type']}: {err['message']}")
-        return Failure(0, rc, procs.why_killed(self.proc.pid, rc, self.oom_base) if rc < 0 else f"exit code {rc}")
+        why = f"{err['type']}: {err['message']}" if err else \
+            procs.why_killed(self.proc.pid, rc, self.oom_base) if rc < 0 else f"exit code {rc}"
+        return Failure("rank 0", rc, why, self.tee_to)
 
     def kill(self) -> None:
         procs.kill_tree(self.proc.pid, [p for p in self.known if procs.alive(p)])
@@ -220,15 +235,14 @@ def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restar
             rc, failure = _watch(job, stopping, poll_s, finish_grace_s)
             if stopping["sig"] is not None:
                 sig = signal.Signals(stopping["sig"]).name
-                log(f"stopped by {sig}; exit code {rc}" + (f" (rank {failure.rank}: {failure.why})" if failure else ""))
+                log(f"stopped by {sig}; exit code {rc}" + (f" ({failure.who}: {failure.why})" if failure else ""))
                 return rc
             if failure is None and rc == 0:
                 return 0
             if failure is not None:
-                wlog = log_dir / f"worker_{failure.rank}.log"
-                log(f"worker failed (exit code {failure.code}); first failing rank: {failure.rank}: {failure.why}\n"
-                    f"last lines of {wlog if wlog.exists() or under_msrun else 'the output'}:\n"
-                    f"{tail(wlog if under_msrun else (tee_to or wlog))}")
+                last = tail(failure.log) if failure.log else ""
+                log(f"the job failed (exit code {rc}); first failing: {failure.who}: {failure.why}" +
+                    (f"\nlast lines of {failure.log}:\n{last}" if last.strip() else ""))
             else:
                 log(f"the job failed (exit code {rc}) and no rank recorded an error; see {log_dir}")
             if attempt_no >= max_restarts:

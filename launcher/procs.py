@@ -70,6 +70,30 @@ def alive(pid: int) -> bool:
         return False
 
 
+def zombie_exit_code(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The exit code of an unreaped child of another process (negative: its signal), else None."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[-1])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def find_by_role(root: int, role: str) -> int | None:
+    """A descendant of ``root`` whose environment has ``MS_ROLE=role`` (msrun's scheduler: MS_SCHED)."""
+    for p in descendants(root):
+        try:
+            if p.environ().get("MS_ROLE") == role:
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
 def signal_name(code: int) -> str | None:
     """'SIGKILL' for a waitpid-style -9 (or a shell-style 137); None for an ordinary exit code."""
     num = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else 0

@@ -126,7 +126,7 @@ def test_restart_after_a_failing_worker(tmp_path):
                           restart_delay_s=0)
     assert rc == 0 and (tmp_path / "state").read_text() == "2"
     text = "\n".join(lines)
-    assert "first failing rank: 0: ValueError: boom" in text and "restart 1/1" in text
+    assert "first failing: rank 0: ValueError: boom" in text and "restart 1/1" in text
 
 
 def test_no_restarts_left_returns_the_job_exit_code(tmp_path):
@@ -149,7 +149,7 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
-    assert "first failing rank: 0: ValueError: boom" in out.out
+    assert "first failing: rank 0: ValueError: boom" in out.out
     assert "resumed numactl" in out.out or "resumed affinity" in out.out
 
 
@@ -246,7 +246,7 @@ def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
                           under_msrun=True, ranks=[0, 1])
     assert rc == 1
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom from rank 1" in text
+    assert "first failing: rank 1: ValueError: boom from rank 1" in text
     assert "local 0" in (tmp_path / "logs/worker_0.log").read_text()
 
 
