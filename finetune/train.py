@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.checkpoint import (TrainerState, checkpoint_root, find_latest, load_checkpoint,
+from finetune.checkpoint import (TrainerState, checkpoint_root, load_checkpoint, load_latest, run_identity,
                                  save_checkpoint)
 from finetune.config import Recipe, resolved_model_dir
 from finetune.dist import RankInfo, barrier, init_distributed
@@ -130,9 +130,11 @@ def run(recipe: Recipe) -> int:
     # --- resume
     root = checkpoint_root(out)
     step, tokens_seen, elapsed_before = 0, 0, 0.0
-    latest = None if tc.resume == "never" else (Path(tc.resume) if tc.resume != "auto" else find_latest(root))
-    if latest is not None:
-        state, optim_state = load_checkpoint(latest, params, rank)
+    ident = run_identity(model_dir, cache_dir)  # reliab: model + data identity, verified resume
+    found = None if tc.resume == "never" else load_latest(root, params, rank, ident, log) if tc.resume == "auto" \
+        else (Path(tc.resume), *load_checkpoint(Path(tc.resume), params, rank, ident))
+    if found is not None:
+        latest, state, optim_state = found
         opt.load_state_dict(optim_state)
         loader.load_state_dict(state.loader)
         scaler.load_state_dict(state.scaler)
@@ -142,7 +144,7 @@ def run(recipe: Recipe) -> int:
 
     def save() -> None:
         state = TrainerState(step=step, loader=loader.state_dict(), scaler=scaler.state_dict(), seed=tc.seed,
-                             tokens_seen=tokens_seen, elapsed_s=elapsed_before + time.time() - t_loop)
+                             tokens_seen=tokens_seen, elapsed_s=elapsed_before + time.time() - t_loop, identity=ident)
         path = save_checkpoint(root, state, params, opt.state_dict(), rank, tc.keep_checkpoints,
                                owns_model=rank.dp_rank == 0, owns_optim=shard or rank.dp_rank == 0)
         say(f"[train] checkpoint {path}")

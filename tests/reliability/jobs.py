@@ -33,12 +33,12 @@ def overrides(steps: int = STEPS) -> list[str]:
 class Job:
     """One `python -m launcher train` in its own session, output in <out>.console.log."""
 
-    def __init__(self, out: Path, model: Path, nproc: int = 2, extra: list[str] = ()):
-        self.out, self.console = out, out.parent / f"{out.name}.console.log"
+    def __init__(self, out: Path, model: Path, name: str = "run", nproc: int = 2, extra: list[str] = ()):
+        self.out, self.console = out, out.parent / f"{out.name}.{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "MODEL_DIR": str(model), "OUTPUT_DIR": str(out),
                "NPROC_PER_NODE": str(nproc), "GLOG_v": "3",
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        with open(self.console, "ab") as f:
+        with open(self.console, "wb") as f:
             self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "train", *overrides(), *extra], env=env,
                                          cwd=out.parent, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
