@@ -21,7 +21,7 @@ import jobs
 from finetune.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow
-STEPS = 12
+STEPS = 10
 
 
 def _export(out: Path) -> dict[str, bytes]:
