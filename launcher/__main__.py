@@ -33,10 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, launch, numa, preflight, settings
+from launcher import ascendjob, launch, lock, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -164,7 +165,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
-    log_dir, plan_path = out / "logs", out / "plan.json"
+    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
@@ -275,20 +276,32 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    if not run_preflight(job, host):
-        log("preflight failed: nothing started (fix the rows marked fail above)")
+    try:  # one job per OUTPUT_DIR, held until every process of this job is gone
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
+    except lock.Locked as e:
+        print(f"[launcher] {e}", file=sys.stderr)
         return 1
-    ensure_model(job.recipe)
-    if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
-        rc = prepare_data(job.recipe)
-        if rc:
-            return rc
-    launch.write_plan(job.plan_path, job.plan)
-    print_plan(job)
-    log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-    return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                            cwd=job.plan_path.parent, tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
-                            signal_workers_only=job.world > 1)
+    try:
+        if not run_preflight(job, host):
+            log("preflight failed: nothing started (fix the rows marked fail above)")
+            return 1
+        ensure_model(job.recipe)
+        if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+            rc = prepare_data(job.recipe)
+            if rc:
+                return rc
+        launch.write_plan(job.plan_path, job.plan)
+        print_plan(job)
+        log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
+        t = job.plan["topology"]
+        return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                cwd=job.plan_path.parent, log=log,
+                                tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+                                under_msrun=job.world > 1, lock_fd=lock_fd,
+                                ranks=range(t["node_rank"] * t["nproc_per_node"],
+                                            (t["node_rank"] + 1) * t["nproc_per_node"]))
+    finally:
+        lock.release(lock_fd)
 
 
 def cmd_render(job: Job, args: argparse.Namespace, host: Host) -> int:
