@@ -17,7 +17,9 @@ from finetune.config import REPO_ROOT, Recipe
 from launcher import procs
 
 WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"
-HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1800"}
+# CANN's defaults are 120 s (connect) and 1836 s (exec, Atlas A2: CANN env var reference, HCCL_EXEC_TIMEOUT);
+# the connect wait is raised for multi-node start-up, the exec wait is never set below CANN's.
+HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836"}
 HCCL_PASSTHROUGH = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
 
 
