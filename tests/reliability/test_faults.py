@@ -56,9 +56,9 @@ def test_every_fault_then_a_rerun_gives_the_uninterrupted_export(model, tmp_path
     reference = _export(ref)
     assert reference
 
-    out, rng = tmp_path / "out", random.Random()
+    out, rng, port = tmp_path / "out", random.Random(), jobs.free_port()  # every rerun on the same port
     for n, fault in enumerate(["worker", "scheduler", "sigterm", "launcher"]):
-        job = jobs.Job(out, model, name=f"{n}-{fault}", extra=[f"train.max_steps={STEPS}"])
+        job = jobs.Job(out, model, name=f"{n}-{fault}", extra=[f"train.max_steps={STEPS}"], port=port)
         start = time.time()
         job.wait_step(_first_step(job) + rng.randint(0, 1))
         at = time.monotonic()
@@ -86,7 +86,7 @@ def test_every_fault_then_a_rerun_gives_the_uninterrupted_export(model, tmp_path
             assert took < 15, f"{fault}: the launcher took {took:.1f}s to stop the job"
         _no_leftovers(out, within_s=1)
 
-    final = jobs.Job(out, model, name="final", extra=[f"train.max_steps={STEPS}"])
+    final = jobs.Job(out, model, name="final", extra=[f"train.max_steps={STEPS}"], port=port)
     assert final.wait() == 0, final.text()[-3000:]
     assert "taking over the lock" in final.text()
     assert _export(out) == reference
