@@ -234,9 +234,11 @@ class Qwen2ForCausalLM(nn.Cell):
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,
                                           loss_chunk_tokens)
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
-        for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
-            if name in self.tp_layout:
-                p.tp_axis, p.tp_owner = self.tp_layout[name].axis, self.tp_layout[name].owner
+        shapes = self.hf_shapes()
+        for name, p in self.hf_state().items():  # for resharding checkpoints (finetune/reshard.py) and
+            p.hf_shape, p.tp_slice = shapes[name], self.tp_layout.get(name)  # the TP-aware grad norm (grads.py)
+            if p.tp_slice is not None:
+                p.tp_axis, p.tp_owner = p.tp_slice.axis, p.tp_slice.owner
 
     # ------------------------------------------------------------------ names and TP layout
     def hf_state(self) -> dict[str, Parameter]:
