@@ -103,6 +103,28 @@ def read_tensor(path: Path, name: str, part: tuple[int, int, int] | None = None)
     return bf16_to_fp32(a) if meta["dtype"] == "BF16" else a.astype(np.float32)
 
 
+def check_weights(model_dir: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+    """Tensor name -> file, once the weight files hold every tensor of ``shapes`` in that shape.
+
+    Reads only the safetensors headers, so a model can be checked before it is built; every
+    missing tensor and shape mismatch is reported at once.
+    """
+    files = weight_files(model_dir)
+    headers = {p: read_header(p)[0] for p in set(files.values())}
+    problems = []
+    for name, shape in shapes.items():
+        if name not in files:
+            problems.append(f"{name}: missing from {model_dir} (expected shape {list(shape)})")
+            continue
+        found = headers[files[name]][name]["shape"]
+        if tuple(found) != tuple(shape):
+            problems.append(f"{files[name]}: tensor {name} has shape {found}, config.json expects "
+                            f"{list(shape)}; use the config.json that belongs to these weights")
+    if problems:
+        raise HFModelError("weights do not match the model config:\n" + "\n".join(f"  - {p}" for p in problems))
+    return files
+
+
 def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = None) -> None:
     """Fill ``model``'s parameters from the HF directory; each rank reads only its TP slices.
 
@@ -113,21 +135,8 @@ def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = No
 
     if rank is not None and rank != model.rank:
         raise ValueError(f"load_weights: rank {rank} differs from the model's {model.rank}; build the model with it")
-
-    files = weight_files(model_dir)
     shapes = model.hf_shapes()
-    headers = {p: read_header(p)[0] for p in set(files.values())}
-    problems = []
-    for name in model.hf_state():
-        if name not in files:
-            problems.append(f"{name}: missing from {model_dir} (expected shape {list(shapes[name])})")
-            continue
-        found = headers[files[name]][name]["shape"]
-        if tuple(found) != shapes[name]:
-            problems.append(f"{files[name]}: tensor {name} has shape {found}, config.json expects "
-                            f"{list(shapes[name])}; use the config.json that belongs to these weights")
-    if problems:
-        raise HFModelError("weights do not match the model config:\n" + "\n".join(f"  - {p}" for p in problems))
+    files = check_weights(model_dir, {name: shapes[name] for name in model.hf_state()})
     layout = model.tp_layout
     for name, param in model.hf_state().items():
         part = layout.get(name)
