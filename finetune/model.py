@@ -16,6 +16,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.initializer import initializer
 
+from finetune import kernels
 from finetune.dist import RankInfo
 from finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
@@ -77,17 +78,7 @@ class RMSNorm(nn.Cell):
         self.fused = fused
 
     def construct(self, x):
-        dtype = x.dtype
-        if self.fused:
-            return ops.rms_norm(x.astype(ms.float32), self.weight, self.eps)[0].astype(dtype)
-        h = x.astype(ms.float32)
-        h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + self.eps)
-        return self.weight.astype(dtype) * h.astype(dtype)
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return ops.cat((-x[..., half:], x[..., :half]), -1)
+        return kernels.rms_norm(x, self.weight, self.eps, self.fused)
 
 
 class Attention(nn.Cell):
@@ -119,27 +110,13 @@ class Attention(nn.Cell):
         k = self._split(self.k_proj(x), self.kv_heads)
         v = self._split(self.v_proj(x), self.kv_heads)
         cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
-        if self.fused:
-            q = ops.rotary_position_embedding(q, cos, sin, 0)
-            k = ops.rotary_position_embedding(k, cos, sin, 0)
-        else:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        q, k = kernels.rope(q, cos, sin, self.fused), kernels.rope(k, cos, sin, self.fused)
         if cache is not None:
             if cache:
                 k, v = ops.cat((cache[0], k), 2), ops.cat((cache[1], v), 2)
             cache[:] = [k, v]
-        if self.fused_attn and cache is None:  # GQA native: key/value keep kv_heads; mask 1 = not attended
-            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
-                                            scalar_value=self.scale, input_layout="BNSD")
-        else:
-            rep = self.heads // self.kv_heads
-            if rep > 1:
-                k = ops.repeat_interleave(k, rep, 1)
-                v = ops.repeat_interleave(v, rep, 1)
-            scores = ops.matmul(q, k.swapaxes(-1, -2)).astype(ms.float32) * self.scale + mask
-            probs = ops.softmax(scores, -1).astype(v.dtype)
-            out = ops.matmul(probs, v)
+        out = kernels.attention(q, k, v, self.heads, self.kv_heads, mask, self.scale,
+                                self.fused_attn and cache is None)
         return self.o_proj(out.swapaxes(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -155,9 +132,7 @@ class MLP(nn.Cell):
         self.fused = fused
 
     def construct(self, x):
-        if self.fused:
-            return self.down_proj(ops.swiglu(ops.cat((self.gate_proj(x), self.up_proj(x)), -1), -1))
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), self.fused))
 
 
 class DecoderLayer(nn.Cell):
