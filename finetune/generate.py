@@ -228,6 +228,37 @@ def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None) -> 
         print(f"assistant> {reply}", flush=True)
 
 
+def sample_check(model, hf_dir: Path, recipe, rank) -> Path | None:
+    """The post-training inference check: answer ``export.check_prompts`` with the trained model
+    (in memory, every rank in step: the TP groups compute the same logits and draw the same tokens
+    from the export's generation_config.json), with the export's tokenizer; rank 0 writes
+    ``<output_dir>/samples.jsonl``. Returns its path on rank 0; None when off or without prompts."""
+    from tokenizers import Tokenizer
+
+    from finetune.data.files import resolve_path
+
+    if not recipe.export.check_prompts:
+        return None
+    prompts = resolve_path(recipe.export.check_prompts)
+    if not prompts.is_file():
+        rank.log(f"[train] inference check skipped: export.check_prompts={recipe.export.check_prompts} not found")
+        return None
+    convs = read_prompts(prompts)
+    for c in convs:
+        c["system"] = c["system"] if c["system"] is not None else recipe.data.system_prompt
+    tokenizer = Tokenizer.from_file(str(Path(hf_dir) / "tokenizer.json"))
+    s = dataclasses.replace(Sampling.of_model(hf_dir), max_new_tokens=recipe.export.check_max_new_tokens,
+                            seed=recipe.train.seed)
+    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, hf_dir), 8)
+    if not rank.is_main:
+        return None
+    out = Path(recipe.output_dir) / "samples.jsonl"
+    out.write_text("".join(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n"
+                           for c, t in zip(convs, texts)), encoding="utf-8")
+    rank.log(f"[train] inference check: {len(texts)} answers from the exported model in {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="finetune.generate", description=__doc__.split("\n\n")[0])
     src = ap.add_argument_group("model (one of)")

@@ -127,3 +127,26 @@ def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
     assert main(["--model-dir", str(d), "--chat", "--max-new-tokens", "2"]) == 0
     assert [len(t) for t in seen] == [1, 3] and seen[1][0] == ("user", "Hi") and seen[1][1][0] == "assistant"
     assert capsys.readouterr().out.count("assistant> ") == 2
+
+
+def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path):
+    """The check after training: the in-memory model gives what `generate` gives on the export."""
+    from finetune.config import ExportConfig, Recipe
+    from finetune.dist import RankInfo
+    from finetune.generate import load_model, sample_check
+    from finetune.hf_io import export_hf
+
+    src = tiny_hf_dir(vocab_size=151936, hidden_size=16, intermediate_size=32)
+    model, _, _ = load_model(src, "cpu")
+    hf = export_hf(model, src, tmp_path / "out" / "hf", dtype="fp32")
+    recipe = Recipe(output_dir=str(tmp_path / "out"), export=ExportConfig(check_max_new_tokens=3))
+    out = sample_check(model, hf, recipe, RankInfo())
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    bundled = Path(recipe.export.check_prompts)
+    assert out == tmp_path / "out" / "samples.jsonl" and len(rows) == 5
+    assert rows[3]["prompt"] == "用一句话解释什么是光合作用。" and all(r["response"] for r in rows)
+    assert main(["--model-dir", str(hf), "--input", str(Path(__file__).resolve().parents[2] / bundled),
+                 "--output", str(tmp_path / "gen.jsonl"), "--max-new-tokens", "3",
+                 "--seed", str(recipe.train.seed)]) == 0
+    assert [json.loads(x) for x in (tmp_path / "gen.jsonl").read_text(encoding="utf-8").splitlines()] == rows
+    assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo()) is None
