@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from finetune.dist import RankInfo, all_reduce_sum, barrier
+from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
 from finetune.fsutil import publish
 
 MANIFEST = "manifest.json"
@@ -242,18 +242,19 @@ def find_latest(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict | None = None,
-                log=print) -> tuple[Path, TrainerState, dict[str, np.ndarray]] | None:
+def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict | None = None, log=print,
+                shard: bool | None = None) -> tuple[Path, TrainerState, dict[str, np.ndarray]] | None:
     """Restore the newest checkpoint that verifies and loads on every rank; None when there is none.
 
     A damaged one is skipped with a line naming the file and the reason. A checkpoint of another
-    layout, model or data raises :class:`CheckpointMismatch`. Collective.
+    model or data, or one that cannot be resharded to this layout, raises :class:`CheckpointMismatch`.
+    ``shard``: as for :func:`load_checkpoint`. Collective.
     """
     candidates = _complete(root)
     for path in reversed(candidates):
         problem, loaded = None, None
         try:
-            loaded = _read(path, model_params, rank)
+            loaded = _read(path, model_params, rank, shard)
         except CheckpointMismatch:
             raise
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
@@ -273,33 +274,54 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict |
     return None
 
 
-def load_checkpoint(path: Path, model_params: list, rank: RankInfo,
+def load_checkpoint(path: Path, model_params: list, rank: RankInfo, shard: bool | None = None,
                     identity: dict | None = None) -> tuple[TrainerState, dict[str, np.ndarray]]:
-    """Verify and restore one given checkpoint (train.resume=<path>); any problem raises naming the file."""
-    state, weights, optim = _read(path, model_params, rank)
+    """Verify and restore one given checkpoint in place; return the trainer state and optimizer state.
+
+    Any problem raises naming the file (train.resume=<path>). A checkpoint of another layout (tp, dp,
+    vocab-parallel) is gathered and re-split for this one when the parameters are a model's (they
+    carry ``hf_shape`` and ``tp_slice``, see ``finetune/reshard.py``); ``shard``: whether this run's
+    optimizer is sharded over DP (None: when dp > 1, the default), which decides the format of the
+    returned optimizer state.
+    """
+    state, weights, optim = _read(path, model_params, rank, shard)
     _check_identity(path, state.identity, identity)
     _apply(model_params, weights)
     return state, optim
 
 
-def _read(path: Path, model_params: list, rank: RankInfo) -> tuple[TrainerState, dict, dict]:
-    """Verify this rank's files, then read them (nothing applied to the model yet).
-
-    The layout must match the one that wrote it (same tp and world size).
-    """
-    problem = verify(path, [])  # the manifest itself
+def _verified(path: Path, names: list[str] | None = None) -> None:
+    problem = verify(path, names)
     if problem:
         raise ValueError(problem)
+
+
+def _read(path: Path, model_params: list, rank: RankInfo,
+          shard: bool | None) -> tuple[TrainerState, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Verify the files this rank reads, then read them: (state, weights, optimizer state); nothing applied."""
+    import mindspore as ms
+
+    _verified(path, [STATE])  # and the manifest itself
     manifest = json.loads((path / MANIFEST).read_text())
-    if manifest["layout"]["tp"] != rank.tp or manifest["layout"]["world_size"] != rank.world_size:
+    state = TrainerState(**json.loads((path / STATE).read_text()))
+    same = manifest["layout"]["tp"] == rank.tp and manifest["layout"]["world_size"] == rank.world_size
+    model_file = _owner_file(path, "model", rank) if same else None
+    if model_file is not None:
+        _verified(path, [model_file.name])
+    weights = load_file(str(model_file)) if same else {}
+    fits = same and all(p.name in weights and tuple(weights[p.name].shape) == tuple(p.shape) for p in model_params)
+    if not fits and all(hasattr(p, "hf_shape") for p in model_params):
+        from finetune.reshard import SavedState, local_state
+
+        _verified(path)  # resharding reads every rank's files
+        saved = SavedState(path, [p.name for p in model_params], {p.name: p.hf_shape for p in model_params},
+                           BUCKET_BYTES)
+        weights, optim_state = local_state(saved, [(p.name, p.tp_slice, p.dtype == ms.float32) for p in model_params],
+                                           rank.dp, rank.dp_rank, rank.dp > 1 if shard is None else shard)
+        return state, weights, optim_state
+    if not same:
         raise CheckpointMismatch(f"{path}: written with layout {manifest['layout']}, this run has {layout(rank)}; "
                                  "resume with the same parallel.tp and worker count, or set train.resume=never")
-    model_file, optim_file = _owner_file(path, "model", rank), _owner_file(path, "optim", rank)
-    problem = verify(path, [STATE, model_file.name, optim_file.name])
-    if problem:
-        raise ValueError(problem)
-    state = TrainerState(**json.loads((path / STATE).read_text()))
-    weights = load_file(str(model_file))
     missing = [p.name for p in model_params if p.name not in weights]
     if missing:
         raise CheckpointMismatch(f"{model_file}: missing parameters {missing[:5]}; the checkpoint does not match "
@@ -310,6 +332,8 @@ def _read(path: Path, model_params: list, rank: RankInfo) -> tuple[TrainerState,
         raise CheckpointMismatch(f"{model_file}: parameter shapes differ from this model's ({'; '.join(wrong[:3])}); "
                                  "it was written with another layout (parallel.vocab_parallel?) — resume with the "
                                  "settings that wrote it, or set train.resume=never")
+    optim_file = _owner_file(path, "optim", rank)
+    _verified(path, [optim_file.name])
     return state, weights, load_file(str(optim_file))
 
 

@@ -71,13 +71,14 @@ class Trainer:
     def restore(self, path: Path | None) -> None:
         """Continue from the checkpoint at ``path`` (None: the newest one that verifies, if any): weights,
         optimizer, data position, loss scale, counters."""
+        shard = not isinstance(self.opt, AdamW)
         if path is None:
-            found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print)
+            found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print, shard)
             if found is None:
                 return
             path, state, optim_state = found
         else:
-            state, optim_state = load_checkpoint(path, self.params, self.rank, self.identity)
+            state, optim_state = load_checkpoint(path, self.params, self.rank, shard, self.identity)
         self.opt.load_state_dict(optim_state)
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
