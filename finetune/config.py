@@ -24,6 +24,9 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 ASSETS_DIR = REPO_ROOT / "assets"
+# data.columns keys: the fields the data formats read (message fields: role, content)
+DATA_COLUMNS = ("instruction", "input", "output", "system", "history", "conversations", "messages", "tools",
+                "text", "role", "content")
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,12 @@ class DataConfig:
     """Instruction data (DATA, DATA_FORMAT) and how it becomes token batches."""
 
     paths: list[str] = field(default_factory=list)  # files or dirs; JSON, JSONL or Parquet
-    format: str = "auto"  # auto | alpaca | sharegpt
+    format: str = "auto"  # auto | alpaca | sharegpt | text
+    # the formats' field names -> this dataset's own, e.g. {"instruction": "question", "output": "answer"}
+    columns: dict[str, str] = field(default_factory=dict)
+    on_error: str = "fail"  # fail | skip (malformed records are dropped and counted in the report)
+    val_size: float = 0.0  # held out for validation: a fraction (< 1) or a count (>= 1) of the samples
+    val_paths: list[str] = field(default_factory=list)  # validation files (instead of val_size)
     weights: list[float] = field(default_factory=list)  # one per path; empty: all 1.0
     seq_len: int = 1024
     packing: bool = True
@@ -146,6 +154,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2  # 0: keep all
     resume: str = "auto"  # auto | never | <checkpoint dir>
+    tensorboard: bool = True  # scalar event files under <output_dir>/tensorboard (rank 0)
     # Stop after this many consecutive steps with a non-finite loss or gradients. fp16's dynamic loss
     # scale skips a step per backoff (65536 -> 1 takes 16); bf16/fp32 have no scale to lower.
     max_bad_steps: int = 20
@@ -478,7 +487,8 @@ def validate(r: Recipe) -> list[Problem]:
     """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
-    _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt"))
+    _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt", "text"))
+    p += _validate_data_sources(r.data)
     _choice(p, "train.schedule", t.schedule, ("cosine", "constant"))
     _choice(p, "train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
     _choice(p, "export.dtype", r.export.dtype, ("bf16", "fp16", "fp32"))
@@ -532,6 +542,28 @@ def validate(r: Recipe) -> list[Problem]:
             raise ValueError
     except (ValueError, OverflowError):
         p.append(Problem("export.shard_size", "a size like 2GB or 500MB", "2GB", repr(r.export.shard_size)))
+    return p
+
+
+def _validate_data_sources(d: DataConfig) -> list[Problem]:
+    """data.columns, data.on_error, data.val_size / data.val_paths."""
+    p: list[Problem] = []
+    _choice(p, "data.on_error", d.on_error, ("fail", "skip"))
+    for k, v in d.columns.items():
+        if k not in DATA_COLUMNS:
+            close = difflib.get_close_matches(str(k), DATA_COLUMNS, n=1)
+            p.append(Problem("data.columns", f"unknown field {k!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; keys are the formats' fields ({', '.join(DATA_COLUMNS)}), values your dataset's",
+                             """'{"instruction": "question", "output": "answer"}'"""))
+        elif not isinstance(v, str) or not v:
+            p.append(Problem(f"data.columns.{k}", "the name of a field of your records",
+                             f"""'{{"{k}": "my_{k}"}}'""", repr(v)))
+    if d.val_size < 0 or (d.val_size >= 1 and d.val_size != int(d.val_size)):
+        p.append(Problem("data.val_size", "a fraction below 1 (0.05: 5% of the samples) or a whole count "
+                                          "(200 samples) held out for validation; 0: none", "0.05", repr(d.val_size)))
+    if d.val_size and d.val_paths:
+        p.append(Problem("data.val_size", "data.val_size and data.val_paths both set: validate on held-out samples "
+                                          "(data.val_size) or on your own files (data.val_paths), not both", "0"))
     return p
 
 

@@ -33,10 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import launch, numa, preflight, settings
+from launcher import ascendjob, launch, lock, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -117,6 +118,7 @@ def absolutize(recipe: Recipe, cwd: Path) -> Recipe:
         if recipe.data.cache_dir else ""
     recipe.model.dir = _input(recipe.model.dir) if recipe.model.dir else ""
     recipe.data.paths = [_input(p) for p in recipe.data.paths]
+    recipe.data.val_paths = [_input(p) for p in recipe.data.val_paths]
     recipe.launch.hostfile = _input(recipe.launch.hostfile) if recipe.launch.hostfile else ""
     return recipe
 
@@ -163,7 +165,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
-    log_dir, plan_path = out / "logs", out / "plan.json"
+    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
@@ -185,13 +187,16 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         "msrun_argv": argv,
         "worker_env": launch.set_vars(env, host.env),
         "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
-                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(),
+                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(recipe.launch.device, recipe.name),
                     "device_notes": devs.notes,
                     "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                   f"a relative path is relative to the current directory ({cwd})",
                     "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
                                                              "msrun scheduler"},
     }
+    if clus.role == "scheduler" and not devs.has_npu:  # AscendJob Scheduler pod: msrun's scheduler only
+        argv, env, plan, plan_path = ascendjob.scheduler_only(recipe, clus, plan, env, out)
+        nproc = 0
     return Job(recipe, devs, clus, nproc, plan, argv, env, log_dir, plan_path)
 
 
@@ -234,25 +239,16 @@ def run_preflight(job: Job, host: Host) -> bool:
     from finetune.data.formats import check_data
 
     ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root, data_checker=check_data)
-    rows = preflight.run_checks(ctx)
+    rows = ascendjob.scheduler_checks(ctx, job.cluster) if job.nproc == 0 else preflight.run_checks(ctx)
     print(preflight.table(rows), flush=True)
     return not preflight.failed(rows)
 
 
 def prepare_data(recipe: Recipe) -> int:
-    from finetune.data.cache import cache_is_fresh
-    from finetune.data.prepare import main as prepare, tokenizer_path_for
+    """prepare-data: build the token cache unless a fresh one exists (finetune.data.prepare decides)."""
+    from finetune.data.prepare import main as prepare_main
 
-    try:
-        tok = tokenizer_path_for(recipe)
-    except ConfigError as e:
-        print(f"[launcher] {e}", file=sys.stderr)
-        return 2
-    if cache_is_fresh(recipe, tok):
-        log("data cache is fresh")
-        return 0
-    log("preparing data (cache missing or stale)")
-    return int(prepare(recipe) or 0)
+    return prepare_main(recipe, table_when_fresh=False)
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -280,26 +276,38 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    if not run_preflight(job, host):
-        log("preflight failed: nothing started (fix the rows marked fail above)")
+    try:  # one job per OUTPUT_DIR, held until every process of this job is gone
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
+    except lock.Locked as e:
+        print(f"[launcher] {e}", file=sys.stderr)
         return 1
-    ensure_model(job.recipe)
-    if not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
-        rc = prepare_data(job.recipe)
-        if rc:
-            return rc
-    launch.write_plan(job.plan_path, job.plan)
-    print_plan(job)
-    log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-    return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                            cwd=job.plan_path.parent, tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
-                            signal_workers_only=job.world > 1)
+    try:
+        if not run_preflight(job, host):
+            log("preflight failed: nothing started (fix the rows marked fail above)")
+            return 1
+        ensure_model(job.recipe)
+        if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+            rc = prepare_data(job.recipe)
+            if rc:
+                return rc
+        launch.write_plan(job.plan_path, job.plan)
+        print_plan(job)
+        log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
+        t = job.plan["topology"]
+        return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                cwd=job.plan_path.parent, log=log,
+                                tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+                                under_msrun=job.world > 1, lock_fd=lock_fd,
+                                ranks=range(t["node_rank"] * t["nproc_per_node"],
+                                            (t["node_rank"] + 1) * t["nproc_per_node"]))
+    finally:
+        lock.release(lock_fd)
 
 
 def cmd_render(job: Job, args: argparse.Namespace, host: Host) -> int:
     from launcher import render
 
-    return int(render.main(args.rest, job.recipe))
+    return int(render.main(args.rest, overrides=args.overrides, recipe_arg=args.recipe))
 
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:

@@ -29,6 +29,7 @@ class Cluster:
     nproc_per_node: int | None = None
     hosts: list[str] = field(default_factory=list)
     rank_table: str | None = None
+    role: str = "worker"  # "scheduler": an AscendJob Scheduler pod (MS_ROLE=MS_SCHED), see launcher/ascendjob.py
 
     def overrides(self) -> dict[str, str]:
         """The launch.* values this source determines (lower precedence than user settings)."""
@@ -85,6 +86,12 @@ def from_explicit(env: Mapping[str, str], hostfile: str | None = None) -> Cluste
     if not (env_value(env, "NNODES") or env_value(env, "NODE_RANK")
             or (env_value(env, "MASTER_ADDR") and not torch_vars)):
         return None
+    nnodes = env_value(env, "NNODES") or "1"
+    rank_from = ("NODE_RANK", "RANK", "PET_NODE_RANK", "VC_TASK_INDEX", "HOSTFILE")
+    if nnodes.isdigit() and int(nnodes) > 1 and env_value(env, "MASTER_ADDR") \
+            and not any(env_value(env, v) for v in rank_from):
+        raise ClusterError(f"NODE_RANK: NNODES={nnodes} with MASTER_ADDR needs this node's rank: set NODE_RANK="
+                           f"<0..{int(nnodes) - 1}> (docker: -e NODE_RANK=1), 0 on the MASTER_ADDR node")
     set_vars = [v for v in ("NNODES", "NODE_RANK", "MASTER_ADDR") if env_value(env, v)]
     # The values themselves reach the recipe through the env contract (and are validated there).
     return Cluster("env", f"explicit {', '.join(set_vars)} in the environment")
@@ -150,19 +157,28 @@ def wait_rank_table(path: Path, timeout_s: float = 600.0, poll_s: float = 2.0,
 
 def from_ascendjob(env: Mapping[str, str], rank_table_timeout_s: float = 600.0,
                    sleep: Callable[[float], None] = time.sleep) -> Cluster | None:
-    """Ascend's AscendJob operator: MS_WORKER_NUM counts NPUs in the job, MS_LOCAL_WORKER per pod."""
+    """Ascend's AscendJob operator: MS_WORKER_NUM counts NPUs in the job, MS_LOCAL_WORKER per worker pod.
+
+    MS_ROLE says the pod's replica: MS_SCHED (the Scheduler pod, MS_SCHED_HOST its own IP) or MS_WORKER
+    (MS_SCHED_HOST the scheduler Service's IP, MS_NODE_RANK its index = msrun's --node_rank).
+    """
     if env_value(env, "MS_SCHED_HOST") is None or env_value(env, "MS_WORKER_NUM") is None:
         return None
     total, local = _int(env, "MS_WORKER_NUM"), _int(env, "MS_LOCAL_WORKER")
     if local <= 0 or total % local:
         raise ClusterError(f"MS_WORKER_NUM={total} is not a multiple of MS_LOCAL_WORKER={local}")
+    role = {"MS_SCHED": "scheduler", "MS_WORKER": "worker", None: "worker"}.get(env_value(env, "MS_ROLE"))
+    if role is None:
+        raise ClusterError(f"MS_ROLE={env['MS_ROLE']!r}: expected MS_SCHED or MS_WORKER (set by ascend-operator "
+                           "for the Scheduler and Worker replicas of a framework: mindspore AscendJob)")
     table = env_value(env, "RANK_TABLE_FILE")
     if table:
         wait_rank_table(Path(table), rank_table_timeout_s, sleep=sleep)
-    return Cluster("ascendjob", f"AscendJob: MS_WORKER_NUM={total} NPUs / MS_LOCAL_WORKER={local} per node",
+    return Cluster("ascendjob", f"AscendJob {role} pod: MS_WORKER_NUM={total} NPUs / MS_LOCAL_WORKER={local} per "
+                   f"worker pod, MS_NODE_RANK={env_value(env, 'MS_NODE_RANK')}",
                    nnodes=total // local, node_rank=_int(env, "MS_NODE_RANK"),
                    master_addr=env["MS_SCHED_HOST"], master_port=_int(env, "MS_SCHED_PORT"),
-                   nproc_per_node=local, rank_table=table)
+                   nproc_per_node=local, rank_table=table, role=role)
 
 
 def from_torchrun(env: Mapping[str, str]) -> Cluster | None:
