@@ -152,8 +152,11 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
     cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
-    device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
-    nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
+    # the recipe's device, else what is here (an NPU recipe without NPUs is stopped by preflight)
+    device = recipe.launch.device if recipe.launch.device != "auto" else ("npu" if devs.has_npu else "cpu")
+    # NPU recipe, no NPU visible: planned for its smallest world (TP x PP); preflight stops it there
+    nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
+             or recipe.parallel.tp * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     try:
         problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
