@@ -94,3 +94,11 @@ def test_a_problem_from_a_recipe_line_names_the_file_and_line(tmp_path, capsys):
     assert f"{recipe}:2: train.lr='fast': expected a finite number (e.g. train.lr=2e-5)" in err
     assert f"{recipe}:3: train.epochs=0: must be >= 1 (e.g. train.epochs=1)" in err
     assert re.search(r"^  - train.warmup_steps=-1: must be >= 0", err, re.M)  # from the command line: no file
+
+
+def test_every_declared_make_target_has_a_rule_and_each_command_a_target():
+    text = (REPO_ROOT / "Makefile").read_text()
+    phony = {t for line in re.findall(r"^\.PHONY:(.*)$", text, re.M) for t in line.split()}
+    rules = set(re.findall(r"^([\w-]+):", text, re.M))
+    assert phony <= rules, f"declared without a rule: {sorted(phony - rules)}"
+    assert set(lm.COMMANDS) <= rules
