@@ -257,13 +257,18 @@ def prepare_data(recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------ commands
 
 def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
-    """Write plan.json; print the plan (``--json``: the JSON alone, for jq)."""
-    launch.write_plan(job.plan_path, job.plan)
-    if getattr(args, "json", False):
-        print(json.dumps(job.plan, indent=2, default=str), flush=True)
-        return 0
-    print_plan(job)
-    log(f"plan written to {job.plan_path}")
+    """Write plan.json (not under a running job: its restarts read it); print the plan (``--json``: alone)."""
+    L = job.recipe.launch
+    try:
+        lock.release(lock.acquire(Path(job.recipe.output_dir), L.node_rank, L.nnodes, log=lambda msg: None))
+        launch.write_plan(job.plan_path, job.plan)
+        written = f"plan written to {job.plan_path}"
+    except lock.Locked as e:
+        written = f"plan.json not written: {e}"
+        print(f"[launcher] {written}", file=sys.stderr, flush=True)
+    if not getattr(args, "json", False):
+        print_plan(job)
+        log(written)
     print(json.dumps(job.plan, indent=2, default=str), flush=True)
     return 0
 

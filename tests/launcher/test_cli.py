@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -102,3 +103,21 @@ def test_every_declared_make_target_has_a_rule_and_each_command_a_target():
     rules = set(re.findall(r"^([\w-]+):", text, re.M))
     assert phony <= rules, f"declared without a rule: {sorted(phony - rules)}"
     assert set(lm.COMMANDS) <= rules
+
+
+def test_plan_leaves_a_running_jobs_plan_alone(tmp_path, capsys):
+    """A job's restarts read its plan.json: plan prints, but does not overwrite it while the job holds the lock."""
+    from launcher import lock
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "plan.json").write_text('{"running": true}')
+    fd = lock.acquire(out)
+    try:
+        assert lm.main(["plan", "--json", f"OUTPUT_DIR={out}"], cpu_host(tmp_path)) == 0
+    finally:
+        lock.release(fd)
+    res = capsys.readouterr()
+    assert json.loads(res.out)["topology"]["world_size"] == 1
+    assert "plan.json not written: OUTPUT_DIR" in res.err and f"pid {os.getpid()}" in res.err
+    assert (out / "plan.json").read_text() == '{"running": true}'
