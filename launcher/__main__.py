@@ -154,7 +154,9 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
     wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
     device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
-    nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
+    # NPU recipe, no NPU visible: planned for its smallest world (TP x PP); preflight stops it there
+    nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
+             or recipe.parallel.tp * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
     try:
@@ -258,13 +260,21 @@ def prepare_data(recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------ commands
 
 def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
-    """Write plan.json; print the plan (``--json``: the JSON alone, for jq)."""
-    launch.write_plan(job.plan_path, job.plan)
-    if getattr(args, "json", False):
-        print(json.dumps(job.plan, indent=2, default=str), flush=True)
-        return 0
-    print_plan(job)
-    log(f"plan written to {job.plan_path}")
+    """Write plan.json (not under a running job: its restarts read it); print the plan (``--json``: alone)."""
+    L = job.recipe.launch
+    try:
+        fd = lock.acquire(Path(job.recipe.output_dir), L.node_rank, L.nnodes, log=lambda msg: None)
+        try:
+            launch.write_plan(job.plan_path, job.plan)
+        finally:
+            lock.release(fd)
+        written = f"plan written to {job.plan_path}"
+    except lock.Locked as e:
+        written = f"plan.json not written: {e}"
+        print(f"[launcher] {written}", file=sys.stderr, flush=True)
+    if not getattr(args, "json", False):
+        print_plan(job)
+        log(written)
     print(json.dumps(job.plan, indent=2, default=str), flush=True)
     return 0
 

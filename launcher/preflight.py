@@ -238,7 +238,23 @@ def check_model(c: Context) -> list[Check]:
     bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
     if bad:
         return [Check("model", "fail", b, REDOWNLOAD) for b in bad]
+    top = _max_token_id(d / "tokenizer.json")
+    if top is None or top >= cfg.get("vocab_size", 0):
+        what = "unreadable" if top is None else f"has token ids up to {top}, config.json's vocab_size is " \
+                                                   f"{cfg.get('vocab_size')}"
+        return [Check("model", "fail", f"{d / 'tokenizer.json'}: {what}",
+                      "use the tokenizer that came with the model (same directory as its config.json)")]
     return [Check("model", "ok", f"{d}: config, weights, tokenizer present")]
+
+
+def _max_token_id(path: Path) -> int | None:
+    """The largest id in a Hugging Face tokenizer.json (vocabulary and added tokens), None when unreadable."""
+    try:
+        tok = json.loads(path.read_text())
+        ids = [*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens", []))]
+        return max(int(i) for i in ids)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def check_resume(c: Context) -> list[Check]:

@@ -107,8 +107,7 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
             has_npu: bool = False) -> Settings:
     """Merge env vars, ``OVERRIDES`` and CLI ``key=value`` items into dotted overrides.
 
-    The CLI also takes the variable names (``train TP=2 DATA=a.json RECIPE=tiny-cpu``). A user's
-    ``DATA`` (or ``data.paths``) means ``data.format=auto`` unless a format is set too.
+    The CLI also takes the variable names (``train TP=2 DATA=a.json RECIPE=tiny-cpu``).
     """
     cli_vars = dict(i.split("=", 1) for i in cli_items if i.split("=", 1)[0] in ("RECIPE", *ENV_KEYS) and "=" in i)
     rest = [i for i in cli_items if i.split("=", 1)[0] not in cli_vars]
@@ -129,8 +128,6 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
     for var, v in cli_vars.items():
         if var in ENV_KEYS:
             s.overrides[ENV_KEYS[var]], s.origin[ENV_KEYS[var]] = v, var
-    if "data.paths" in s.overrides and "data.format" not in s.overrides:
-        s.overrides["data.format"], s.origin["data.format"] = "auto", s.origin["data.paths"]
     return s
 
 
@@ -138,8 +135,11 @@ def load(settings: Settings, extra: dict[str, str] | None = None) -> Recipe:
     """Load and validate the recipe; raise ConfigError naming env vars / keys with fixes.
 
     ``extra`` holds lower-precedence values (e.g. the detected cluster) that the user did not set.
+    Data the user gives (``DATA``, ``data.paths``) is read with ``data.format=auto`` unless a format is set.
     """
     overrides = {**(extra or {}), **settings.overrides}
+    if "data.paths" in overrides and "data.format" not in overrides:  # a recipe's format is for its own paths
+        overrides["data.format"] = "auto"
     try:
         recipe = load_recipe(settings.recipe, overrides, render=settings.render)
     except ConfigError as e:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 from collections import namedtuple
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from launcher_fakes import make_dev, recorded_npu_smi
 
-from finetune.config import load_recipe
+from finetune.config import ASSETS_DIR, load_recipe
 from finetune.memory import MemoryEstimate
 from launcher import devices, preflight
 
@@ -24,7 +25,7 @@ def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors"
     d = root / "model"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    (d / "tokenizer.json").write_text("{}")
+    shutil.copyfile(ASSETS_DIR / "tokenizer/tokenizer.json", d / "tokenizer.json")  # the real Qwen2.5 tokenizer
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
     for s in (shards if present is None else present):
