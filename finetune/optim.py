@@ -108,8 +108,7 @@ class AdamW:
 
     def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied)."""
-        grads = sum_grads_over_dp(grads, self.rank)
-        grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
+        grads = sum_grads_over_dp(grads, self.rank)  # fp32
         if grad_scale != 1.0:
             grads = [g / grad_scale for g in grads]
         norm = float(global_grad_norm(grads, self.params, self.rank).asnumpy())

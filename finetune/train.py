@@ -47,7 +47,7 @@ def compute_dtype(recipe: Recipe, device: str):
     return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[precision]
 
 
-class _StopFlag:
+class StopFlag:
     """Set by SIGTERM/SIGINT; the loop checkpoints and exits at the next step boundary."""
 
     def __init__(self):
@@ -72,14 +72,15 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
 
 
 def sync(loss: ms.Tensor, tokens: int, stop: bool, rank: RankInfo) -> tuple[float, int, bool]:
-    """(loss summed over DP, tokens summed over DP, stop requested on any rank): one float and one
-    integer all-reduce over the world (TP ranks hold equal copies of loss and tokens)."""
+    """(loss summed over DP, tokens summed over DP, stop requested on any rank) in one fp32 all-reduce
+    over the world (TP ranks hold equal copies of loss and tokens). The token count travels as two
+    base-4096 digits, each sum exact in fp32 (the CPU backend reduces only floats)."""
     if rank.world_size == 1:
         return float(loss.asnumpy()), tokens, stop
-    both = all_reduce_sum(ops.stack([loss.astype(ms.float32), ms.Tensor(float(stop), ms.float32)]), rank.world_group)
-    count = all_reduce_sum(ms.Tensor(np.array([tokens], np.int32)), rank.world_group)
-    loss_sum, stops = both.asnumpy().tolist()
-    return loss_sum / rank.tp, int(count.asnumpy()[0]) // rank.tp, stops > 0
+    digits = ms.Tensor(np.array([tokens // 4096, tokens % 4096, float(stop)], np.float32))
+    total = all_reduce_sum(ops.cat([loss.astype(ms.float32).reshape(1), digits]), rank.world_group)
+    loss_sum, hi, lo, stops = total.asnumpy().tolist()
+    return loss_sum / rank.tp, (int(hi) * 4096 + int(lo)) // rank.tp, stops > 0
 
 
 def run(recipe: Recipe) -> int:
@@ -92,11 +93,11 @@ def run(recipe: Recipe) -> int:
     rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
              f"{head}), compute dtype {dtype}, output {recipe.output_dir}")
     trainer = setup(recipe, rank, dtype)
-    code = train_loop(trainer, _StopFlag())
+    code = train_loop(trainer, StopFlag())
     return finish(trainer) if code == 0 else code
 
 
-def train_loop(t: Trainer, stop: _StopFlag) -> int:
+def train_loop(t: Trainer, stop: StopFlag) -> int:
     """Run the steps from ``t.step`` to ``t.total_steps``; returns the exit code (0: all steps done)."""
     tc, rank = t.recipe.train, t.rank
     metrics = MetricsWriter(t.out / "metrics.jsonl", t.step) if rank.is_main else None
@@ -159,7 +160,7 @@ def finish(t: Trainer) -> int:
     """The end of a complete run: final checkpoint, Hugging Face export, summary; the exit code."""
     rank, out, recipe = t.rank, t.out, t.recipe
     bad = [p.name for p in t.params if not bool(ops.isfinite(p).all())]
-    if int(all_reduce_sum(ms.Tensor(np.array([len(bad)], np.int32)), rank.world_group).asnumpy()[0]):
+    if all_reduce_sum(ms.Tensor(np.array([len(bad)], np.float32)), rank.world_group).asnumpy()[0] > 0:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED

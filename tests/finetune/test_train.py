@@ -76,3 +76,53 @@ def test_fp16_trains_with_dynamic_loss_scaling(tmp_path):
 def test_bf16_on_cpu_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="train.precision=fp32"):
         run(_recipe(tmp_path, **{"train.precision": "bf16"}))
+
+
+def test_the_worker_does_not_create_the_tiny_model(tmp_path):
+    """The launcher creates it (model.init); a worker without a model directory says what to set."""
+    with pytest.raises(FileNotFoundError, match="MODEL_DIR"):
+        run(load_recipe("tiny-cpu", {"output_dir": str(tmp_path), **FAST}))
+    assert not (tmp_path / "base-model").exists()
+
+
+def test_a_finished_run_continued_with_more_steps_equals_one_longer_run(tmp_path):
+    """Issue 10 item 7: the final checkpoint holds the data position of the next step, not one further."""
+    const = {"train.schedule": "constant", "train.warmup_steps": "0", "train.save_every": "0"}
+    assert run(_recipe(tmp_path / "long", **const)) == 0
+    short = tmp_path / "short"
+    assert run(_recipe(short, **{**const, "train.max_steps": "3"})) == 0
+    assert run(_recipe(short, **const)) == 0
+    assert len(_losses(short)) == 6
+    assert _losses(short) == _losses(tmp_path / "long")
+
+
+def test_a_diverging_run_stops_nonzero_and_exports_nothing(tmp_path, capsys):
+    """Issue 10 item 5: train.max_bad_steps consecutive non-finite steps end the run (exit 3)."""
+    out = tmp_path / "diverged"
+    assert run(_recipe(out, **{"train.lr": "1e38", "train.max_bad_steps": "2", "train.save_every": "0"})) == 3
+    text = capsys.readouterr().out
+    assert "2 consecutive steps with non-finite gradients, the last at step 3 (loss scale 1)" in text
+    assert "train.lr" in text and "train.max_bad_steps" in text
+    assert not (out / "hf").exists() and not list(out.glob("checkpoints/step_*"))
+
+
+def test_a_step_reads_the_device_only_for_the_norm_and_at_sync_points(tmp_path, monkeypatch):
+    """Issue 12 item 8: no loss copy per micro-batch and no stop all-reduce per step; the step's
+    only device-to-host read is the gradient norm, plus one read at a logged step."""
+    import mindspore as ms
+
+    from finetune.dist import init_distributed
+    from finetune.train import StopFlag, train_loop
+    from finetune.trainer import setup
+
+    recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
+                                  "train.grad_accum": "2"})
+    trainer = setup(recipe, init_distributed(1, 0, "CPU"), ms.float32)
+    reads = []
+    for name in ("asnumpy", "_item", "_tolist"):
+        original = getattr(ms.Tensor, name)
+        monkeypatch.setattr(ms.Tensor, name, lambda self, *a, _f=original, **k: (reads.append(trainer.step),
+                                                                                 _f(self, *a, **k))[1])
+    assert train_loop(trainer, StopFlag()) == 0
+    # the norm of steps 1..4 is read while trainer.step is 0..3; the logged step 4 adds one read
+    assert reads == [0, 1, 2, 3, 4]
