@@ -18,8 +18,9 @@ import numpy as np
 from mindspore import ops
 
 from finetune.config import Recipe
-from finetune.dist import RankInfo, all_reduce_sum, barrier, init_distributed
-from finetune.metrics import MetricsWriter, progress_line, read_metrics, summarize
+from finetune.dist import RankInfo, all_reduce_sum, barrier, init_distributed, launched_world
+from finetune.metrics import MetricsWriter, progress_line, read_metrics
+from finetune.report import summarize
 from finetune.optim import lr_at
 from finetune.trainer import BATCH_KEYS, Trainer, setup
 
@@ -36,15 +37,9 @@ def device_target(recipe: Recipe) -> str:
     return "Ascend" if glob.glob("/dev/davinci[0-9]*") else "CPU"
 
 
-def compute_dtype(recipe: Recipe, device: str):
-    """The dtype of weights and matmuls (fp32 master weights live in the optimizer)."""
-    precision = recipe.train.precision
-    if precision == "auto":
-        precision = "bf16" if device == "Ascend" else "fp32"
-    if precision == "bf16" and device == "CPU":
-        raise ValueError("train.precision=bf16: the CPU has no bf16 matmul; use train.precision=fp32 "
-                         "(or fp16) on CPU, bf16 on Ascend")
-    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[precision]
+def compute_dtype(recipe: Recipe):
+    """The dtype of weights and matmuls of a resolved recipe (fp32 master weights live in the optimizer)."""
+    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[recipe.train.precision]
 
 
 class StopFlag:
@@ -86,9 +81,11 @@ def sync(loss: ms.Tensor, tokens: int, stop: bool, rank: RankInfo) -> tuple[floa
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
     device = device_target(recipe)
+    # the plan's recipe is resolved already: this only checks it against the world msrun started
+    recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     rank = init_distributed(recipe.parallel.tp, recipe.parallel.dp, device)
-    dtype = compute_dtype(recipe, device)
+    dtype = compute_dtype(recipe)
     head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
              f"{head}), compute dtype {dtype}, output {recipe.output_dir}")

@@ -90,7 +90,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
                          "sequences: lower train.micro_batch_size / train.grad_accum or add data")
     model, params = build_model(recipe, rank, model_dir, dtype)
-    shard = recipe.parallel.shard_optimizer if recipe.parallel.shard_optimizer is not None else rank.dp > 1
+    shard = recipe.parallel.shard_optimizer
     trainer = Trainer(recipe, rank, model, model_dir, params, build_optimizer(params, tc, rank, shard),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, total_steps)
     n_params = sum(int(np.prod(p.shape)) for p in params)
@@ -112,7 +112,7 @@ def resume_path(tc: TrainConfig, out: Path) -> Path | None:
 
 def build_loader(recipe: Recipe, rank: RankInfo, model_dir: Path) -> BatchLoader:
     """This DP rank's deterministic batches from the token cache (prepared once per node or job)."""
-    from finetune.data.cache import ensure_cache
+    from finetune.data.prepare import ensure_cache
 
     tc = recipe.train
     cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main).dir
@@ -133,12 +133,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
                              vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
     params = model.trainable_params()
-    if dtype != ms.float32:  # low-precision weights; the optimizer keeps fp32 masters
-        for p in params:
-            # A tied embedding stays fp32: its two gradient paths (lookup and LM head) must agree in
-            # dtype. Only small Qwen2.5 models tie embeddings; 7B does not.
-            if not (cfg.tie_word_embeddings and p.name == "model.embed_tokens.weight"):
-                p.set_dtype(dtype)  # set_data(p.astype(...)) would keep the Parameter's fp32 dtype
+    model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
     return model, params
 
 

@@ -13,18 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from launcher.devices import Devices, format_id_list, parse_id_list
-
-HUAWEI_PCI_VENDOR = "0x19e5"
-
-
-def read_cpulist(path: Path) -> list[int]:
-    """A sysfs/cgroup cpulist file ('0-3,8') -> CPU ids; [] when absent or empty."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return []
-    return parse_id_list(text, str(path)) if text else []
+from finetune.cpus import allowed_cpus, read_cpulist
+from launcher.devices import Devices, format_id_list
 
 
 def numa_nodes(sys_root: Path = Path("/sys")) -> dict[int, list[int]]:
@@ -37,26 +27,16 @@ def numa_nodes(sys_root: Path = Path("/sys")) -> dict[int, list[int]]:
     return dict(sorted(out.items()))
 
 
-def allowed_cpus(sys_root: Path = Path("/sys"),
-                 getaffinity: Callable[[int], set[int]] = os.sched_getaffinity) -> tuple[list[int], str]:
-    """CPUs this container may use: cgroup v2 cpuset.cpus.effective, v1 cpuset.cpus, else the affinity."""
-    for rel in ("fs/cgroup/cpuset.cpus.effective", "fs/cgroup/cpuset/cpuset.cpus"):
-        cpus = read_cpulist(sys_root / rel)
-        if cpus:
-            return cpus, f"/sys/{rel}"
-    return sorted(getaffinity(0)), "sched_getaffinity"
-
-
 def pci_numa(sys_root: Path, devices: Devices) -> dict[int, int]:
-    """{physical NPU id: numa_node} from the NPU's PCI device in sysfs (-1 means unknown)."""
+    """{physical NPU id: numa_node} of the PCI devices npu-smi names (-1 means unknown).
+
+    Without npu-smi there is no mapping: PCI bus order is not NPU order on the Atlas 800T A2
+    (NPU 0..7 on buses C1, 01, C2, 02, 81, 41, 82, 42 in one recording, C1, C2, 81, 82, 41, 42, 01, 02
+    in another), so guessing from it would bind ranks to the wrong node.
+    """
     pci = sys_root / "bus/pci/devices"
-    bus = dict(devices.bus_id)
-    if not bus and pci.is_dir():  # no npu-smi: Huawei accelerators in bus order = physical order
-        npus = sorted(p.name for p in pci.iterdir() if _read(p / "vendor") == HUAWEI_PCI_VENDOR
-                      and _read(p / "class").startswith("0x1200"))
-        bus = dict(zip(devices.present, npus))
     out = {}
-    for npu, addr in bus.items():
+    for npu, addr in devices.bus_id.items():
         node = _read(pci / addr / "numa_node")
         if node.lstrip("-").isdigit() and int(node) >= 0:
             out[npu] = int(node)
@@ -134,7 +114,9 @@ def plan(nproc: int, mode: str, devices: Devices, sys_root: Path = Path("/sys"),
         sysfs = pci_numa(sys_root, devices)
         for i in range(nproc):
             dev = devices.visible[i] if i < len(devices.visible) else None
-            node, why = None, "NPU NUMA node unknown: even split of allowed CPUs"
+            node, why = None, ("NPU NUMA node unknown: even split of allowed CPUs" if devices.bus_id else
+                               "no npu-smi, and PCI bus order is not NPU order: even split of allowed CPUs "
+                               "(mount /usr/local/bin/npu-smi to bind by NUMA node)")
             if dev in devices.cpu_affinity and nodes:
                 node, why = _node_of(devices.cpu_affinity[dev], nodes), "npu-smi topo CPU Affinity"
             elif dev in sysfs:
