@@ -117,7 +117,7 @@ def test_a_step_reads_the_device_only_for_the_norm_and_at_sync_points(tmp_path, 
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
                                   "train.grad_accum": "2"})
-    trainer = setup(recipe, init_distributed(1, 0, "CPU"), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
     reads = []
     for name in ("asnumpy", "_item", "_tolist"):
         original = getattr(ms.Tensor, name)

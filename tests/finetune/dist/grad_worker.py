@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 
-from finetune.dist import init_distributed  # noqa: E402
+from finetune.dist import init_distributed, launched_world  # noqa: E402
 from finetune.parallel.grads import sum_grads_over_dp  # noqa: E402
 from finetune.parallel.zero import ShardedAdamW  # noqa: E402
 from finetune.train import accumulate  # noqa: E402
@@ -60,7 +60,7 @@ def grads_of(model: Toy, params: list, batches: list[dict]) -> tuple[list, list[
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rank = init_distributed(tp=1, dp=0, device_target="CPU")
+    rank = init_distributed(tp=1, dp=launched_world(), device_target="CPU")
     model, params = fp16_toy()
     acc, raw = grads_of(model, params, micro_batches(rank.dp_rank))
     sharded = ShardedAdamW(params, CFG, rank, bucket_bytes=256)
