@@ -21,6 +21,7 @@ equivalents give the same numbers; the choice is logged once.
 from __future__ import annotations
 
 import math
+import time
 
 import mindspore as ms
 import numpy as np
@@ -29,7 +30,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
-from finetune.optim import clip_by_norm, kernel_scalars
+from finetune.optim import CommClock, clip_by_norm, kernel_scalars
 from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
@@ -45,7 +46,7 @@ def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Pi
     return out
 
 
-class ShardedAdamW:
+class ShardedAdamW(CommClock):
     """AdamW whose fp32 state is partitioned over the DP group; same interface as ``optim.AdamW``."""
 
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
@@ -117,7 +118,10 @@ class ShardedAdamW:
     # ---------------------------------------------------------------- step
     def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Reduce-scatter, unscale, clip and apply ``grads``; returns (global grad_norm, applied)."""
-        shards = [g / grad_scale if grad_scale != 1.0 else g for g in self.reduce(grads)]
+        t0 = time.perf_counter()
+        shards = self.reduce(grads)
+        self.comm_s += time.perf_counter() - t0
+        shards = [g / grad_scale if grad_scale != 1.0 else g for g in shards]
         norm = self._global_norm(shards)
         if not math.isfinite(norm):
             return norm, False
