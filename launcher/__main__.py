@@ -152,14 +152,18 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
     cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
-    device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
+    wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
+    device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
     nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
     world = recipe.launch.nnodes * nproc
+    problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
     try:
-        problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
-        problems += e.items
+        if device == "npu" and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
+            devs.notes.append("no NPU visible, so the layout is not resolved: " + "; ".join(e.problems))
+        else:
+            problems += e.items
     if problems:
         raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
@@ -276,15 +280,15 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
+    if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
+        log("preflight failed: nothing started (fix the rows marked fail above)")
+        return 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
         lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
     except lock.Locked as e:
         print(f"[launcher] {e}", file=sys.stderr)
         return 1
     try:
-        if not run_preflight(job, host):
-            log("preflight failed: nothing started (fix the rows marked fail above)")
-            return 1
         ensure_model(job.recipe)
         if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
             rc = prepare_data(job.recipe)
@@ -311,14 +315,22 @@ def cmd_render(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
-    rest = args.rest
-    if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model
-        hf = Path(job.recipe.output_dir) / "hf"
-        rest = ["--model-dir", str(hf if (hf / "config.json").exists() else resolved_model_dir(job.recipe)), *rest]
-    return subprocess.call([sys.executable, str(GENERATE), *rest], env=job.env)
+    r = job.recipe  # default: the export; the base model only with --base
+    ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
+                                            ["--finetuned", str(Path(r.output_dir) / "hf"),
+                                             "--base-model", resolved_model_dir(r)])
+    return subprocess.call([sys.executable, str(GENERATE), *ours, *args.rest], env=job.env)
+
+
+def cmd_export(job: Job, args: argparse.Namespace, host: Host) -> int:
+    r = job.recipe  # the tool's own options come last and win (--dtype fp32)
+    return subprocess.call([sys.executable, str(TOOLS["export"]), "--output-dir", r.output_dir, "--model-dir",
+                            resolved_model_dir(r), "--dtype", r.export.dtype, "--shard-size", r.export.shard_size,
+                            *args.rest], env=job.env)
 
 
 GENERATE = REPO_ROOT / "finetune" / "generate.py"
+TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py"}
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
     "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
@@ -328,7 +340,8 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
     "render": (cmd_render, "write a Kubernetes manifest (Volcano Job) for this job", True),
-    "generate": (cmd_generate, "answer a prompt with the fine-tuned (else the base) model", True),
+    "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
+    "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
 }
 
 
@@ -387,7 +400,7 @@ def help_of_tool(command: str) -> int:
             render.parse_args(["--help"])
         except SystemExit as e:
             return int(e.code or 0)
-    return subprocess.call([sys.executable, str(GENERATE), "--help"])
+    return subprocess.call([sys.executable, str(TOOLS[command]), "--help"])
 
 
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
