@@ -18,11 +18,9 @@ from pathlib import Path
 from finetune.dist import RankInfo
 from finetune.qwen2_layout import Dims, param_table
 
-# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report. Huawei's
-# public datasheets give whole-server figures only; these are the per-chip figures Huawei's sales
-# channel publishes for the Atlas 800T A2 / 300T A2 variants (e.g. 8 x 910B3 = the 800T A2's
-# "2.5 PFLOPS FP16"). Check a value against `npu-smi info -t board` / your contract before trusting
-# MFU to the percent.
+# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report: the
+# per-chip figures Huawei's sales channel and public benchmark write-ups circulate. No per-chip
+# Huawei datasheet could be checked (docs/speed.md); correct a value here when yours differs.
 PEAK_TFLOPS = {"910B1": 414.0, "910B2": 376.0, "910B3": 313.0, "910B4": 280.0}
 MEMORY_TOLERANCE = 0.15  # warn when the measured peak is this far from the estimate
 
