@@ -19,7 +19,7 @@ from pathlib import Path
 
 from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
-from finetune.memory import MemoryEstimate, estimate_memory
+from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
 from finetune import native as nativelib
 from launcher.devices import Devices, format_id_list
 
@@ -62,15 +62,6 @@ def model_config(recipe: Recipe) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def memory_estimate(recipe: Recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory
-                    ) -> MemoryEstimate:
-    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json)."""
-    p, t = recipe.parallel, recipe.train
-    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
-                     precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
-                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)
 
 
 def param_count(cfg: dict) -> int:
