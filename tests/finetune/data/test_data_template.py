@@ -26,7 +26,8 @@ def one(enc, sample):
     return res["tokens"], res["labels"]
 
 
-@pytest.mark.parametrize("name,reader", [("alpaca", alpaca_sample), ("sharegpt", sharegpt_sample)])
+@pytest.mark.parametrize("name,reader", [("alpaca", alpaca_sample), ("sharegpt", sharegpt_sample),
+                                         ("sharegpt_tools", sharegpt_sample), ("openai_tools", sharegpt_sample)])
 def test_golden_ids_and_label_mask(name, reader):
     g = GOLDEN[name]
     ids, labels = one(encoder(), reader(g["record"], "golden"))
@@ -34,6 +35,20 @@ def test_golden_ids_and_label_mask(name, reader):
     mask = (labels != IGNORE).astype(int).tolist()
     assert mask == g["label_mask"]
     assert labels[labels != IGNORE].tolist() == [i for i, m in zip(g["input_ids"], g["label_mask"]) if m]
+
+
+@pytest.mark.parametrize("name", ["sharegpt_tools", "openai_tools"])
+def test_tool_calls_are_learned_and_tool_responses_are_not(name):
+    enc = encoder()
+    ids, labels = one(enc, sharegpt_sample(GOLDEN[name]["record"], "golden"))
+    call = enc.tok.token_to_id("<tool_call>")
+    in_system = np.flatnonzero(ids == enc.sp.im_end)[0]  # the tool instructions show <tool_call> too
+    calls = np.flatnonzero(ids == call)
+    assert len(calls[calls > in_system]) >= 1 and (labels[calls[calls > in_system]] == call).all()
+    text = enc.tok.decode(ids.tolist(), skip_special_tokens=False)
+    assert text.count("<tool_response>") >= 1
+    learned = enc.tok.decode(labels[labels != IGNORE].tolist(), skip_special_tokens=False)
+    assert "<tool_response>" not in learned and "get_weather" in learned
 
 
 def _sample(turns, system=None):
