@@ -100,7 +100,7 @@ class BatchLoader:
 
     def __init__(self, cache_dir: str | Path, seq_len: int, micro_batch_size: int, grad_accum: int,
                  dp_size: int, dp_rank: int, seed: int, packing: bool = True,
-                 max_tokens_per_batch: int = 0, epochs: int = 1):
+                 max_tokens_per_batch: int = 0, epochs: int = 1, index_file: str = "index.npy"):
         cache_dir = Path(cache_dir)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
@@ -108,7 +108,7 @@ class BatchLoader:
         self.pad_id = int(manifest.get("pad_id", 0))
         self.tokens = np.load(cache_dir / "tokens.npy", mmap_mode="r")
         self.labels = np.load(cache_dir / "labels.npy", mmap_mode="r")
-        self.index = np.load(cache_dir / "index.npy")
+        self.index = np.load(cache_dir / index_file)
         self.seq_len, self.mbs, self.ga = seq_len, micro_batch_size, grad_accum
         self.dp_size, self.dp_rank, self.seed, self.epochs = dp_size, dp_rank, seed, epochs
         self.dynamic = max_tokens_per_batch > 0
@@ -193,3 +193,28 @@ class BatchLoader:
                              f"units={len(self.units)}, sequences per step={self.per_step}): the data, "
                              "seq_len, packing or global batch size changed since the checkpoint")
         self._epoch, self._index = int(d["epoch"]), int(d["index"])
+
+
+def validation_batches(cache_dir: str | Path, seq_len: int, micro_batch_size: int, dp_size: int, dp_rank: int,
+                       packing: bool = True) -> list[dict[str, np.ndarray]]:
+    """This dp rank's micro-batches of the validation set (``data.val_size`` / ``data.val_paths``).
+
+    Every sample once, in a fixed order (no shuffling), rows made like training's (``packing``:
+    packed ``seq_len`` rows, else one sample per row; ``max_tokens_per_batch`` is not used here).
+    Each dict is int32 [micro_batch_size, seq_len] ``input_ids``, ``labels``, ``position_ids``,
+    ``segment_ids``, as BatchLoader gives. Micro-batch j of rank r holds rows
+    [(j*dp_size + r)*mbs, ...+mbs); every rank gets the same number of micro-batches, the last
+    ones topped up with padding rows whose labels are all -100, so ranks can reduce in step.
+    Token-weighted eval loss over all ranks: sum(loss_sum) / sum(label_tokens), with label_tokens =
+    count(labels[:, 1:] != -100) of each micro-batch. [] when the cache has no validation set.
+    """
+    if not (Path(cache_dir) / "val_index.npy").exists():
+        return []
+    loader = BatchLoader(cache_dir, seq_len, micro_batch_size, 1, dp_size, dp_rank, seed=0, packing=packing,
+                         index_file="val_index.npy")
+    per = micro_batch_size * dp_size
+    out = []
+    for start in range(0, len(loader.units), per):
+        mine = loader.units[start + dp_rank * micro_batch_size:start + (dp_rank + 1) * micro_batch_size]
+        out.append(loader._rows(mine + [[]] * (micro_batch_size - len(mine)), seq_len))
+    return out
