@@ -15,14 +15,20 @@ if __package__ in (None, ""):  # started as a script
 
 import numpy as np  # noqa: E402
 
-SYSTEM_PROMPT = "You are a helpful assistant."
+from finetune.config import DataConfig  # noqa: E402
+from finetune.data.formats import Sample  # noqa: E402
+from finetune.data.template import render  # noqa: E402
+
+SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+ANSWER_HEADER = "<|im_start|>assistant\n"  # the template's generation prompt
 
 
-def chat_prompt(prompt: str, system: str = SYSTEM_PROMPT) -> str:
-    """The Qwen2.5 chat template for one user turn, ending where the assistant answers."""
-    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
-            "<|im_start|>assistant\n")
+def chat_prompt(turns: str | list[tuple[str, str]], system: str | None = None) -> str:
+    """The training chat template (``data/template.py``) of a conversation (or one user prompt),
+    ending where the assistant answers; ``system`` None: the training default."""
+    turns = [("user", turns)] if isinstance(turns, str) else turns
+    return render(Sample(system, tuple(turns), "prompt"), SYSTEM_PROMPT) + ANSWER_HEADER
 
 
 def next_token(logits: np.ndarray, seen: list[int], temperature: float, top_p: float,

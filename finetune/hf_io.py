@@ -2,7 +2,8 @@
 
 No torch: tensors are read with numpy memory maps from the safetensors layout (so bf16 works and
 each rank reads only its tensor-parallel slice) and written with the ``safetensors`` library.
-Export gathers TP slices, then only rank 0 writes, to a temporary directory that is renamed.
+Export gathers TP slices, then only rank 0 writes, to a temporary directory that is renamed
+(``fsutil.atomic_dir``).
 """
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import json
 import os
 import shutil
 import struct
-import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
 from finetune.dist import RankInfo
+from finetune.fsutil import atomic_dir
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -201,7 +203,8 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
               shard_size_bytes: int = 2 * 10**9, rank: RankInfo | None = None) -> Path | None:
     """Write ``model`` as a Hugging Face directory like ``save_pretrained``; returns the path on rank 0.
 
-    Every rank must call it (TP slices are gathered collectively); only rank 0 writes.
+    Every rank must call it (TP slices are gathered collectively); only rank 0 writes. The
+    directory is readable by others (0755, files 0644), e.g. by a non-root serving container.
     """
     rank = rank or model.rank
     if dtype not in EXPORT_DTYPES:
@@ -213,14 +216,10 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
     state = model.hf_state()
     sizes = [(n, int(np.prod(shapes[n])) * itemsize) for n in state]
     shards = plan_shards(sizes, shard_size_bytes)
-    src, out = Path(src_model_dir), Path(out_dir)
-    tmp = None
-    if rank.is_main:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        names = [SINGLE] if len(shards) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = [SINGLE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    out = Path(out_dir)
+    with atomic_dir(out) if rank.is_main else nullcontext(None) as tmp:
         for file, members in zip(names, shards):
             tensors = {n: _convert(gather_full(model, n, state[n], rank), dtype) for n in members}
             if tmp is not None:
@@ -232,21 +231,8 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
                                   "total_size": sum(s for _, s in sizes)},
                      "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _write_configs(src, tmp, dtype)
-        _replace_dir(tmp, out)
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _write_configs(Path(src_model_dir), tmp, dtype)
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
     return out
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``, replacing an earlier export there."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -1,8 +1,8 @@
 """Per-device memory estimate for a full fine-tune (pure Python; the launcher imports it).
 
 Weights, gradients, fp32 master weights and Adam moments are exact element counts of the local
-tensors under the layout (the same TP split rules as the model, the same bucket partition as the
-sharded optimizer). Activations and workspace are an estimate:
+tensors under the layout (the TP split rules of ``finetune.qwen2_layout``, which the model uses too;
+the same bucket partition as the sharded optimizer). Activations and workspace are an estimate:
 
 * full recompute: every layer's input is kept (b*s*H), plus one layer's activations while it is
   recomputed in backward (flash attention: no s*s score matrix);
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from finetune.dist import BUCKET_BYTES
+from finetune.qwen2_layout import Dims, local_kv_heads, local_shapes
 
 WORKSPACE_BYTES = 1_500_000_000
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -45,46 +46,6 @@ class MemoryEstimate:
         return "\n".join([head] + [f"{k:<12}{v / 1e9:10.2f}{v / 2**30:10.2f}" for k, v in rows])
 
 
-def local_kv_heads(num_kv_heads: int, tp: int) -> int:
-    """KV heads held per TP rank: split when tp divides them, else one (replicated over tp/num_kv ranks)."""
-    if num_kv_heads >= tp:
-        if num_kv_heads % tp:
-            raise ValueError(f"parallel.tp={tp} must divide num_key_value_heads={num_kv_heads} "
-                             f"(or be a multiple of it); e.g. parallel.tp={math.gcd(num_kv_heads, tp)}")
-        return num_kv_heads // tp
-    if tp % num_kv_heads:
-        raise ValueError(f"parallel.tp={tp} must be a multiple of num_key_value_heads={num_kv_heads} when larger")
-    return 1
-
-
-def local_param_shapes(cfg: dict, tp: int = 1, vocab_parallel: bool = False) -> dict[str, tuple[int, ...]]:
-    """Hugging Face parameter name -> shape of this TP rank's tensor (Qwen2 layout)."""
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    nh, nkv, vocab = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]), \
-        cfg["vocab_size"]
-    hd = cfg.get("head_dim") or h // nh
-    if nh % tp or inter % tp or (vocab_parallel and vocab % tp):
-        raise ValueError(f"parallel.tp={tp} must divide num_attention_heads={nh}, intermediate_size={inter}"
-                         + (f" and vocab_size={vocab}" if vocab_parallel else ""))
-    q, kv, v_loc = nh // tp * hd, local_kv_heads(nkv, tp) * hd, vocab // tp if vocab_parallel else vocab
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v_loc, h)}
-    for i in range(layers):
-        pre = f"model.layers.{i}."
-        shapes.update({
-            pre + "self_attn.q_proj.weight": (q, h), pre + "self_attn.q_proj.bias": (q,),
-            pre + "self_attn.k_proj.weight": (kv, h), pre + "self_attn.k_proj.bias": (kv,),
-            pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.v_proj.bias": (kv,),
-            pre + "self_attn.o_proj.weight": (h, q),
-            pre + "mlp.gate_proj.weight": (inter // tp, h), pre + "mlp.up_proj.weight": (inter // tp, h),
-            pre + "mlp.down_proj.weight": (h, inter // tp),
-            pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
-        })
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (v_loc, h)
-    return shapes
-
-
 def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int:
     """fp32 elements one DP rank holds in the sharded optimizer (its chunk of every padded bucket)."""
     per = max(1, bucket_bytes // 4)
@@ -93,10 +54,10 @@ def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int
 
 def _layer_activation_elems(cfg: dict, tp: int) -> int:
     """Activation elements per token that one layer keeps for backward (flash attention)."""
-    h, inter, nh = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    nkv, hd = cfg.get("num_key_value_heads", nh), cfg.get("head_dim") or h // nh
-    replicated = 5 * h  # norm inputs/outputs and the residual
-    split = 2 * (nh // tp + 2 * local_kv_heads(nkv, tp)) * hd + 2 * (nh // tp) * hd + 4 * (inter // tp)
+    d = Dims.of(cfg)
+    replicated = 5 * d.hidden  # norm inputs/outputs and the residual
+    heads = d.heads // tp
+    split = 2 * (heads + 2 * local_kv_heads(cfg, tp)) * d.head_dim + 2 * heads * d.head_dim + 4 * (d.inter // tp)
     return replicated + split
 
 
@@ -107,7 +68,7 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}: one of bf16, fp16, fp32 for the estimate")
     nbytes = _DTYPE_BYTES[precision]
-    n = sum(math.prod(s) for s in local_param_shapes(model_config, tp, vocab_parallel).values())
+    n = sum(math.prod(s) for s in local_shapes(model_config, tp, vocab_parallel).values())
     sharded = shard_optimizer and dp > 1
     state = shard_elements(n, dp) if sharded else n
     master = state * 4 if precision != "fp32" else 0  # fp32 params are their own master

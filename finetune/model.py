@@ -8,20 +8,19 @@ context (``ms.set_context(mode=ms.PYNATIVE_MODE, device_target=...)``) before bu
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
-from mindspore.common.initializer import Normal, initializer
+from mindspore.common.initializer import initializer
 
+from finetune import kernels
 from finetune.dist import RankInfo
-from finetune.parallel.layers import ColumnParallelLinear, ReduceFromTP, RowParallelLinear
-from finetune.tiny import hf_param_shapes
+from finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
+from finetune.qwen2_layout import TPSlice, full_shapes, local_kv_heads, tp_layout
 
 IGNORE_INDEX = -100
 _MASKED = -1e9
@@ -63,30 +62,10 @@ class Qwen2Config:
         cfg = cls(**{k: d[k] for k in names if d.get(k) is not None})
         if not cfg.head_dim:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ValueError(f"{source}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={cfg.num_key_value_heads}")
         return cfg
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "Qwen2Config":
-        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-class TPSlice(NamedTuple):
-    """This rank's piece of a full Hugging Face tensor: ``full[start:start+size]`` along ``axis``.
-
-    ``owner`` is False for a replicated copy (KV heads when tp > num_key_value_heads) that a
-    gather must not count twice.
-    """
-
-    axis: int
-    start: int
-    size: int
-    owner: bool = True
 
 
 class RMSNorm(nn.Cell):
@@ -99,161 +78,7 @@ class RMSNorm(nn.Cell):
         self.fused = fused
 
     def construct(self, x):
-        dtype = x.dtype
-        if self.fused:
-            return ops.rms_norm(x.astype(ms.float32), self.weight, self.eps)[0].astype(dtype)
-        h = x.astype(ms.float32)
-        h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + self.eps)
-        return self.weight.astype(dtype) * h.astype(dtype)
-
-
-class VocabRange(NamedTuple):
-    """The token ids ``[start, start + size)`` whose rows this rank holds (all of them when not split)."""
-
-    start: int
-    size: int
-
-    def local(self, ids):
-        """``(ids - start)`` clipped to a valid row and an fp32 mask of the ids this rank holds."""
-        local = ids - self.start
-        inside = ops.logical_and(local >= 0, local < self.size)
-        return ops.where(inside, local, ops.zeros_like(local)), inside.astype(ms.float32)
-
-
-def vocab_range(vocab: int, rank: RankInfo, vocab_parallel: bool) -> VocabRange:
-    """This rank's vocabulary rows: a contiguous ``vocab / tp`` slice when vocab-parallel over TP."""
-    if not vocab_parallel or rank.tp == 1:
-        return VocabRange(0, vocab)
-    if vocab % rank.tp:
-        raise ValueError(f"vocab_size={vocab} is not divisible by parallel.tp={rank.tp}; set "
-                         "parallel.vocab_parallel=false (embedding and LM head replicated) or pick a tp dividing it")
-    size = vocab // rank.tp
-    return VocabRange(rank.tp_rank * size, size)
-
-
-class Embedding(nn.Cell):
-    """Token embedding: replicated, or vocab-parallel (each TP rank looks up its rows, then a TP sum)."""
-
-    def __init__(self, vocab: int, hidden: int, compute_dtype, rank: RankInfo = RankInfo(),
-                 vocab_parallel: bool = False):
-        super().__init__()
-        self.rows = vocab_range(vocab, rank, vocab_parallel)
-        self.weight = Parameter(initializer(Normal(0.02), (self.rows.size, hidden), ms.float32), name="weight")
-        self.dtype = compute_dtype
-        self.split = self.rows.size != vocab
-        self.reduce = ReduceFromTP(rank) if self.split else None
-
-    def construct(self, ids):
-        if not self.split:
-            return ops.gather(self.weight, ids, 0).astype(self.dtype)
-        local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed
-        x = ops.gather(self.weight, local, 0) * inside.expand_dims(-1).astype(self.weight.dtype)
-        return self.reduce(x.astype(self.dtype))
-
-
-class LMHead(nn.Cell):
-    """Untied output projection ``[vocab, hidden]`` (``[vocab / tp, hidden]`` when vocab-parallel)."""
-
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), ms.float32), name="weight")
-
-
-class LMHeadCrossEntropy(nn.Cell):
-    """``sum(-log_softmax(h @ w.T)[target])`` in fp32 with a hand-written backward.
-
-    MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
-    the closed form ``dlogits = softmax - onehot``; the backward recomputes the logits instead of
-    keeping them, so only the forward's logits are ever alive. ``chunk_tokens`` > 0 computes both
-    over chunks of that many tokens (``d weight`` summed in fp32), so the ``[tokens, vocab]`` fp32
-    buffers shrink to ``[chunk, vocab]``; the sums are the same up to rounding order.
-
-    Vocab-parallel (``rows`` a slice of the vocabulary, ``rank.tp > 1``): each TP rank holds the
-    logits of its rows only. The row maxima, the sums of exponentials and the target logits are
-    combined over the TP group, so every rank returns the whole loss; backward, each rank's
-    ``d hidden`` covers its rows and is summed over the TP group.
-    """
-
-    def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None,
-                 chunk_tokens: int = 0):
-        super().__init__()
-        self.dtype = compute_dtype
-        self.chunk = chunk_tokens  # > 0: logits of at most this many tokens alive at a time
-        self.mm_bt = ops.MatMul(transpose_b=True)
-        self.mm_at = ops.MatMul(transpose_a=True)
-        self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
-        self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
-        self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
-
-    def _logits(self, h, w):
-        return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
-
-    def _softmax_parts(self, logits, target):
-        """Vocab-parallel: (row max over all ranks, sum of exp(logits - max) over all ranks,
-        this rank's target logit or 0, local target column, 1.0 where this rank holds the target)."""
-        local_max = ops.amax(logits, -1)
-        slots = [local_max if i == self.tp_rank else ops.zeros_like(local_max) for i in range(self.tp)]
-        row_max = ops.amax(self.tp_sum(ops.stack(slots)), 0)  # exact: one AllReduce of tp x tokens values
-        col, inside = self.rows.local(target)
-        picked = ops.gather_elements(logits, 1, col.reshape(-1, 1)).reshape(-1) * inside
-        return row_max, ops.exp(logits - row_max.expand_dims(-1)).sum(-1), picked, col, inside
-
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
-        c = self.chunk if 0 < self.chunk < n else n
-        return [(a, min(a + c, n)) for a in range(0, n, c)]
-
-    def construct(self, h, w, target):
-        parts = self._chunks(h.shape[0])
-        if len(parts) == 1:
-            return self._loss(h, w, target)
-        total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])
-        for a, b in parts[1:]:
-            total = total + self._loss(h[a:b], w, target[a:b])
-        return total
-
-    def bprop(self, h, w, target, out, dout):
-        parts = self._chunks(h.shape[0])
-        if len(parts) == 1:
-            dh, dw = self._grads(h, w, target, dout)
-            return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
-        dhs, dw = [], None
-        for a, b in parts:
-            dh_c, dw_c = self._grads(h[a:b], w, target[a:b], dout)
-            dhs.append(dh_c)
-            dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
-        return ops.cat(dhs, 0).astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
-
-    def _loss(self, h, w, target):
-        """The loss sum of one chunk of tokens."""
-        logits = self._logits(h, w)
-        if not self.split:
-            logp = ops.log_softmax(logits, -1)
-            return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
-        row_max, sum_exp, picked, _, _ = self._softmax_parts(logits, target)
-        total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
-        return (ops.log(total[0]) + row_max - total[1]).sum()
-
-    def _grads(self, h, w, target, dout):
-        """(d hidden, d weight) of one chunk of tokens, in the compute dtype."""
-        logits = self._logits(h, w)
-        if not self.split:
-            p = ops.softmax(logits, -1)
-            col, hit = target.reshape(-1, 1), 1.0
-        else:
-            row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
-            p = ops.exp(logits - row_max.expand_dims(-1)) / self.tp_sum(sum_exp).expand_dims(-1)
-            col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
-        p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
-        dh = ops.matmul(p, w.astype(self.dtype)) * dout.astype(self.dtype)
-        if self.split:  # every rank's rows contribute to d hidden
-            dh = self.tp_sum(dh)
-        dw = self.mm_at(p, (h.astype(ms.float32) * dout).astype(self.dtype))
-        return dh, dw
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return ops.cat((-x[..., half:], x[..., :half]), -1)
+        return kernels.rms_norm(x, self.weight, self.eps, self.fused)
 
 
 class Attention(nn.Cell):
@@ -262,11 +87,7 @@ class Attention(nn.Cell):
     def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
         super().__init__()
         h, hd, nh, nkv, tp = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, rank.tp
-        if nh % tp:
-            raise ValueError(f"num_attention_heads={nh} is not divisible by parallel.tp={tp}; pick a tp dividing it")
-        if tp > nkv and tp % nkv:
-            raise ValueError(f"parallel.tp={tp} > num_key_value_heads={nkv} must be a multiple of it")
-        self.heads, self.kv_heads, self.head_dim = nh // tp, max(nkv // tp, 1), hd
+        self.heads, self.kv_heads, self.head_dim = nh // tp, local_kv_heads(cfg.to_dict(), tp), hd
         self.scale = hd ** -0.5
         self.fused = fused
         # the fused kernel takes fp16/bf16 only and head_dim a multiple of 16
@@ -289,27 +110,13 @@ class Attention(nn.Cell):
         k = self._split(self.k_proj(x), self.kv_heads)
         v = self._split(self.v_proj(x), self.kv_heads)
         cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
-        if self.fused:
-            q = ops.rotary_position_embedding(q, cos, sin, 0)
-            k = ops.rotary_position_embedding(k, cos, sin, 0)
-        else:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        q, k = kernels.rope(q, cos, sin, self.fused), kernels.rope(k, cos, sin, self.fused)
         if cache is not None:
             if cache:
                 k, v = ops.cat((cache[0], k), 2), ops.cat((cache[1], v), 2)
             cache[:] = [k, v]
-        if self.fused_attn and cache is None:  # GQA native: key/value keep kv_heads; mask 1 = not attended
-            out = ops.flash_attention_score(q, k, v, self.heads, attn_mask=(mask < 0).astype(ms.uint8),
-                                            scalar_value=self.scale, input_layout="BNSD")
-        else:
-            rep = self.heads // self.kv_heads
-            if rep > 1:
-                k = ops.repeat_interleave(k, rep, 1)
-                v = ops.repeat_interleave(v, rep, 1)
-            scores = ops.matmul(q, k.swapaxes(-1, -2)).astype(ms.float32) * self.scale + mask
-            probs = ops.softmax(scores, -1).astype(v.dtype)
-            out = ops.matmul(probs, v)
+        out = kernels.attention(q, k, v, self.heads, self.kv_heads, mask, self.scale,
+                                self.fused_attn and cache is None)
         return self.o_proj(out.swapaxes(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -325,9 +132,7 @@ class MLP(nn.Cell):
         self.fused = fused
 
     def construct(self, x):
-        if self.fused:
-            return self.down_proj(ops.swiglu(ops.cat((self.gate_proj(x), self.up_proj(x)), -1), -1))
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), self.fused))
 
 
 class DecoderLayer(nn.Cell):
@@ -349,9 +154,9 @@ class Qwen2Model(nn.Cell):
     """Embedding, decoder layers and the final norm (``model.*`` in Hugging Face names)."""
 
     def __init__(self, cfg: Qwen2Config, rank: RankInfo, recompute: bool, dtype, fused: bool,
-                 vocab_parallel: bool = False):
+                 vocab_rows: VocabRange | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rank, vocab_parallel)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rank, vocab_rows)
         self.layers = nn.CellList([DecoderLayer(cfg, rank, dtype, fused) for _ in range(cfg.num_hidden_layers)])
         if recompute:
             for layer in self.layers:
@@ -394,15 +199,16 @@ class Qwen2ForCausalLM(nn.Cell):
         self.rank = rank
         self.compute_dtype = compute_dtype
         self.vocab_parallel = vocab_parallel
-        self.vocab_rows = vocab_range(cfg.vocab_size, rank, vocab_parallel)
-        split = self.vocab_rows.size != cfg.vocab_size
+        self.tp_layout: dict[str, TPSlice] = tp_layout(cfg.to_dict(), rank.tp, rank.tp_rank, vocab_parallel)
+        rows = self.tp_layout.get("model.embed_tokens.weight")  # split only when vocab-parallel
+        self.vocab_rows = VocabRange(rows.start, rows.size) if rows else VocabRange(0, cfg.vocab_size)
+        split = rows is not None
         fused = rank.device_target == "Ascend"
-        self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, vocab_parallel)
+        self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, self.vocab_rows)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,
                                           loss_chunk_tokens)
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
-        self.tp_layout = self._tp_layout()
         for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
             if name in self.tp_layout:
                 p.tp_axis, p.tp_owner = self.tp_layout[name].axis, self.tp_layout[name].owner
@@ -414,39 +220,19 @@ class Qwen2ForCausalLM(nn.Cell):
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsplit) Hugging Face shape of every tensor, from the config."""
-        return dict(hf_param_shapes(self.config.to_dict()))
+        return full_shapes(self.config.to_dict())
 
-    @property
-    def tp_split(self) -> dict[str, int]:
-        """Split axis of every TP-split parameter (absent: replicated)."""
-        return {n: s.axis for n, s in self.tp_layout.items()}
+    def cast_params(self, dtype) -> None:
+        """Hold the weights in ``dtype`` (the optimizer keeps the fp32 masters).
 
-    def _tp_layout(self) -> dict[str, TPSlice]:
-        tp, r, cfg = self.rank.tp, self.rank.tp_rank, self.config
-        if tp == 1:
-            return {}
-        out = {}
-        rows = vocab_range(cfg.vocab_size, self.rank, self.vocab_parallel)
-        if rows.size != cfg.vocab_size:  # vocab-parallel embedding / LM head
-            out["model.embed_tokens.weight"] = TPSlice(0, rows.start, rows.size)
-            if not cfg.tie_word_embeddings:
-                out["lm_head.weight"] = TPSlice(0, rows.start, rows.size)
-        hd, nkv = cfg.head_dim, cfg.num_key_value_heads
-        q = cfg.num_attention_heads // tp * hd
-        i = cfg.intermediate_size // tp
-        if tp <= nkv:
-            kv = TPSlice(0, r * (nkv // tp) * hd, (nkv // tp) * hd)
-        else:
-            group = tp // nkv  # ranks sharing one kv head
-            kv = TPSlice(0, (r // group) * hd, hd, owner=r % group == 0)
-        for n in range(cfg.num_hidden_layers):
-            a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
-            out.update({a + "q_proj.weight": TPSlice(0, r * q, q), a + "q_proj.bias": TPSlice(0, r * q, q),
-                        a + "k_proj.weight": kv, a + "k_proj.bias": kv, a + "v_proj.weight": kv,
-                        a + "v_proj.bias": kv, a + "o_proj.weight": TPSlice(1, r * q, q),
-                        m + "gate_proj.weight": TPSlice(0, r * i, i), m + "up_proj.weight": TPSlice(0, r * i, i),
-                        m + "down_proj.weight": TPSlice(1, r * i, i)})
-        return out
+        A tied embedding stays fp32: its two gradient paths (lookup and LM head) must agree in
+        dtype. Only small Qwen2.5 models tie embeddings; 7B does not.
+        """
+        if dtype == ms.float32:
+            return
+        for p in self.trainable_params():
+            if not (self.config.tie_word_embeddings and p.name == "model.embed_tokens.weight"):
+                p.set_dtype(dtype)  # set_data(p.astype(...)) would keep the Parameter's fp32 dtype
 
     # ------------------------------------------------------------------ forward
     def _head_weight(self):

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from finetune.fsutil import atomic_dir
+from finetune.qwen2_layout import full_shapes
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -51,33 +53,11 @@ GENERATION_CONFIG: dict = {
 }
 
 
-def hf_param_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Hugging Face tensor names and shapes of a Qwen2 config, in save order."""
-    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    nh, nkv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    hd = config.get("head_dim") or h // nh
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
-    for n in range(config["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        out += [(p + "input_layernorm.weight", (h,)),
-                (p + "self_attn.q_proj.weight", (nh * hd, h)), (p + "self_attn.q_proj.bias", (nh * hd,)),
-                (p + "self_attn.k_proj.weight", (nkv * hd, h)), (p + "self_attn.k_proj.bias", (nkv * hd,)),
-                (p + "self_attn.v_proj.weight", (nkv * hd, h)), (p + "self_attn.v_proj.bias", (nkv * hd,)),
-                (p + "self_attn.o_proj.weight", (h, nh * hd)),
-                (p + "post_attention_layernorm.weight", (h,)),
-                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
-                (p + "mlp.down_proj.weight", (h, i))]
-    out.append(("model.norm.weight", (h,)))
-    if not config.get("tie_word_embeddings", False):
-        out.append(("lm_head.weight", (v, h)))
-    return out
-
-
 def random_weights(config: dict, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
     """Seeded init: normal(0, std) matrices, norms 1, biases 0 (fp32)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in hf_param_shapes(config):
+    for name, shape in full_shapes(config).items():
         if name.endswith("norm.weight"):
             out[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
@@ -100,22 +80,14 @@ def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = Non
     target = Path(model_dir)
     if _is_complete(target):
         return False
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target}: exists but holds no complete model (config.json, model.safetensors, "
+                              "tokenizer.json, ...); empty it or set model.dir to a new directory")
     config = {**TINY_DEFAULTS, **(overrides or {})}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_dir(target) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         for f in TOKENIZER_FILES:
             shutil.copyfile(TOKENIZER_DIR / f, tmp / f)
         save_file(random_weights(config, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if target.exists() and any(target.iterdir()):
-            raise FileExistsError(f"{target}: exists but holds no complete model (config.json, model.safetensors, "
-                                  "tokenizer.json, ...); empty it or set model.dir to a new directory")
-        if target.exists():
-            target.rmdir()
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return True

@@ -29,6 +29,7 @@ class Cluster:
     nproc_per_node: int | None = None
     hosts: list[str] = field(default_factory=list)
     rank_table: str | None = None
+    role: str = "worker"  # "scheduler": an AscendJob Scheduler pod (MS_ROLE=MS_SCHED), see launcher/ascendjob.py
 
     def overrides(self) -> dict[str, str]:
         """The launch.* values this source determines (lower precedence than user settings)."""
@@ -48,13 +49,17 @@ class ClusterError(ValueError):
 
 
 def own_identities() -> set[str]:
-    """This host's names and addresses (hostname, FQDN, resolved IPs)."""
+    """This host's names and addresses (hostname, FQDN, resolved IPs, every interface's address)."""
+    import psutil
+
     names = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"}
     for n in list(names):
         try:
             names.update(i[4][0] for i in socket.getaddrinfo(n, None))
         except OSError:
             pass
+    names.update(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family in (socket.AF_INET, socket.AF_INET6))
     return {n for n in names if n}
 
 
@@ -70,12 +75,23 @@ def _matches(host: str, me: set[str]) -> bool:
     return host in me or host.split(".")[0] in {m.split(".")[0] for m in me if not m[0].isdigit()}
 
 
-def from_explicit(env: Mapping[str, str]) -> Cluster | None:
-    """NNODES / NODE_RANK set by the user (MASTER_ADDR alone too, unless torchrun variables exist)."""
+def from_explicit(env: Mapping[str, str], hostfile: str | None = None) -> Cluster | None:
+    """NNODES / NODE_RANK set by the user (MASTER_ADDR alone too, unless torchrun variables exist).
+
+    With a hostfile the hostfile describes the cluster (NODE_RANK then picks this node's line).
+    """
+    if hostfile:
+        return None
     torch_vars = any(env_value(env, v) for v in ("WORLD_SIZE", "RANK", "PET_NNODES", "PET_NODE_RANK"))
     if not (env_value(env, "NNODES") or env_value(env, "NODE_RANK")
             or (env_value(env, "MASTER_ADDR") and not torch_vars)):
         return None
+    nnodes = env_value(env, "NNODES") or "1"
+    rank_from = ("NODE_RANK", "RANK", "PET_NODE_RANK", "VC_TASK_INDEX", "HOSTFILE")
+    if nnodes.isdigit() and int(nnodes) > 1 and env_value(env, "MASTER_ADDR") \
+            and not any(env_value(env, v) for v in rank_from):
+        raise ClusterError(f"NODE_RANK: NNODES={nnodes} with MASTER_ADDR needs this node's rank: set NODE_RANK="
+                           f"<0..{int(nnodes) - 1}> (docker: -e NODE_RANK=1), 0 on the MASTER_ADDR node")
     set_vars = [v for v in ("NNODES", "NODE_RANK", "MASTER_ADDR") if env_value(env, v)]
     # The values themselves reach the recipe through the env contract (and are validated there).
     return Cluster("env", f"explicit {', '.join(set_vars)} in the environment")
@@ -141,19 +157,28 @@ def wait_rank_table(path: Path, timeout_s: float = 600.0, poll_s: float = 2.0,
 
 def from_ascendjob(env: Mapping[str, str], rank_table_timeout_s: float = 600.0,
                    sleep: Callable[[float], None] = time.sleep) -> Cluster | None:
-    """Ascend's AscendJob operator: MS_WORKER_NUM counts NPUs in the job, MS_LOCAL_WORKER per pod."""
+    """Ascend's AscendJob operator: MS_WORKER_NUM counts NPUs in the job, MS_LOCAL_WORKER per worker pod.
+
+    MS_ROLE says the pod's replica: MS_SCHED (the Scheduler pod, MS_SCHED_HOST its own IP) or MS_WORKER
+    (MS_SCHED_HOST the scheduler Service's IP, MS_NODE_RANK its index = msrun's --node_rank).
+    """
     if env_value(env, "MS_SCHED_HOST") is None or env_value(env, "MS_WORKER_NUM") is None:
         return None
     total, local = _int(env, "MS_WORKER_NUM"), _int(env, "MS_LOCAL_WORKER")
     if local <= 0 or total % local:
         raise ClusterError(f"MS_WORKER_NUM={total} is not a multiple of MS_LOCAL_WORKER={local}")
+    role = {"MS_SCHED": "scheduler", "MS_WORKER": "worker", None: "worker"}.get(env_value(env, "MS_ROLE"))
+    if role is None:
+        raise ClusterError(f"MS_ROLE={env['MS_ROLE']!r}: expected MS_SCHED or MS_WORKER (set by ascend-operator "
+                           "for the Scheduler and Worker replicas of a framework: mindspore AscendJob)")
     table = env_value(env, "RANK_TABLE_FILE")
     if table:
         wait_rank_table(Path(table), rank_table_timeout_s, sleep=sleep)
-    return Cluster("ascendjob", f"AscendJob: MS_WORKER_NUM={total} NPUs / MS_LOCAL_WORKER={local} per node",
+    return Cluster("ascendjob", f"AscendJob {role} pod: MS_WORKER_NUM={total} NPUs / MS_LOCAL_WORKER={local} per "
+                   f"worker pod, MS_NODE_RANK={env_value(env, 'MS_NODE_RANK')}",
                    nnodes=total // local, node_rank=_int(env, "MS_NODE_RANK"),
                    master_addr=env["MS_SCHED_HOST"], master_port=_int(env, "MS_SCHED_PORT"),
-                   nproc_per_node=local, rank_table=table)
+                   nproc_per_node=local, rank_table=table, role=role)
 
 
 def from_torchrun(env: Mapping[str, str]) -> Cluster | None:
@@ -193,20 +218,25 @@ def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
     return out
 
 
-def from_hostfile(hostfile: str | None, me: set[str]) -> Cluster | None:
-    """A hostfile: the first host is the master; this node is the line matching its names/addresses."""
+def from_hostfile(hostfile: str | None, me: set[str], node_rank: int | None = None) -> Cluster | None:
+    """A hostfile: the first host is the master; this node is line ``node_rank`` (NODE_RANK) when given,
+    else the line matching one of its names/addresses."""
     if not hostfile:
         return None
     path = Path(hostfile)
     if not path.is_file():
         raise ClusterError(f"HOSTFILE={hostfile}: no such file; point it at e.g. hostfiles/two-nodes.txt")
     entries = parse_hostfile(path)
-    mine = [i for i, (h, _) in enumerate(entries) if _matches(h, me)]
+    if node_rank is not None and not 0 <= node_rank < len(entries):
+        raise ClusterError(f"NODE_RANK={node_rank}: HOSTFILE={hostfile} lists {len(entries)} node(s); "
+                           f"use 0..{len(entries) - 1}")
+    mine = [node_rank] if node_rank is not None else [i for i, (h, _) in enumerate(entries) if _matches(h, me)]
     if not mine:
         raise ClusterError(f"HOSTFILE={hostfile}: none of its hosts ({', '.join(h for h, _ in entries)}) is this "
                            f"machine ({', '.join(sorted(me))}); list this host's name or address, or set NODE_RANK")
     me_entry = entries[mine[0]][0]
-    return Cluster("hostfile", f"{hostfile}: this host is entry {mine[0] + 1} of {len(entries)} ({me_entry})",
+    how = "NODE_RANK" if node_rank is not None else "matched this host's names/addresses"
+    return Cluster("hostfile", f"{hostfile}: this host is entry {mine[0] + 1} of {len(entries)} ({me_entry}, {how})",
                    nnodes=len(entries), node_rank=mine[0], master_addr=entries[0][0],
                    nproc_per_node=entries[mine[0]][1],
                    hosts=[h for h, _ in entries])
@@ -217,9 +247,11 @@ def detect(env: Mapping[str, str], hostfile: str | None = None, me: set[str] | N
            sleep: Callable[[float], None] = time.sleep) -> Cluster:
     """The first source that applies, in the documented order; a single node when none does."""
     me = own_identities() if me is None else me
-    for probe in (lambda: from_explicit(env), lambda: from_volcano(env, me, volcano_dir),
+    hostfile = hostfile or env_value(env, "HOSTFILE")
+    rank = _int(env, "NODE_RANK") if hostfile and env_value(env, "NODE_RANK") else None
+    for probe in (lambda: from_explicit(env, hostfile), lambda: from_volcano(env, me, volcano_dir),
                   lambda: from_ascendjob(env, rank_table_timeout_s, sleep), lambda: from_torchrun(env),
-                  lambda: from_hostfile(hostfile or env_value(env, "HOSTFILE"), me)):
+                  lambda: from_hostfile(hostfile, me, rank)):
         found = probe()
         if found is not None:
             return found

@@ -6,27 +6,14 @@ use a fake /dev tree and recorded ``npu-smi`` outputs.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.npu_smi import NpuProcess, NpuSmi, parse_info, parse_processes, run_npu_smi
+
 MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")
 DRIVER_MOUNTS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi")
-NpuSmi = Callable[[list[str]], "str | None"]
-
-
-def run_npu_smi(args: list[str], timeout_s: float = 15.0) -> str | None:
-    """``npu-smi <args>`` output, or None when npu-smi is absent or fails."""
-    exe = shutil.which("npu-smi")
-    if not exe:
-        return None
-    try:
-        r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout if r.returncode == 0 else None
 
 
 def parse_id_list(text: str, var: str) -> list[int]:
@@ -40,6 +27,19 @@ def parse_id_list(text: str, var: str) -> list[int]:
     return sorted(set(ids))
 
 
+def parse_visible_devices(text: str) -> list[int]:
+    """ASCEND_VISIBLE_DEVICES: ids and ranges (``0-3,6``) or the operator's annotation form
+    (``Ascend910-0,Ascend910-1``, from the ``huawei.com/Ascend910`` pod annotation)."""
+    named = [re.fullmatch(r"[A-Za-z][A-Za-z0-9]*-(\d+)", p.strip()) for p in text.split(",")]
+    if all(named):
+        return sorted({int(m.group(1)) for m in named})
+    try:
+        return parse_id_list(text, "ASCEND_VISIBLE_DEVICES")
+    except ValueError:
+        raise ValueError(f"ASCEND_VISIBLE_DEVICES={text!r}: expected ids or ranges (0-3 or 0,1,4) or the "
+                         "device names Ascend910-0,Ascend910-1 (e.g. ASCEND_VISIBLE_DEVICES=0-7)") from None
+
+
 def format_id_list(ids: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5' (the cpulist / device-range form)."""
     out, ids = [], sorted(set(ids))
@@ -51,22 +51,6 @@ def format_id_list(ids: list[int]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(out)
-
-
-def parse_info(text: str) -> dict[int, dict]:
-    """``npu-smi info`` -> {npu id: {"name", "health", "bus_id", "hbm_used_mb", "hbm_total_mb"}}."""
-    out: dict[int, dict] = {}
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
-            if line.startswith("|") and "No running" not in line]
-    for first, second in zip(rows, rows[1:]):
-        m = re.fullmatch(r"(\d+)\s+(\S+)", first[0]) if len(first) >= 3 else None
-        if not m or len(second) < 3 or not re.fullmatch(r"[0-9A-Fa-f:.]+", second[1]):
-            continue
-        hbm = re.findall(r"(\d+)\s*/\s*(\d+)", second[2])
-        out[int(m.group(1))] = {"name": m.group(2), "health": first[1], "bus_id": second[1],
-                                "hbm_used_mb": int(hbm[-1][0]) if hbm else None,
-                                "hbm_total_mb": int(hbm[-1][1]) if hbm else None}
-    return out
 
 
 def parse_info_m(text: str) -> dict[int, int]:
@@ -101,6 +85,7 @@ class Devices:
     cpu_affinity: dict[int, list[int]] = field(default_factory=dict)  # physical id -> CPUs (npu-smi topo)
     logical: dict[int, int] = field(default_factory=dict)  # physical id -> logical id (npu-smi info -m)
     bus_id: dict[int, str] = field(default_factory=dict)  # physical id -> PCI address (npu-smi info)
+    processes: list[NpuProcess] = field(default_factory=list)  # npu-smi info process table
     worker_env: dict[str, str] = field(default_factory=dict)  # visibility variables to give workers
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -109,15 +94,40 @@ class Devices:
     def has_npu(self) -> bool:
         return bool(self.present)
 
+    @property
+    def busy(self) -> list[NpuProcess]:
+        """Processes already holding an NPU the workers are to use (npu-smi reads no process of ours yet)."""
+        return [p for p in self.processes if p.npu in self.visible]
+
+    def busy_rows(self) -> list[tuple[str, str]]:
+        """(detail, fix) per busy NPU: the holders by pid, name and MB, and how to free or avoid it."""
+        out = []
+        for npu in sorted({p.npu for p in self.busy}):
+            procs = [p for p in self.busy if p.npu == npu]
+            who = ", ".join(f"pid {p.pid} {p.name} ({p.memory_mb} MB)" for p in procs)
+            pids = " ".join(str(p.pid_in_container or p.pid) for p in procs)
+            where = ("" if all(p.pid_in_container for p in procs) else
+                     " (npu-smi shows host pids: run it on the host or in the holder's container)")
+            free = [i for i in self.present if i not in {p.npu for p in self.processes}]
+            out.append((f"NPU {npu} is already in use by {who}",
+                        f"stop it if it is stale (kill {pids}){where}, or use free NPUs only: "
+                        f"ASCEND_VISIBLE_DEVICES={format_id_list(free) or '<free ids>'} "
+                        "(a stale holder makes HCCL initialisation fail or hang)"))
+        return out
+
     def fix_flags(self) -> str:
         """The exact docker run flags that add what is missing."""
         flags = [f"--device=/dev/{d}" for d in self.missing_mgmt]
         flags += [f"-v {m}:{m}:ro" for m in self.missing_mounts]
         return " ".join(flags)
 
-    def summary(self) -> str:
+    def summary(self, launch_device: str = "auto", recipe: str = "") -> str:
+        """What was found and, without NPUs, what the recipe will really do (``launch.device``)."""
+        if not self.has_npu and launch_device == "npu":
+            return (f"no NPU (/dev/davinciN) found, but recipe {recipe} runs on NPUs (launch.device=npu): preflight "
+                    "stops here; add the --device=/dev/davinciN flags, or RECIPE=tiny-cpu for CPU workers")
         if not self.has_npu:
-            return "no NPU (/dev/davinciN) found: workers run on CPU (the embedded default recipe)"
+            return f"no NPU (/dev/davinciN) found: workers run on CPU (recipe {recipe or 'tiny-cpu'})"
         return (f"{len(self.present)} NPUs present (/dev/davinci{format_id_list(self.present)}), "
                 f"{len(self.visible)} visible to workers: physical {format_id_list(self.visible) or 'none'}")
 
@@ -138,7 +148,7 @@ def probe(dev_dir: Path = Path("/dev"), root: Path = Path("/"), env: Mapping[str
     phys = env.get("ASCEND_VISIBLE_DEVICES", "").strip()
     if phys:
         try:
-            wanted = parse_id_list(phys, "ASCEND_VISIBLE_DEVICES")
+            wanted = parse_visible_devices(phys)
             absent = [i for i in wanted if i not in d.present]
             if absent:
                 d.problems.append(f"ASCEND_VISIBLE_DEVICES={phys}: /dev/davinci{format_id_list(absent)} not present; "
@@ -175,11 +185,12 @@ def _add_npu_smi(d: Devices, npu_smi: NpuSmi) -> None:
         d.notes.append("npu-smi not available: HBM size and CPU affinity unknown (mount /usr/local/bin/npu-smi)")
         return
     for npu, row in parse_info(info).items():
-        d.bus_id[npu] = row["bus_id"].lower()
-        if row["hbm_total_mb"]:
-            d.hbm_total_mb[npu] = row["hbm_total_mb"]
-        if row["health"] not in ("OK", "Warning"):
-            d.problems.append(f"NPU {npu}: npu-smi health {row['health']}; check `npu-smi info -t health -i {npu}`")
+        d.bus_id[npu] = row.bus_id.lower()
+        if row.hbm_total_mb:
+            d.hbm_total_mb[npu] = row.hbm_total_mb
+        if row.health not in ("OK", "Warning"):
+            d.problems.append(f"NPU {npu}: npu-smi health {row.health}; check `npu-smi info -t health -i {npu}`")
+    d.processes = parse_processes(info)
     chips = npu_smi(["info", "-m"])
     if chips:
         d.logical = {npu: logic for logic, npu in parse_info_m(chips).items()}

@@ -16,8 +16,6 @@ from pathlib import Path
 from finetune.cpus import allowed_cpus, read_cpulist
 from launcher.devices import Devices, format_id_list
 
-HUAWEI_PCI_VENDOR = "0x19e5"
-
 
 def numa_nodes(sys_root: Path = Path("/sys")) -> dict[int, list[int]]:
     """{node id: CPUs} from /sys/devices/system/node/node*/cpulist."""
@@ -30,15 +28,15 @@ def numa_nodes(sys_root: Path = Path("/sys")) -> dict[int, list[int]]:
 
 
 def pci_numa(sys_root: Path, devices: Devices) -> dict[int, int]:
-    """{physical NPU id: numa_node} from the NPU's PCI device in sysfs (-1 means unknown)."""
+    """{physical NPU id: numa_node} of the PCI devices npu-smi names (-1 means unknown).
+
+    Without npu-smi there is no mapping: PCI bus order is not NPU order on the Atlas 800T A2
+    (NPU 0..7 on buses C1, 01, C2, 02, 81, 41, 82, 42 in one recording, C1, C2, 81, 82, 41, 42, 01, 02
+    in another), so guessing from it would bind ranks to the wrong node.
+    """
     pci = sys_root / "bus/pci/devices"
-    bus = dict(devices.bus_id)
-    if not bus and pci.is_dir():  # no npu-smi: Huawei accelerators in bus order = physical order
-        npus = sorted(p.name for p in pci.iterdir() if _read(p / "vendor") == HUAWEI_PCI_VENDOR
-                      and _read(p / "class").startswith("0x1200"))
-        bus = dict(zip(devices.present, npus))
     out = {}
-    for npu, addr in bus.items():
+    for npu, addr in devices.bus_id.items():
         node = _read(pci / addr / "numa_node")
         if node.lstrip("-").isdigit() and int(node) >= 0:
             out[npu] = int(node)
@@ -116,7 +114,9 @@ def plan(nproc: int, mode: str, devices: Devices, sys_root: Path = Path("/sys"),
         sysfs = pci_numa(sys_root, devices)
         for i in range(nproc):
             dev = devices.visible[i] if i < len(devices.visible) else None
-            node, why = None, "NPU NUMA node unknown: even split of allowed CPUs"
+            node, why = None, ("NPU NUMA node unknown: even split of allowed CPUs" if devices.bus_id else
+                               "no npu-smi, and PCI bus order is not NPU order: even split of allowed CPUs "
+                               "(mount /usr/local/bin/npu-smi to bind by NUMA node)")
             if dev in devices.cpu_affinity and nodes:
                 node, why = _node_of(devices.cpu_affinity[dev], nodes), "npu-smi topo CPU Affinity"
             elif dev in sysfs:

@@ -1,10 +1,10 @@
-"""`python -m launcher render volcano --nodes N`: Kubernetes manifests for this image.
+"""`python -m launcher render {volcano,ascendjob} --nodes N`: Kubernetes manifests for this image.
 
-Writes a Volcano Job (``batch.volcano.sh/v1alpha1``) running N nodes x 8 NPUs of the image. The pod env
-carries the job's settings (RECIPE, MODEL_DIR, DATA, OUTPUT_DIR, NNODES, NPROC_PER_NODE, OVERRIDES
-and the pass-through variables) from the resolved recipe and the environment. No master address is
-set here: in the pod the launcher finds it from what Volcano's svc/env plugins inject
-(``VC_TASK_INDEX``, ``VC_WORKER_HOSTS``, ``/etc/volcano/worker.host``).
+The pods' env carries what the user gave render (``RECIPE``, the env-contract variables, ``OVERRIDES``
+and command-line ``key=value`` items, the HCCL variables), never this machine's resolved values: paths
+must be pod paths on the volume mounted at ``--data-dir``. Cluster shape is not in the env: in the pod
+the launcher finds it from what Volcano's svc/env plugins or ascend-operator inject
+(``launcher/cluster.py``). ``NPROC_PER_NODE`` sets the NPU request.
 
 Pure Python (yaml only): the launcher imports it without MindSpore.
 """
@@ -14,20 +14,25 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from finetune.config import Recipe
+from finetune.config import RECIPES_DIR, ConfigError, resolve_recipe_path
+from launcher import settings
 
 DEFAULT_IMAGE = "ascend-finetune:latest"
 NPUS_PER_NODE = 8  # Atlas 800T A2
 NPU_RESOURCE = "huawei.com/Ascend910"
 ENTRYPOINT = "/opt/ascend-finetune/entrypoint.sh"
 TASK = "worker"  # Volcano injects VC_WORKER_HOSTS / VC_WORKER_NUM for this task name
+ASCEND_CONTAINER = "ascend"  # ascend-operator writes its env only into the container of this name
+ASCEND_PORT_NAME = "ascendjob-port"  # the operator's scheduler Service uses the container port of this name
 GRACE_SECONDS = 600  # time for the launcher to forward SIGTERM and the workers to save a checkpoint
 MASTER_PORT = 8118
 LABELS = {"app": "ascend-finetune", "ring-controller.atlas": "ascend-910b"}
+NODE_SELECTOR = {"accelerator-type": "module-910b-8"}
 # Host driver pieces the container needs (read-only): path -> hostPath type.
 DRIVER_MOUNTS = {
     "/usr/local/Ascend/driver": "Directory",
@@ -35,72 +40,159 @@ DRIVER_MOUNTS = {
     "/usr/local/bin/npu-smi": "File",
     "/etc/ascend_install.info": "File",
 }
-# Environment passed through unchanged when set where render runs.
-PASS_ENV = ("DATA_FORMAT", "TP", "PP", "DP", "NUMA_BIND", "MAX_RESTARTS", "MASTER_PORT",
-            "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME",
-            "HCCL_BUFFSIZE")
+# Environment passed through unchanged when set where render runs (not recipe keys).
+PASS_ENV = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
+# Recipe keys the pods must not be given: the scheduler's variables say them, per pod.
+CLUSTER_KEYS = {"launch.nnodes": "--nodes N", "launch.node_rank": "nothing (each pod finds its own)",
+                "launch.master_addr": "nothing (node 0 is found from the scheduler's variables)",
+                "launch.hostfile": "nothing (the scheduler lists the pods)"}
+PATH_KEYS = ("model.dir", "data.paths", "output_dir", "data.cache_dir")
+VAR_OF = {key: var for var, key in settings.ENV_KEYS.items()}
 
 
-def job_env(recipe: Recipe, nodes: int, env: Mapping[str, str]) -> list[dict]:
-    """The pod's env list: the job settings from the recipe, overrides and pass-through vars."""
-    values = {
-        "RECIPE": env.get("RECIPE") or recipe.name,
-        "MODEL_DIR": recipe.model.dir,
-        "DATA": ",".join(recipe.data.paths),
-        "OUTPUT_DIR": recipe.output_dir,
-        "NNODES": str(nodes),
-        "NPROC_PER_NODE": str(NPUS_PER_NODE),
-        "OVERRIDES": env.get("OVERRIDES", ""),
-    }
-    values.update({k: env[k] for k in PASS_ENV if env.get(k)})
-    return [{"name": k, "value": v} for k, v in values.items() if v]
+@dataclass
+class PodSettings:
+    """What every pod of the job gets; one place for both manifests."""
+
+    image: str
+    env: dict[str, str]
+    npus: int
+    cpu: str
+    memory: str
+    shm: str
+    data_dir: str
+    pvc: str
+    port: int
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
-def _volumes(data_dir: str, pvc: str) -> tuple[list[dict], list[dict]]:
-    """(volumes, volumeMounts): /dev/shm in memory, the driver read-only, the shared data dir."""
-    vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+def _under(path: str, root: str) -> bool:
+    return Path(path).is_absolute() and Path(os.path.normpath(path)).is_relative_to(root)
+
+
+def _pod_recipe(given: str, data_dir: str) -> tuple[str, str | None]:
+    """(RECIPE for the pod, problem): a bundled recipe by name, a pod path as is, a file of this machine refused."""
+    if _under(given, data_dir):
+        return given, None
+    try:
+        path = resolve_recipe_path(given)
+    except ConfigError as e:
+        return given, str(e.problems[0])
+    if path.resolve().parent == RECIPES_DIR.resolve():
+        return path.stem, None
+    known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+    return given, (f"RECIPE={given}: a file of this machine; the image has the recipes {known}: put it on the "
+                   f"shared volume and give its pod path (e.g. RECIPE={data_dir}/recipes/{Path(given).name}) or "
+                   "add it to recipes/ and rebuild the image")
+
+
+def _path_problems(given: dict[str, str], origin: dict[str, str], data_dir: str) -> list[str]:
+    out = []
+    for key in PATH_KEYS:
+        for path in (p.strip() for p in given.get(key, "").split(",") if p.strip()):
+            if not _under(path, data_dir):
+                name = VAR_OF.get(key, key) if origin.get(key) != "OVERRIDES" else f"OVERRIDES {key}"
+                out.append(f"{name}={path}: not a path on the volume mounted at --data-dir {data_dir} in every "
+                           f"pod (a path of this machine is not in the pod); e.g. {VAR_OF.get(key, key)}="
+                           f"{data_dir}/{'output/run1' if key == 'output_dir' else 'sft/train.jsonl'}")
+    return out
+
+
+def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], overrides: list[str],
+                 recipe_arg: str | None) -> PodSettings:
+    """The pods' env from what the user gave, checked: pod paths, no cluster keys, a loadable recipe."""
+    s = settings.collect(env, overrides, recipe_arg, has_npu=True)
+    if not (recipe_arg or settings.env_value(env, "RECIPE")) and {"model.dir", "data.paths"} <= set(s.overrides):
+        s.recipe = settings.NPU_RECIPE  # what the pod picks: it has NPUs, and MODEL_DIR and DATA are given
+    given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
+                                                 ns.data_dir, ns.pvc, MASTER_PORT)
+    for key, fix in CLUSTER_KEYS.items():
+        if key in given:
+            pod.problems.append(f"{VAR_OF.get(key, key)}={given.pop(key)}: the pods must not be given it; use {fix}")
+    nproc = given.get("launch.nproc_per_node", str(NPUS_PER_NODE))
+    if not nproc.isdigit() or not 1 <= int(nproc) <= NPUS_PER_NODE:
+        pod.problems.append(f"NPROC_PER_NODE={nproc}: NPUs per pod, 1 to {NPUS_PER_NODE} (e.g. NPROC_PER_NODE=8)")
+    else:
+        pod.npus = int(nproc)
+    pod.port = int(given.get("launch.master_port", MASTER_PORT)) if given.get(
+        "launch.master_port", "").isdigit() else MASTER_PORT
+    given.setdefault("output_dir", f"{ns.data_dir}/output/{name}")
+    if ns.pvc:
+        given.setdefault("data.shared_storage", "true")  # one preparer per job on the shared volume
+    elif ns.nodes > 1:
+        pod.warnings.append(f"--data-dir {ns.data_dir} is a hostPath: each node has its own; checkpoints and the "
+                            f"export in {given['output_dir']} are split across the nodes' disks and a pod restarted "
+                            "on another node cannot resume: use --pvc CLAIM (ReadWriteMany shared storage)")
+    pod.problems += _path_problems(given, s.origin, ns.data_dir)
+    recipe_name, recipe_problem = _pod_recipe(s.recipe, ns.data_dir)
+    if recipe_problem:
+        pod.problems.append(recipe_problem)
+    elif _under(s.recipe, ns.data_dir):
+        pod.warnings.append(f"RECIPE={s.recipe} is a pod path: its keys are checked when the pods start, not here")
+    else:
+        try:
+            recipe = settings.load(settings.Settings(s.recipe, s.recipe_reason, given, s.origin, s.problems))
+            if recipe.model.init is None and not recipe.model.dir:
+                pod.problems.append(f"MODEL_DIR is not set: recipe {s.recipe} needs a Hugging Face model dir "
+                                    f"(e.g. MODEL_DIR={ns.data_dir}/models/Qwen2.5-7B-Instruct)")
+            if not recipe.data.paths:
+                pod.problems.append(f"DATA is not set: recipe {s.recipe} needs training data "
+                                    f"(e.g. DATA={ns.data_dir}/sft/train.jsonl)")
+        except ConfigError as e:
+            pod.problems += e.problems
+    pod.env = {"RECIPE": recipe_name, **{VAR_OF[k]: v for k, v in given.items() if k in VAR_OF},
+               "NPROC_PER_NODE": str(pod.npus)}
+    rest = " ".join(f"{k}={v}" for k, v in given.items() if k not in VAR_OF)
+    pod.env.update({"OVERRIDES": rest} if rest else {})
+    pod.env.update({k: env[k] for k in PASS_ENV if settings.env_value(env, k)})
+    return pod
+
+
+def _volumes(pod: PodSettings) -> tuple[list[dict], list[dict]]:
+    """(volumes, volumeMounts): /dev/shm in memory with a size limit, the driver read-only, the data dir."""
+    vols = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pod.shm}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     for i, (path, kind) in enumerate(DRIVER_MOUNTS.items()):
         vols.append({"name": f"ascend-{i}", "hostPath": {"path": path, "type": kind}})
         mounts.append({"name": f"ascend-{i}", "mountPath": path, "readOnly": True})
-    source = ({"persistentVolumeClaim": {"claimName": pvc}} if pvc
-              else {"hostPath": {"path": data_dir, "type": "Directory"}})
+    source = ({"persistentVolumeClaim": {"claimName": pod.pvc}} if pod.pvc
+              else {"hostPath": {"path": pod.data_dir, "type": "Directory"}})
     vols.append({"name": "data", **source})
-    mounts.append({"name": "data", "mountPath": data_dir})
+    mounts.append({"name": "data", "mountPath": pod.data_dir})
     return vols, mounts
 
 
-def pod_template(recipe: Recipe, nodes: int, image: str, env: Mapping[str, str],
-                 data_dir: str = "/data", pvc: str = "") -> dict:
-    """One node's pod: 8 NPUs, the entrypoint, driver mounts, a checkpoint-sized grace period."""
-    vols, mounts = _volumes(data_dir, pvc)
-    npus = {NPU_RESOURCE: NPUS_PER_NODE}
-    container = {
-        "name": "finetune",
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": [ENTRYPOINT],
-        "args": ["train"],
-        "env": job_env(recipe, nodes, env),
-        "ports": [{"name": "master", "containerPort": int(env.get("MASTER_PORT") or MASTER_PORT)}],
-        "resources": {"requests": dict(npus), "limits": dict(npus)},
-        "volumeMounts": mounts,
-    }
+def pod_template(pod: PodSettings, container: str = "finetune", npus: bool = True,
+                 port_name: str = "master") -> dict:
+    """One pod: the entrypoint, NPUs (or none), CPU/memory requests, driver mounts, a checkpoint-sized grace."""
+    vols, mounts = _volumes(pod)
+    req = {"cpu": pod.cpu, "memory": pod.memory, **({NPU_RESOURCE: pod.npus} if npus else {})}
+    lim = {"memory": pod.memory, **({NPU_RESOURCE: pod.npus} if npus else {})}  # no CPU limit: no throttling
     return {
         "metadata": {"labels": dict(LABELS)},
         "spec": {
             "terminationGracePeriodSeconds": GRACE_SECONDS,
             "restartPolicy": "Never",
-            "nodeSelector": {"accelerator-type": "module-910b-8"},
-            "containers": [container],
+            "nodeSelector": dict(NODE_SELECTOR),
+            "containers": [{
+                "name": container,
+                "image": pod.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": [ENTRYPOINT],
+                "args": ["train"],
+                "env": [{"name": k, "value": v} for k, v in pod.env.items()],
+                "ports": [{"name": port_name, "containerPort": pod.port}],
+                "resources": {"requests": req, "limits": lim},
+                "volumeMounts": mounts,
+            }],
             "volumes": vols,
         },
     }
 
 
-def volcano_job(recipe: Recipe, nodes: int, image: str, name: str, env: Mapping[str, str],
-                queue: str = "default", max_retry: int = 3, **volumes: str) -> dict:
-    """A Volcano Job: gang-scheduled N pods, restarted whole on eviction, done when a task completes."""
+def volcano_job(pod: PodSettings, nodes: int, name: str, queue: str, max_retry: int) -> dict:
+    """A Volcano Job: gang-scheduled N pods, restarted whole when a pod fails or is evicted."""
     return {
         "apiVersion": "batch.volcano.sh/v1alpha1",
         "kind": "Job",
@@ -111,20 +203,47 @@ def volcano_job(recipe: Recipe, nodes: int, image: str, name: str, env: Mapping[
             "minAvailable": nodes,
             "maxRetry": max_retry,
             "plugins": {"svc": [], "env": []},
-            "policies": [
+            "policies": [  # a failed pod would leave its peers waiting for the HCCL timeout
+                {"event": "PodFailed", "action": "RestartJob"},
                 {"event": "PodEvicted", "action": "RestartJob"},
                 {"event": "TaskCompleted", "action": "CompleteJob"},
             ],
-            "tasks": [{
-                "name": TASK,
-                "replicas": nodes,
-                "template": pod_template(recipe, nodes, image, env, **volumes),
-            }],
+            "tasks": [{"name": TASK, "replicas": nodes, "template": pod_template(pod)}],
         },
     }
 
 
-RENDERERS = {"volcano": volcano_job}
+def ascend_job(pod: PodSettings, nodes: int, name: str, queue: str, max_retry: int) -> dict:
+    """An AscendJob (ascend-operator): one Scheduler pod without NPUs running msrun's scheduler, N Workers.
+
+    The operator gives every pod MS_ROLE, MS_SCHED_HOST, MS_SCHED_PORT (the ``ascendjob-port``),
+    MS_NODE_RANK, MS_WORKER_NUM, MS_LOCAL_WORKER and MS_SERVER_NUM=0, and the workers
+    ASCEND_VISIBLE_DEVICES; the launcher reads them (launcher/ascendjob.py).
+    """
+    sched = PodSettings(**{**pod.__dict__, "cpu": "2", "memory": "8Gi", "shm": "1Gi"})
+
+    def replica(replicas: int, template: dict) -> dict:
+        return {"replicas": replicas, "restartPolicy": "Never", "template": template}
+
+    return {
+        "apiVersion": "mindxdl.gitee.com/v1",
+        "kind": "AscendJob",
+        "metadata": {"name": name, "labels": {**LABELS, "framework": "mindspore",
+                                              "fault-retry-times": str(max_retry)}},
+        "spec": {
+            "schedulerName": "volcano",
+            "runPolicy": {"backoffLimit": max_retry,
+                          "schedulingPolicy": {"minAvailable": nodes + 1, "queue": queue}},
+            "successPolicy": "AllWorkers",
+            "replicaSpecs": {
+                "Scheduler": replica(1, pod_template(sched, ASCEND_CONTAINER, npus=False, port_name=ASCEND_PORT_NAME)),
+                "Worker": replica(nodes, pod_template(pod, ASCEND_CONTAINER, port_name=ASCEND_PORT_NAME)),
+            },
+        },
+    }
+
+
+RENDERERS = {"volcano": volcano_job, "ascendjob": ascend_job}
 
 
 def render_text(doc: dict, argv: list[str]) -> str:
@@ -137,8 +256,8 @@ def render_text(doc: dict, argv: list[str]) -> str:
 def parse_args(args: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launcher render",
                                  description="Write a Kubernetes manifest for this job.")
-    ap.add_argument("kind", choices=sorted(RENDERERS), help="volcano: a Volcano Job")
-    ap.add_argument("--nodes", type=int, default=1, help="Atlas 800T A2 nodes (8 NPUs each)")
+    ap.add_argument("kind", choices=sorted(RENDERERS), help="volcano: a Volcano Job; ascendjob: an AscendJob")
+    ap.add_argument("--nodes", type=int, default=1, help="Atlas 800T A2 nodes (NPROC_PER_NODE NPUs each, 8)")
     ap.add_argument("--image", default=DEFAULT_IMAGE, help="image reference the cluster can pull")
     ap.add_argument("--name", default="", help="job name (default: ascend-finetune-<recipe>)")
     ap.add_argument("--out", default="", help="file to write (default: stdout)")
@@ -147,16 +266,22 @@ def parse_args(args: list[str]) -> argparse.Namespace:
     ap.add_argument("--data-dir", default="/data",
                     help="shared storage mounted at this path in every pod (models, data, output)")
     ap.add_argument("--pvc", default="", help="PersistentVolumeClaim for --data-dir (default: hostPath)")
+    ap.add_argument("--cpu", default="96", help="CPU request per node pod (192 cores on an 800T A2)")
+    ap.add_argument("--memory", default="512Gi", help="memory request and limit per node pod, /dev/shm included")
+    ap.add_argument("--shm", default="64Gi", help="size limit of the in-memory /dev/shm")
     return ap.parse_args(args)
 
 
-def _dns_name(text: str) -> str:
+def _dns_name(text: str, nodes: int) -> str:
+    """A job name whose pod hostnames (<name>-worker-<i>) stay within the 63-character DNS label."""
     out = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
-    return "-".join(p for p in out.split("-") if p)[:63] or "ascend-finetune"
+    limit = 63 - len(f"-{TASK}-{max(nodes - 1, 0)}")
+    return "-".join(p for p in out.split("-") if p)[:limit].rstrip("-") or "ascend-finetune"
 
 
-def main(args: list[str], recipe: Recipe, env: Mapping[str, str] | None = None) -> int:
-    """Entry for `python -m launcher render ...`; ``recipe`` is the resolved recipe."""
+def main(args: list[str], env: Mapping[str, str] | None = None, overrides: list[str] | tuple = (),
+         recipe_arg: str | None = None) -> int:
+    """Entry for `python -m launcher render ...`; ``overrides``/``recipe_arg`` are the launcher's CLI items."""
     env = os.environ if env is None else env
     ns = parse_args(args)
     problems = []
@@ -166,21 +291,21 @@ def main(args: list[str], recipe: Recipe, env: Mapping[str, str] | None = None) 
         problems.append(f"--max-retry {ns.max_retry}: 0 or more (e.g. --max-retry 3)")
     if not ns.data_dir.startswith("/"):
         problems.append(f"--data-dir {ns.data_dir!r}: an absolute path in the pod (e.g. --data-dir /data)")
+    given = recipe_arg or settings.env_value(env, "RECIPE") or "job"
+    stem = Path(given).stem if given.endswith((".yaml", ".yml")) else Path(given).name
+    name = _dns_name(ns.name or f"ascend-finetune-{stem}", ns.nodes)
+    pod = pod_settings(ns, name, env, list(overrides), recipe_arg) if not problems else None
+    problems += pod.problems if pod else []
     if problems:
-        print("render: " + "; ".join(problems), file=sys.stderr)
+        print("render: nothing written:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
-    name = _dns_name(ns.name or f"ascend-finetune-{recipe.name or 'job'}")
-    doc = RENDERERS[ns.kind](recipe, ns.nodes, ns.image, name, env, queue=ns.queue,
-                             max_retry=ns.max_retry, data_dir=ns.data_dir, pvc=ns.pvc)
-    for var, value in (("MODEL_DIR", recipe.model.dir), ("DATA", recipe.data.paths)):
-        if not value and recipe.model.init is None:
-            print(f"render: warning: {var} is empty; set it (e.g. {var}=/data/...) before rendering",
-                  file=sys.stderr)
-    text = render_text(doc, args)
+    for w in pod.warnings:
+        print(f"render: warning: {w}", file=sys.stderr)
+    text = render_text(RENDERERS[ns.kind](pod, ns.nodes, name, ns.queue, ns.max_retry), args)
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(text)
-        print(f"render: wrote {ns.out} ({ns.kind}, {ns.nodes} node(s) x {NPUS_PER_NODE} NPUs)", file=sys.stderr)
+        print(f"render: wrote {ns.out} ({ns.kind}, {ns.nodes} node(s) x {pod.npus} NPUs)", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

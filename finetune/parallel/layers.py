@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel linear layers and their communication Cells.
 
 With ``rank.tp == 1`` the linears are plain matmuls and no collective is created.
-Weights follow Hugging Face's ``[out, in]`` layout; the split axis is recorded in ``split_axis``.
+Weights follow Hugging Face's ``[out, in]`` layout (split axes: ``finetune.qwen2_layout``).
 """
 from __future__ import annotations
 
@@ -82,8 +82,6 @@ class SumOverReplicas(nn.Cell):
 class ColumnParallelLinear(nn.Cell):
     """Output features split over TP ranks: weight ``[out/tp, in]`` (``local_out`` overrides out/tp)."""
 
-    split_axis = 0
-
     def __init__(self, in_features: int, out_features: int, has_bias: bool, rank: RankInfo,
                  compute_dtype=ms.float32, local_out: int | None = None, replicas: int = 0):
         """``replicas`` > 0: the weight is one of ``replicas`` distinct slices, each copied on
@@ -107,8 +105,6 @@ class ColumnParallelLinear(nn.Cell):
 
 class RowParallelLinear(nn.Cell):
     """Input features split over TP ranks: weight ``[out, in/tp]``; partial outputs all-reduced."""
-
-    split_axis = 1
 
     def __init__(self, in_features: int, out_features: int, has_bias: bool, rank: RankInfo,
                  compute_dtype=ms.float32):

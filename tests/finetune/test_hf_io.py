@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -146,7 +147,13 @@ def test_export_copies_tokenizer_and_replaces_old_export(ms_cpu, tmp_path, tiny_
     out = tmp_path / "hf"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    export_hf(model, src, out, dtype="fp16")
+    old_umask = os.umask(0o077)  # even a strict umask leaves the export readable by a non-root server
+    try:
+        export_hf(model, src, out, dtype="fp16")
+    finally:
+        os.umask(old_umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
     names = {p.name for p in out.iterdir()}
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= names
     assert "stale.txt" not in names

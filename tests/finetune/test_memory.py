@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from finetune.memory import estimate_memory, local_param_shapes, shard_elements
+from finetune.memory import estimate_memory, shard_elements
+from finetune.qwen2_layout import local_shapes
 
 QWEN7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -14,7 +15,7 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
 
 
 def _count(cfg, **kw):
-    return sum(math.prod(s) for s in local_param_shapes(cfg, **kw).values())
+    return sum(math.prod(s) for s in local_shapes(cfg, **kw).values())
 
 
 def test_qwen7b_parameter_count_is_the_published_one():
@@ -57,19 +58,19 @@ def test_loss_chunks_shrink_only_the_lm_head_buffers():
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tp_split_rules(tp):
-    shapes = local_param_shapes(TINY, tp=tp)
+    shapes = local_shapes(TINY, tp=tp)
     hd = 64 // 4
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4 // tp * hd, 64)
     kv = (2 // tp if tp <= 2 else 1) * hd  # tp=4 > 2 kv heads: one head per rank, replicated
     assert shapes["model.layers.1.self_attn.k_proj.bias"] == (kv,)
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (64, 176 // tp)
     assert shapes["model.embed_tokens.weight"] == (151936, 64) and "lm_head.weight" not in shapes
-    assert local_param_shapes(TINY, tp=tp, vocab_parallel=True)["model.embed_tokens.weight"] == (151936 // tp, 64)
+    assert local_shapes(TINY, tp=tp, vocab_parallel=True)["model.embed_tokens.weight"] == (151936 // tp, 64)
 
 
 def test_bad_tp_names_the_key():
     with pytest.raises(ValueError, match="parallel.tp=3"):
-        local_param_shapes(TINY, tp=3)
+        local_shapes(TINY, tp=3)
 
 
 def test_shard_elements_partition_every_bucket():
@@ -93,7 +94,7 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
     from finetune.config import TrainConfig
     from finetune.dist import RankInfo
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
-    from finetune.optim import build_optimizer
+    from finetune.trainer import build_optimizer
     from finetune.tiny import TINY_DEFAULTS
 
     cfg = dict(TINY_DEFAULTS, vocab_size=1024, tie_word_embeddings=False)  # small vocab: fast, untied head

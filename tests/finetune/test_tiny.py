@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from finetune.tiny import TINY_DEFAULTS, ensure_tiny_model, hf_param_shapes
+from finetune.qwen2_layout import full_shapes
+from finetune.tiny import TINY_DEFAULTS, ensure_tiny_model
 
 SMALL = {"vocab_size": 300, "hidden_size": 16, "intermediate_size": 24}
 
@@ -33,7 +34,7 @@ def test_config_weights_and_tokenizer(tmp_path):
     assert cfg["hidden_size"] == 16 and cfg["num_key_value_heads"] == 2 and cfg["eos_token_id"] == 151645
     assert cfg["tie_word_embeddings"] is False and cfg["rope_theta"] == 1e6
     tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
-    assert {k: v.shape for k, v in tensors.items()} == dict(hf_param_shapes(cfg))
+    assert {k: v.shape for k, v in tensors.items()} == full_shapes(cfg)
     assert "lm_head.weight" in tensors
     assert all(v.dtype == np.float32 for v in tensors.values())
     assert (tensors["model.norm.weight"] == 1).all() and (tensors["model.layers.1.self_attn.k_proj.bias"] == 0).all()
@@ -44,7 +45,7 @@ def test_config_weights_and_tokenizer(tmp_path):
 
 def test_defaults_match_qwen25_tokenizer():
     assert TINY_DEFAULTS["vocab_size"] == 151936 and TINY_DEFAULTS["tie_word_embeddings"] is True
-    shapes = dict(hf_param_shapes(TINY_DEFAULTS))
+    shapes = full_shapes(TINY_DEFAULTS)
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (32, 64) and "lm_head.weight" not in shapes
 
 

@@ -13,6 +13,13 @@ def recorded_npu_smi(args: list[str]) -> str | None:
     return (FIXTURES / "npu-smi" / name).read_text() if name else None
 
 
+def npu_smi_with_info(info_file: str):
+    """recorded_npu_smi, but ``npu-smi info`` answers with another recorded file (see fixtures/npu-smi)."""
+    def run(args: list[str]) -> str | None:
+        return (FIXTURES / "npu-smi" / info_file).read_text() if args == ["info"] else recorded_npu_smi(args)
+    return run
+
+
 def make_dev(root: Path, npus: int = 8, mgmt: tuple[str, ...] = ("davinci_manager", "devmm_svm", "hisi_hdc")) -> Path:
     dev = root / "dev"
     dev.mkdir(parents=True, exist_ok=True)

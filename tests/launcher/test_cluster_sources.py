@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 
 import pytest
 
-from launcher import cluster
+from finetune.config import load_recipe
+from launcher import ascendjob, cluster
 
 ME = {"job-worker-1", "job-worker-1.job", "10.0.0.12"}
 
@@ -109,3 +113,45 @@ def test_shipped_hostfiles():
     assert (two.nnodes, two.node_rank, two.master_addr, two.nproc_per_node) == (2, 1, "192.168.10.11", 8)
     one = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/one-node.txt"), me={"localhost"})
     assert (one.nnodes, one.node_rank, one.nproc_per_node) == (1, 0, 8)
+
+
+def test_explicit_multi_node_needs_this_nodes_rank():
+    """Without NODE_RANK every node would plan itself node 0: refused, with the flag that fixes it."""
+    with pytest.raises(cluster.ClusterError, match=r"-e NODE_RANK=1"):
+        cluster.detect({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, me=ME)
+    assert cluster.detect({"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"}, me=ME).source == "env"
+
+
+def test_ascendjob_roles():
+    sched = dict(CASES[3][1], MS_ROLE="MS_SCHED", MS_NODE_RANK="0", MS_SCHED_HOST="10.244.3.15")
+    assert cluster.detect(sched, me=ME).role == "scheduler"
+    assert cluster.detect(CASES[3][1], me=ME).role == "worker"
+    with pytest.raises(cluster.ClusterError, match="MS_ROLE='MS_PSERVER': expected MS_SCHED or MS_WORKER"):
+        cluster.detect(dict(CASES[3][1], MS_ROLE="MS_PSERVER"), me=ME)
+
+
+@pytest.mark.slow
+def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
+    """Real msrun 2.10 with the Scheduler pod's argv (master 127.0.0.1 standing in for the pod IP)."""
+    stub = tmp_path / "stub.py"
+    stub.write_text("import os\nopen(os.environ['ROLES'], 'a').write(os.environ['MS_ROLE'] + ' ' + "
+                    "os.environ['MS_WORKER_NUM'] + '\\n')\n")
+    env = dict(CASES[3][1], MS_ROLE="MS_SCHED", MS_NODE_RANK="0", MS_SCHED_HOST="127.0.0.1",
+               MS_SCHED_PORT=str(free_port()))
+    clus = cluster.detect(env, me=ME)
+    recipe = load_recipe("qwen2.5-7b-full", {k: str(v) for k, v in clus.overrides().items()})
+    plan = {"recipe": {"launch": {}}, "topology": {"world_size": 16}, "ranks": [], "binding": {"ranks": []},
+            "worker_env": {}, "sources": {}}
+    argv, *_ = ascendjob.scheduler_only(recipe, clus, plan, {}, tmp_path)
+    argv = [*argv[:argv.index("--cluster_time_out") + 2], str(stub)]
+    run = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "ROLES": str(tmp_path / "roles")}, timeout=300,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "roles").read_text() == "MS_SCHED 16\n"  # one process: the scheduler, no worker
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["scheduler.log"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

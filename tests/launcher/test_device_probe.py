@@ -2,19 +2,53 @@
 from __future__ import annotations
 
 import pytest
-from launcher_fakes import make_dev, make_driver, recorded_npu_smi
+from launcher_fakes import FIXTURES, make_dev, make_driver, npu_smi_with_info, recorded_npu_smi
 
-from launcher import devices
+from launcher import devices, npu_smi
+
+BUSY_25 = "info-procs-25.2.0-910b2.txt"  # vllm-ascend#4866: every NPU held by a VLLMWorker_DP
+BUSY_26 = "info-procs-26.1.0-910b3-container.txt"  # wide columns + "Process id in container"
 
 
 def test_recorded_npu_smi_outputs_parse():
-    info = devices.parse_info(recorded_npu_smi(["info"]))
+    info = npu_smi.parse_info(recorded_npu_smi(["info"]))
     assert sorted(info) == list(range(8))
-    assert info[3] == {"name": "910B3", "health": "OK", "bus_id": "0000:82:00.0", "hbm_used_mb": 3386,
-                       "hbm_total_mb": 65536}
+    assert info[3] == npu_smi.NpuRow(npu=3, name="910B3", health="OK", bus_id="0000:82:00.0", power_w=95.1,
+                                     temp_c=39, aicore_pct=0, hbm_used_mb=3386, hbm_total_mb=65536)
+    assert npu_smi.parse_processes(recorded_npu_smi(["info"])) == []
     assert devices.parse_info_m(recorded_npu_smi(["info", "-m"])) == {i: i for i in range(8)}
     topo = devices.parse_topo(recorded_npu_smi(["info", "-t", "topo"]))
     assert topo[0] == list(range(0, 24)) and topo[7] == list(range(144, 168))
+
+
+def test_process_rows_are_not_npu_rows():
+    text = (FIXTURES / "npu-smi" / BUSY_25).read_text()
+    info = npu_smi.parse_info(text)
+    assert sorted(info) == list(range(8)) and {r.health for r in info.values()} == {"OK"}
+    assert [info[i].bus_id[5:7] for i in range(8)] == ["C1", "01", "C2", "02", "81", "41", "82", "42"]
+    assert info[0].hbm_used_mb == 60126 and info[7].temp_c == 37 and info[2].power_w == 98.0
+    procs = npu_smi.parse_processes(text)
+    assert len(procs) == 8 and procs[0] == npu_smi.NpuProcess(npu=0, pid=2759218, name="VLLMWorker_DP",
+                                                              memory_mb=56293)
+    assert [p.npu for p in procs] == list(range(8))
+
+
+def test_wide_table_with_the_container_pid_column():
+    text = (FIXTURES / "npu-smi" / BUSY_26).read_text()
+    info = npu_smi.parse_info(text)
+    assert sorted(info) == list(range(8)) and info[0].hbm_used_mb == 8676 and info[4].temp_c == 52
+    assert npu_smi.parse_processes(text) == [npu_smi.NpuProcess(npu=0, pid=485946, name="pytest",
+                                                                memory_mb=5175, pid_in_container=None)]
+
+
+def test_busy_npus_fail_preflight_naming_the_holder(atlas):
+    d = devices.probe(atlas / "dev", atlas, {}, npu_smi_with_info(BUSY_26))
+    assert not d.problems and [p.pid for p in d.busy] == [485946]
+    ((detail, fix),) = d.busy_rows()
+    assert detail == "NPU 0 is already in use by pid 485946 pytest (5175 MB)"
+    assert "kill 485946" in fix and "host pids" in fix and "ASCEND_VISIBLE_DEVICES=1-7" in fix
+    free = devices.probe(atlas / "dev", atlas, {"ASCEND_VISIBLE_DEVICES": "1-7"}, npu_smi_with_info(BUSY_26))
+    assert free.busy == [] and free.busy_rows() == []
 
 
 def test_full_atlas_node(atlas):
@@ -28,6 +62,7 @@ def test_full_atlas_node(atlas):
 @pytest.mark.parametrize("env,visible,rt", [
     ({"ASCEND_VISIBLE_DEVICES": "0-3"}, [0, 1, 2, 3], "0,1,2,3"),
     ({"ASCEND_VISIBLE_DEVICES": "4,6-7"}, [4, 6, 7], "4,6,7"),
+    ({"ASCEND_VISIBLE_DEVICES": "Ascend910-4,Ascend910-5,Ascend910-6,Ascend910-7"}, [4, 5, 6, 7], "4,5,6,7"),
     ({"ASCEND_RT_VISIBLE_DEVICES": "2,3"}, [2, 3], "2,3"),
     ({"ASCEND_VISIBLE_DEVICES": "0-7", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}, [0, 1], "0,1"),
 ])
@@ -49,7 +84,8 @@ def test_container_with_four_devices_uses_logical_ids(tmp_path):
 
 @pytest.mark.parametrize("env,msg", [
     ({"ASCEND_VISIBLE_DEVICES": "0-9"}, "/dev/davinci8-9 not present"),
-    ({"ASCEND_VISIBLE_DEVICES": "three"}, "expected ids or ranges like 0-3"),
+    ({"ASCEND_VISIBLE_DEVICES": "three"}, "or the device names Ascend910-0,Ascend910-1"),
+    ({"ASCEND_VISIBLE_DEVICES": "Ascend910-0,1"}, "expected ids or ranges (0-3 or 0,1,4)"),
     ({"ASCEND_RT_VISIBLE_DEVICES": "8"}, "logical ids [8] >= the 8 devices"),
 ])
 def test_bad_visibility_values(atlas, env, msg):
@@ -70,7 +106,19 @@ def test_missing_management_devices_and_mounts_give_exact_flags(tmp_path):
 def test_no_npu_is_said_plainly(tmp_path):
     (tmp_path / "dev").mkdir()
     d = devices.probe(tmp_path / "dev", tmp_path, {}, recorded_npu_smi)
-    assert not d.has_npu and "workers run on CPU" in d.summary()
+    assert not d.has_npu and d.summary("auto", "tiny-cpu").endswith("workers run on CPU (recipe tiny-cpu)")
+
+
+def test_no_npu_with_an_npu_recipe_says_what_really_happens(tmp_path, capsys):
+    import launcher.__main__ as lm
+
+    (tmp_path / "dev").mkdir()
+    host = lm.Host(env={"RECIPE": "qwen2.5-7b-full", "OUTPUT_DIR": str(tmp_path / "o")}, dev_dir=tmp_path / "dev",
+                   root=tmp_path, sys_root=tmp_path / "sys", npu_smi=None, identities=set())
+    assert lm.main(["plan"], host) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "devices:" in ln)
+    assert "workers run on CPU" not in line
+    assert "recipe qwen2.5-7b-full runs on NPUs (launch.device=npu): preflight stops here" in line
 
 
 def test_id_lists_round_trip():
@@ -78,3 +126,14 @@ def test_id_lists_round_trip():
     assert devices.format_id_list([9, 0, 1, 2, 3, 6, 8]) == "0-3,6,8-9"
     with pytest.raises(ValueError, match="X='3-1'"):
         devices.parse_id_list("3-1", "X")
+
+
+def test_preflight_end_to_end_on_a_host_whose_npus_are_all_held(atlas, tmp_path, capsys):
+    import launcher.__main__ as lm
+
+    host = lm.Host(env={"OUTPUT_DIR": str(tmp_path / "o")}, dev_dir=atlas / "dev", root=atlas,
+                   sys_root=atlas / "sys", npu_smi=npu_smi_with_info(BUSY_25), identities={"node-a"})
+    assert lm.main(["preflight", "--recipe", "qwen2.5-7b-full"], host) == 1
+    out = capsys.readouterr().out
+    assert "NPU 3 is already in use by pid 2760301 VLLMWorker_DP (56415 MB)" in out
+    assert out.count("is already in use by") == 8 and "health 2759218" not in out

@@ -33,6 +33,7 @@ def test_worker_env_puts_the_venv_first_and_defaults_hccl():
                             {"AF_BIND_MODE": "affinity"}, python="/opt/venv/bin/python")
     assert env["PATH"] == "/opt/venv/bin:/usr/bin" and env["PYTHONPATH"].startswith(str(REPO_ROOT))
     assert env["HCCL_EXEC_TIMEOUT"] == "99" and env["HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert launch.worker_env({}, {})["HCCL_EXEC_TIMEOUT"] == "1836"  # never below CANN's Atlas A2 default
     assert env["HCCL_IF_IP"] == "10.0.0.11" and env["AF_BIND_MODE"] == "affinity"
 
 
@@ -57,7 +58,8 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
     assert plan["worker_env"]["AF_CPU_BIND_7"] == "156-167" and plan["worker_env"]["AF_BIND_MODE"] == "affinity"
     assert "explicit NNODES, NODE_RANK, MASTER_ADDR" in plan["sources"]["cluster"]
     assert "rank 7 (NPU 7, NUMA node 6): CPU affinity 156-167" in out.out
-    assert not (tmp_path / "out").exists()  # plan starts and writes nothing
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]  # plan writes the plan, nothing else
+    assert json.loads((tmp_path / "out/plan.json").read_text()) == plan
 
 
 QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
@@ -80,6 +82,41 @@ def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, ca
     assert rc == 0 and "= 45.2 (embedding/LM head replicated" in out.out
 
 
+@pytest.mark.parametrize("env,msg", [
+    ({"TP": "3", "RECIPE": "qwen2.5-7b-full"}, "TP='3' (parallel.tp): TP x PP = 3 does not divide the 8 worker(s) of this job (nodes x workers "
+                  "per node) (e.g. TP=2)"),
+    ({"TP": "2", "DP": "2", "RECIPE": "qwen2.5-7b-full"}, "DP='2' (parallel.dp): TP=2 x DP=2 x PP=1 = 4 != world 8"),
+    ({"OVERRIDES": "train.precision=bf16", "RECIPE": "tiny-cpu"}, None),
+])
+def test_a_layout_that_does_not_fit_the_world_is_refused_at_plan_time(atlas, tmp_path, capsys, env, msg):
+    host = dict(env={"OUTPUT_DIR": str(tmp_path / "out"), **env}, dev_dir=atlas / "dev", root=atlas,
+                sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities=set())
+    rc, plan, out = run_main(["plan"], capsys, **host)
+    if msg is None:  # tiny-cpu runs on CPU (launch.device=cpu) even on an NPU host: no bf16 matmul there
+        assert rc == 2 and "OVERRIDES: train.precision='bf16': the CPU has no bf16 matmul" in out.err, out.err
+    else:
+        assert rc == 2 and msg in out.err, out.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_holds_every_derived_value(tmp_path, capsys):
+    """dp, shard_optimizer, precision and device are written resolved; the worker only checks them."""
+    (tmp_path / "dev").mkdir()
+    rc, plan, out = run_main(["plan", "--json", "NPROC_PER_NODE=2", f"OUTPUT_DIR={tmp_path}/o",
+                              "train.precision=auto"], capsys, env={}, dev_dir=tmp_path / "dev", root=tmp_path,
+                             npu_smi=None, sys_root=make_sys(tmp_path, {0: "0-3"}, cpuset_v2="0-3"))
+    assert rc == 0
+    saved = json.loads(out.out)  # --json: the JSON alone
+    assert saved == json.loads((tmp_path / "o/plan.json").read_text())
+    r = saved["recipe"]
+    assert (r["parallel"]["dp"], r["parallel"]["shard_optimizer"], r["train"]["precision"], r["launch"]["device"]) \
+        == (2, True, "fp32", "cpu")
+    recipe = load_recipe(raw=r)
+    assert recipe.resolved(2, "cpu") == recipe  # resolving a resolved recipe changes nothing
+    with pytest.raises(ValueError, match="!= world 3"):
+        recipe.resolved(3, "cpu")
+
+
 def test_cpu_host_says_so_and_runs_the_worker_directly(tmp_path, capsys):
     (tmp_path / "dev").mkdir()
     rc, plan, out = run_main(["plan", f"output_dir={tmp_path}/o"], capsys, env={}, dev_dir=tmp_path / "dev",
@@ -98,17 +135,20 @@ def test_bad_settings_exit_2_listing_all(tmp_path, capsys):
 
 
 STUB = textwrap.dedent("""
-    import json, os, pathlib, sys
+    import os, pathlib, sys
+    from finetune.lifecycle import run_rank
     state = pathlib.Path(sys.argv[1])
     logs = pathlib.Path(sys.argv[2])
     n = int(state.read_text()) if state.exists() else 0
     state.write_text(str(n + 1))
-    logs.mkdir(parents=True, exist_ok=True)
-    (logs / "worker_0.log").write_text("step 1 loss 2.0\\n")
-    if n == 0:
-        (logs / "worker_1.log").write_text("step 1\\nTraceback (most recent call last):\\nValueError: boom\\n")
-        sys.exit(3)
-    print("resumed", os.environ.get("AF_BIND_MODE"))
+
+    def main():
+        print("step 1 loss 2.0", flush=True)
+        if n == 0:
+            raise ValueError("boom")
+        print("resumed", os.environ.get("AF_BIND_MODE"))
+
+    sys.exit(run_rank(logs, 0, main))
 """)
 
 
@@ -123,13 +163,13 @@ def test_restart_after_a_failing_worker(tmp_path):
                           restart_delay_s=0)
     assert rc == 0 and (tmp_path / "state").read_text() == "2"
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom" in text and "restart 1/1" in text
+    assert "first failing: rank 0: ValueError: boom" in text and "restart 1/1" in text
 
 
 def test_no_restarts_left_returns_the_job_exit_code(tmp_path):
     lines: list[str] = []
     rc = launch.supervise(stub(tmp_path), dict(os.environ), tmp_path / "logs", max_restarts=0, log=lines.append)
-    assert rc == 3 and (tmp_path / "state").read_text() == "1"
+    assert rc == 1 and (tmp_path / "state").read_text() == "1"
 
 
 def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys, monkeypatch):
@@ -146,7 +186,7 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
-    assert "first failing rank: 1" in out.out and "ValueError: boom" in out.out
+    assert "first failing: rank 0: ValueError: boom" in out.out
     assert "resumed numactl" in out.out or "resumed affinity" in out.out
 
 
@@ -167,7 +207,7 @@ def sigterm_launcher(tmp_path: Path, argv: list[str], workers_only: bool) -> int
     mark = tmp_path / "mark"
     code = (f"import os, sys; from launcher.launch import supervise; "
             f"sys.exit(supervise({argv!r}, dict(os.environ), __import__('pathlib').Path({str(tmp_path)!r}), "
-            f"max_restarts=3, signal_workers_only={workers_only}))")
+            f"max_restarts=3, under_msrun={workers_only}))")
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     deadline = time.time() + 20
     while not (mark.exists() and mark.read_text() == "ready") and time.time() < deadline:
@@ -214,10 +254,16 @@ def test_worker_applies_its_binding(tmp_path, mode):
 
 
 MS_STUB = textwrap.dedent("""
-    import os, sys
-    print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
-    if os.environ.get("RANK_ID") == "1":
-        raise ValueError("boom from rank 1")
+    import os, pathlib, sys
+    from finetune.lifecycle import run_rank
+
+    def main():
+        print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
+        if os.environ.get("RANK_ID") == "1":
+            raise ValueError("boom from rank 1")
+
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        sys.exit(run_rank(pathlib.Path(sys.argv[0]).parent / "logs", int(os.environ["RANK_ID"]), main))
 """)
 
 
@@ -233,10 +279,11 @@ def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
     argv = launch.msrun_argv(r, 2, tmp_path / "plan.json", tmp_path / "logs", worker_script=tmp_path / "w.py")
     lines: list[str] = []
     env = launch.worker_env(os.environ, {})
-    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append)
-    assert rc != 0
+    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append,
+                          under_msrun=True, ranks=[0, 1])
+    assert rc == 1
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom from rank 1" in text
+    assert "first failing: rank 1: ValueError: boom from rank 1" in text
     assert "local 0" in (tmp_path / "logs/worker_0.log").read_text()
 
 
@@ -262,20 +309,19 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
     rc, plan, out = run_main(["train"], capsys, env={"DRY_RUN": "1", "OUTPUT_DIR": str(tmp_path / "o")},
                              dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
     assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
-    assert not (tmp_path / "state").exists() and not (tmp_path / "o").exists()
+    assert not (tmp_path / "state").exists() and [p.name for p in (tmp_path / "o").iterdir()] == ["plan.json"]
 
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
-    fake = type(sys)("launcher.render")
-    fake.main = lambda args, recipe: seen.setdefault("render", (args, recipe.train.lr)) and 0
-    monkeypatch.setitem(sys.modules, "launcher.render", fake)
+    monkeypatch.setattr("launcher.render.main", lambda args, overrides, recipe_arg:
+                        seen.setdefault("render", (args, overrides, recipe_arg)) and 0)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()
     host = dict(env={"OUTPUT_DIR": str(tmp_path)}, dev_dir=tmp_path / "dev", npu_smi=None)
     assert lm.main(["render", "--nodes", "2", "volcano", "train.lr=1e-4", "--recipe", "tiny-cpu"],
                    lm.Host(**host)) == 0
-    assert seen["render"] == (["--nodes", "2", "volcano"], 1e-4)
+    assert seen["render"] == (["--nodes", "2", "volcano"], ["train.lr=1e-4"], "tiny-cpu")
     assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
     assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
     assert seen["generate"][2:4] == ["--model-dir", str(tmp_path / "base-model")]  # no export yet: the base model

@@ -1,7 +1,7 @@
 """NUMA binding plans on fake sysfs trees: 2 and 8 NUMA nodes, restricted cpusets, CPU-only hosts."""
 from __future__ import annotations
 
-from launcher_fakes import eight_numa_nodes, make_dev, make_sys, recorded_npu_smi
+from launcher_fakes import FIXTURES, eight_numa_nodes, make_dev, make_sys, recorded_npu_smi
 
 from launcher import devices, numa
 from launcher.devices import format_id_list as fmt
@@ -35,16 +35,28 @@ def test_whole_node_uses_cpunodebind(tmp_path):
     assert ranks[1].device == 2 and ranks[1].numactl_args(nodes) == ["--cpunodebind=2", "--membind=2"]
 
 
-def test_two_nodes_from_pci_sysfs_without_npu_smi(tmp_path):
-    pci = {f"0000:{b}:00.0": n for b, n in zip(["01", "02", "41", "42", "81", "82", "c1", "c2"],
-                                                 [0, 0, 0, 0, 1, 1, 1, 1])}
-    sys_root = make_sys(tmp_path, {0: "0-63", 1: "64-127"}, pci=pci)
+# PCI numa_node per bus on a two-node host; NPU i sits on bus BUS_25[i] (the npu-smi 25.2.0 recording)
+PCI = {f"0000:{b}:00.0": n for b, n in zip(["01", "02", "41", "42", "81", "82", "c1", "c2"], [0, 0, 0, 0, 1, 1, 1, 1])}
+
+
+def test_pci_numa_node_of_the_bus_npu_smi_names(tmp_path):
+    sys_root = make_sys(tmp_path, {0: "0-63", 1: "64-127"}, pci=PCI)
+    info = (FIXTURES / "npu-smi" / "info-procs-25.2.0-910b2.txt").read_text()
+    d = atlas_devices(tmp_path, npu_smi=lambda args: info if args == ["info"] else None)
+    ranks, _ = numa.plan(8, "affinity", d, sys_root, getaffinity=lambda pid: set(range(128)))
+    # buses C1, 01, C2, 02, 81, 41, 82, 42: not the bus order [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [r.numa_node for r in ranks] == [1, 0, 1, 0, 1, 0, 1, 0]
+    assert fmt(ranks[0].cpus) == "64-79" and fmt(ranks[1].cpus) == "0-15"
+    assert all(r.reason == "PCI numa_node in sysfs" for r in ranks)
+
+
+def test_without_npu_smi_no_node_is_guessed_from_bus_order(tmp_path):
+    sys_root = make_sys(tmp_path, {0: "0-63", 1: "64-127"}, pci=PCI)
     d = atlas_devices(tmp_path, npu_smi=None)
     ranks, info = numa.plan(8, "affinity", d, sys_root, getaffinity=lambda pid: set(range(128)))
     assert info["allowed_from"] == "sched_getaffinity" and info["method"] == "affinity"
-    assert [r.numa_node for r in ranks] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert fmt(ranks[0].cpus) == "0-15" and fmt(ranks[7].cpus) == "112-127"
-    assert all(r.reason == "PCI numa_node in sysfs" for r in ranks)
+    assert [fmt(r.cpus) for r in ranks] == [f"{16 * i}-{16 * i + 15}" for i in range(8)]
+    assert all("PCI bus order is not NPU order" in r.reason for r in ranks)
 
 
 def test_restricted_cpuset_v1_is_intersected(tmp_path):

@@ -1,0 +1,149 @@
+"""Vocabulary-parallel layers: the token embedding, the LM head and the parallel cross-entropy.
+
+With vocab-parallel tensor parallelism each TP rank holds a contiguous slice of the vocabulary rows
+(``finetune.qwen2_layout`` decides which); otherwise the rows are replicated and no collective is made.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mindspore as ms
+from mindspore import Parameter, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from finetune.dist import RankInfo
+from finetune.parallel.layers import ReduceFromTP
+
+
+class VocabRange(NamedTuple):
+    """The token ids ``[start, start + size)`` whose rows this rank holds (all of them when not split)."""
+
+    start: int
+    size: int
+
+    def local(self, ids):
+        """``(ids - start)`` clipped to a valid row and an fp32 mask of the ids this rank holds."""
+        local = ids - self.start
+        inside = ops.logical_and(local >= 0, local < self.size)
+        return ops.where(inside, local, ops.zeros_like(local)), inside.astype(ms.float32)
+
+
+class Embedding(nn.Cell):
+    """Token embedding: replicated, or vocab-parallel (each TP rank looks up its rows, then a TP sum)."""
+
+    def __init__(self, vocab: int, hidden: int, compute_dtype, rank: RankInfo = RankInfo(),
+                 rows: VocabRange | None = None):
+        """``rows``: this rank's slice of the vocabulary (None: all of it)."""
+        super().__init__()
+        self.rows = rows or VocabRange(0, vocab)
+        self.weight = Parameter(initializer(Normal(0.02), (self.rows.size, hidden), ms.float32), name="weight")
+        self.dtype = compute_dtype
+        self.split = self.rows.size != vocab
+        self.reduce = ReduceFromTP(rank) if self.split else None
+
+    def construct(self, ids):
+        if not self.split:
+            return ops.gather(self.weight, ids, 0).astype(self.dtype)
+        local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed
+        x = ops.gather(self.weight, local, 0) * inside.expand_dims(-1).astype(self.weight.dtype)
+        return self.reduce(x.astype(self.dtype))
+
+
+class LMHead(nn.Cell):
+    """Untied output projection ``[vocab, hidden]`` (``[vocab / tp, hidden]`` when vocab-parallel)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(0.02), (vocab, hidden), ms.float32), name="weight")
+
+
+class LMHeadCrossEntropy(nn.Cell):
+    """``sum(-log_softmax(h @ w.T)[target])`` in fp32 with a hand-written backward.
+
+    MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
+    the closed form ``dlogits = softmax - onehot``; the backward recomputes the logits instead of
+    keeping them, so only the forward's logits are ever alive. ``chunk_tokens`` > 0 computes both
+    over chunks of that many tokens (``d weight`` summed in fp32), so the ``[tokens, vocab]`` fp32
+    buffers shrink to ``[chunk, vocab]``; the sums are the same up to rounding order.
+
+    Vocab-parallel (``rows`` a slice of the vocabulary, ``rank.tp > 1``): each TP rank holds the
+    logits of its rows only. The row maxima, the sums of exponentials and the target logits are
+    combined over the TP group, so every rank returns the whole loss; backward, each rank's
+    ``d hidden`` covers its rows and is summed over the TP group.
+    """
+
+    def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None,
+                 chunk_tokens: int = 0):
+        super().__init__()
+        self.dtype = compute_dtype
+        self.chunk = chunk_tokens  # > 0: logits of at most this many tokens alive at a time
+        self.mm_bt = ops.MatMul(transpose_b=True)
+        self.mm_at = ops.MatMul(transpose_a=True)
+        self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
+        self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
+        self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
+
+    def _logits(self, h, w):
+        return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
+
+    def _softmax_parts(self, logits, target):
+        """Vocab-parallel: (row max over all ranks, sum of exp(logits - max) over all ranks,
+        this rank's target logit or 0, local target column, 1.0 where this rank holds the target)."""
+        local_max = ops.amax(logits, -1)
+        slots = [local_max if i == self.tp_rank else ops.zeros_like(local_max) for i in range(self.tp)]
+        row_max = ops.amax(self.tp_sum(ops.stack(slots)), 0)  # exact: one AllReduce of tp x tokens values
+        col, inside = self.rows.local(target)
+        picked = ops.gather_elements(logits, 1, col.reshape(-1, 1)).reshape(-1) * inside
+        return row_max, ops.exp(logits - row_max.expand_dims(-1)).sum(-1), picked, col, inside
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        c = self.chunk if 0 < self.chunk < n else n
+        return [(a, min(a + c, n)) for a in range(0, n, c)]
+
+    def construct(self, h, w, target):
+        parts = self._chunks(h.shape[0])
+        if len(parts) == 1:
+            return self._loss(h, w, target)
+        total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])
+        for a, b in parts[1:]:
+            total = total + self._loss(h[a:b], w, target[a:b])
+        return total
+
+    def bprop(self, h, w, target, out, dout):
+        parts = self._chunks(h.shape[0])
+        if len(parts) == 1:
+            dh, dw = self._grads(h, w, target, dout)
+            return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+        dhs, dw = [], None
+        for a, b in parts:
+            dh_c, dw_c = self._grads(h[a:b], w, target[a:b], dout)
+            dhs.append(dh_c)
+            dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
+        return ops.cat(dhs, 0).astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+
+    def _loss(self, h, w, target):
+        """The loss sum of one chunk of tokens."""
+        logits = self._logits(h, w)
+        if not self.split:
+            logp = ops.log_softmax(logits, -1)
+            return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+        row_max, sum_exp, picked, _, _ = self._softmax_parts(logits, target)
+        total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
+        return (ops.log(total[0]) + row_max - total[1]).sum()
+
+    def _grads(self, h, w, target, dout):
+        """(d hidden, d weight) of one chunk of tokens, in the compute dtype."""
+        logits = self._logits(h, w)
+        if not self.split:
+            p = ops.softmax(logits, -1)
+            col, hit = target.reshape(-1, 1), 1.0
+        else:
+            row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
+            p = ops.exp(logits - row_max.expand_dims(-1)) / self.tp_sum(sum_exp).expand_dims(-1)
+            col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
+        p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
+        dh = ops.matmul(p, w.astype(self.dtype)) * dout.astype(self.dtype)
+        if self.split:  # every rank's rows contribute to d hidden
+            dh = self.tp_sum(dh)
+        dw = self.mm_at(p, (h.astype(ms.float32) * dout).astype(self.dtype))
+        return dh, dw

@@ -1,0 +1,173 @@
+"""The Qwen2 parameter table: every Hugging Face tensor with its full shape and tensor-parallel split.
+
+Pure Python (the launcher imports it). The model's TP slices, the memory estimate's local shapes,
+the tiny model's tensors, preflight's parameter count, HF I/O and checkpoint resharding all derive
+from :func:`param_table`; the TP divisibility rules live in :func:`tp_problems`.
+
+Split rules (Megatron): q/k/v projections and gate/up split their output rows (axis 0), o/down their
+input columns (axis 1); norms are replicated. KV heads are split when ``tp`` divides them, otherwise
+(``tp`` a multiple of them) each rank holds one head, the same copy on ``tp / kv_heads`` ranks. The
+embedding and an untied LM head split their vocabulary rows only when vocab-parallel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of a Qwen2 config.json that fix the tensor shapes."""
+
+    vocab: int
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config: dict) -> "Dims":
+        """From a Hugging Face config dict (or ``Qwen2Config.to_dict()``)."""
+        h, nh = config["hidden_size"], config["num_attention_heads"]
+        return cls(vocab=config["vocab_size"], hidden=h, inter=config["intermediate_size"],
+                   layers=config["num_hidden_layers"], heads=nh,
+                   kv_heads=config.get("num_key_value_heads") or nh, head_dim=config.get("head_dim") or h // nh,
+                   tied=bool(config.get("tie_word_embeddings", False)))
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One Hugging Face tensor: full shape, TP split axis (None: replicated) and what it is split by."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_axis: int | None = None
+    split_by: str = ""  # "heads" | "kv_heads" | "inter" | "vocab" (vocab: only when vocab-parallel)
+
+
+class TPSlice(NamedTuple):
+    """This rank's piece of a full tensor: ``full[start:start+size]`` along ``axis``.
+
+    ``owner`` is False for a replicated copy (KV heads when tp > num_key_value_heads) that a
+    gather must not count twice.
+    """
+
+    axis: int
+    start: int
+    size: int
+    owner: bool = True
+
+
+def param_table(config: dict) -> list[ParamSpec]:
+    """Every tensor of a Qwen2 model, in Hugging Face save order."""
+    d = Dims.of(config)
+    h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = [ParamSpec("model.embed_tokens.weight", (d.vocab, h), 0, "vocab")]
+    for n in range(d.layers):
+        a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+        out += [ParamSpec(f"model.layers.{n}.input_layernorm.weight", (h,)),
+                ParamSpec(a + "q_proj.weight", (q, h), 0, "heads"), ParamSpec(a + "q_proj.bias", (q,), 0, "heads"),
+                ParamSpec(a + "k_proj.weight", (kv, h), 0, "kv_heads"),
+                ParamSpec(a + "k_proj.bias", (kv,), 0, "kv_heads"),
+                ParamSpec(a + "v_proj.weight", (kv, h), 0, "kv_heads"),
+                ParamSpec(a + "v_proj.bias", (kv,), 0, "kv_heads"),
+                ParamSpec(a + "o_proj.weight", (h, q), 1, "heads"),
+                ParamSpec(f"model.layers.{n}.post_attention_layernorm.weight", (h,)),
+                ParamSpec(m + "gate_proj.weight", (d.inter, h), 0, "inter"),
+                ParamSpec(m + "up_proj.weight", (d.inter, h), 0, "inter"),
+                ParamSpec(m + "down_proj.weight", (h, d.inter), 1, "inter")]
+    out.append(ParamSpec("model.norm.weight", (h,)))
+    if not d.tied:
+        out.append(ParamSpec("lm_head.weight", (d.vocab, h), 0, "vocab"))
+    return out
+
+
+def full_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> full (unsplit) shape."""
+    return {p.name: p.shape for p in param_table(config)}
+
+
+def param_count(config: dict) -> int:
+    """Exact number of parameters (a tied embedding counted once)."""
+    total = 0
+    for p in param_table(config):
+        n = 1
+        for s in p.shape:
+            n *= s
+        total += n
+    return total
+
+
+def tp_problems(config: dict, tp: int, vocab_parallel: bool = False) -> list[str]:
+    """Why ``parallel.tp`` cannot split this model (empty when it can); each names the sizes and a fix."""
+    d = Dims.of(config)
+    out = []
+    if tp < 1:
+        return [f"parallel.tp={tp} must be >= 1"]
+    if d.heads % tp:
+        out.append(f"parallel.tp={tp} must divide num_attention_heads={d.heads}")
+    if d.inter % tp:
+        out.append(f"parallel.tp={tp} must divide intermediate_size={d.inter}")
+    if d.heads % d.kv_heads:
+        out.append(f"num_attention_heads={d.heads} is not a multiple of num_key_value_heads={d.kv_heads}")
+    elif tp <= d.kv_heads and d.kv_heads % tp:
+        out.append(f"parallel.tp={tp} must divide num_key_value_heads={d.kv_heads} (or be a multiple of it)")
+    elif tp > d.kv_heads and tp % d.kv_heads:
+        out.append(f"parallel.tp={tp} must be a multiple of num_key_value_heads={d.kv_heads} when larger")
+    if vocab_parallel and d.vocab % tp:
+        out.append(f"parallel.tp={tp} must divide vocab_size={d.vocab} when vocab-parallel; set "
+                   "parallel.vocab_parallel=false (embedding and LM head replicated)")
+    return out
+
+
+def check_tp(config: dict, tp: int, vocab_parallel: bool = False) -> None:
+    """Raise ValueError listing every :func:`tp_problems` at once."""
+    problems = tp_problems(config, tp, vocab_parallel)
+    if problems:
+        divisors = [t for t in range(1, tp + 1) if not tp_problems(config, t, vocab_parallel)]
+        raise ValueError("; ".join(problems) + f"; e.g. parallel.tp={max(divisors)}")
+
+
+def local_kv_heads(config: dict, tp: int) -> int:
+    """KV heads held per TP rank: split when tp divides them, else one (a copy on tp/kv_heads ranks)."""
+    nkv = Dims.of(config).kv_heads
+    return nkv // tp if tp <= nkv else 1
+
+
+def tp_slice(spec: ParamSpec, config: dict, tp: int, tp_rank: int, vocab_parallel: bool) -> TPSlice | None:
+    """This TP rank's slice of ``spec`` (None: the rank holds the whole tensor)."""
+    if tp == 1 or spec.tp_axis is None or (spec.split_by == "vocab" and not vocab_parallel):
+        return None
+    full = spec.shape[spec.tp_axis]
+    if spec.split_by == "kv_heads" and tp > Dims.of(config).kv_heads:
+        d = Dims.of(config)
+        group = tp // d.kv_heads  # ranks sharing one kv head
+        return TPSlice(spec.tp_axis, (tp_rank // group) * d.head_dim, d.head_dim, owner=tp_rank % group == 0)
+    size = full // tp
+    return TPSlice(spec.tp_axis, tp_rank * size, size)
+
+
+def tp_layout(config: dict, tp: int, tp_rank: int, vocab_parallel: bool = False) -> dict[str, TPSlice]:
+    """Name -> this rank's slice, for every TP-split tensor (absent: held whole). Checks ``tp`` first."""
+    check_tp(config, tp, vocab_parallel)
+    out = {}
+    for spec in param_table(config):
+        part = tp_slice(spec, config, tp, tp_rank, vocab_parallel)
+        if part is not None:
+            out[spec.name] = part
+    return out
+
+
+def local_shapes(config: dict, tp: int = 1, vocab_parallel: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one TP rank's tensor (the same on every rank of the group)."""
+    layout = tp_layout(config, tp, 0, vocab_parallel)
+    out = {}
+    for spec in param_table(config):
+        shape = list(spec.shape)
+        if spec.name in layout:
+            shape[spec.tp_axis] = layout[spec.name].size
+        out[spec.name] = tuple(shape)
+    return out
