@@ -30,7 +30,7 @@ class Sample(NamedTuple):
 
 def is_text(s: Sample) -> bool:
     """A plain-text document (loss on every token) rather than a conversation."""
-    return s.turns[:1] == (("text", s.turns[0][1]),) if s.turns else False
+    return bool(s.turns) and s.turns[0][0] == "text"
 
 
 # ------------------------------------------------------------------------------ records -> samples
