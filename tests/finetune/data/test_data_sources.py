@@ -28,9 +28,9 @@ def test_each_file_detected_and_logged_with_its_reason(tmp_path, capsys):
     t = write_jsonl(tmp_path / "t.jsonl", [{"text": "A plain document about apples and pears."}])
     info = prepare(recipe_for(tmp_path, [a, s, t]), TOKENIZER, progress=True)
     err = capsys.readouterr().err
-    assert f"{a}: alpaca (records have `instruction` (detected" in err
-    assert f"{s}: sharegpt (records have `conversations` (detected" in err
-    assert f"{t}: text (records have `text` (detected" in err
+    assert f"{a}: alpaca (records have `instruction`; detected" in err
+    assert f"{s}: sharegpt (records have `conversations`; detected" in err
+    assert f"{t}: text (records have `text`; detected" in err
     assert [x["format"] for x in info.report["sources"]] == ["alpaca", "sharegpt", "text"]
 
 
