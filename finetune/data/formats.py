@@ -33,6 +33,11 @@ def is_text(s: Sample) -> bool:
     return bool(s.turns) and s.turns[0][0] == "text"
 
 
+def uses_tools(s: Sample) -> bool:
+    """A conversation with tool schemas, tool calls or tool results."""
+    return s.tools is not None or any("<tool_call>" in c or "<tool_response>" in c for _, c in s.turns)
+
+
 # field names of other datasets -> the format field they usually mean (for the data.columns hint)
 _ALIASES = {"prompt": "instruction", "question": "instruction", "query": "instruction", "completion": "output",
             "answer": "output", "response": "output", "chosen": "output", "dialog": "conversations",

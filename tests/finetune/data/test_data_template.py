@@ -102,3 +102,11 @@ def test_truncation_cuts_the_system_prompt_after_the_user_content():
     text = enc.tok.decode(ids.tolist(), skip_special_tokens=False)
     assert len(ids) == 40 and "hello there" not in text
     assert text.startswith("<|im_start|>system\n sys") and text.endswith("assistant\nans one two<|im_end|>\n")
+
+
+def test_a_tool_conversation_too_long_is_dropped_whole_never_cut():
+    rec = GOLDEN["openai_tools"]["record"]
+    full = len(GOLDEN["openai_tools"]["input_ids"])
+    res = encoder(seq_len=full - 5)([sharegpt_sample(rec, "long")])
+    assert res["reasons"] == ["cannot_fit"] and res["truncated"] == 0 and res["sizes"] == {0: full}
+    assert one(encoder(seq_len=full), sharegpt_sample(rec, "fits"))[0].tolist() == GOLDEN["openai_tools"]["input_ids"]
