@@ -10,21 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.cpus import parse_cpulist as parse_id_list  # ``0-3,6`` lists: one parser for CPUs and NPUs
 from launcher.npu_smi import NpuProcess, NpuSmi, parse_info, parse_processes, run_npu_smi
 
 MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")
 DRIVER_MOUNTS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi")
-
-
-def parse_id_list(text: str, var: str) -> list[int]:
-    """``0-3,6`` -> [0, 1, 2, 3, 6]; raise ValueError naming the variable and an example."""
-    ids: list[int] = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
-            raise ValueError(f"{var}={text!r}: expected ids or ranges like 0-3 or 0,1,4 (e.g. {var}=0-7)")
-        ids += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
-    return sorted(set(ids))
 
 
 def parse_visible_devices(text: str) -> list[int]:

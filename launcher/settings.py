@@ -19,9 +19,9 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
                    "`MODEL_DIR` and `DATA` are set, else `tiny-cpu`"),
     ("MODEL_DIR", "model.dir", "Hugging Face model dir (`config.json`, safetensors + index, `tokenizer.json`); "
                                "unset with `tiny-cpu`: the tiny model created in `OUTPUT_DIR/base-model`"),
-    ("DATA", "data.paths", "files or dirs, comma-separated (JSON, JSONL, Parquet); the format is detected "
+    ("DATA", "data.paths", "files or dirs, comma-separated (JSON, JSONL, Parquet, .txt); the format is detected "
                            "(`data.format=auto`) unless `DATA_FORMAT` is set"),
-    ("DATA_FORMAT", "data.format", "`auto` \\| `alpaca` \\| `sharegpt`"),
+    ("DATA_FORMAT", "data.format", "`auto` \\| `alpaca` \\| `sharegpt` \\| `text`"),
     ("OUTPUT_DIR", "output_dir", "checkpoints, `logs/worker_<rank>.log`, `plan.json`, `hf/` export; a relative "
                                  "path is relative to the current directory"),
     ("NNODES", "launch.nnodes", "nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`"),
