@@ -31,6 +31,15 @@ preflight: $(STAMP)
 prepare-data: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher prepare-data
 
+## make generate PROMPT="Hello" [ARGS="--max-new-tokens 64"]: the fine-tuned model (else the base model) answers.
+## PROMPT and ARGS reach the launcher as variables of the shell, never as shell text.
+generate: $(STAMP)
+	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher generate $${PROMPT:+--prompt "$$PROMPT"} $$ARGS
+
+## make render [ARGS="volcano --nodes 2 --out job.yaml"]: a Kubernetes manifest for this job (default: volcano).
+render: $(STAMP)
+	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher render $${ARGS:-volcano}
+
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests
 

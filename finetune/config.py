@@ -7,10 +7,14 @@ asserted, and reported all at once by :class:`ConfigError`, each naming the key 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
+import math
+import re
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +24,47 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 ASSETS_DIR = REPO_ROOT / "assets"
+# data.columns keys: the fields the data formats read (message fields: role, content)
+DATA_COLUMNS = ("instruction", "input", "output", "system", "history", "conversations", "messages", "tools",
+                "text", "role", "content")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One config problem: the dotted ``key``, what is wrong, a value that works, where the value came from.
+
+    ``key`` is empty for problems that belong to no key (a malformed override, an unknown recipe).
+    ``value`` is the offending value as written (``repr``), ``where`` a recipe line (``recipes/x.yaml:12``).
+    """
+
+    key: str
+    message: str
+    example: str = ""
+    value: str | None = None
+    where: str = ""
+
+    def text(self, via: str = "", raw: str | None = None) -> str:
+        """One line naming the key, or the variable ``via`` it was set with (``raw``: the text it held)."""
+        if not self.key:
+            return f"{self.where}: {self.message}" if self.where else self.message
+        if via:
+            fix = f" (e.g. {via}={self.example})" if self.example else ""
+            return f"{via}={raw!r} ({self.key}): {self.message}{fix}"
+        head = self.key if self.value is None else f"{self.key}={self.value}"
+        fix = f" (e.g. {self.key}={self.example})" if self.example else ""
+        return f"{self.where + ': ' if self.where else ''}{head}: {self.message}{fix}"
 
 
 class ConfigError(ValueError):
-    """Every problem found in a recipe, each line naming the key and a fix."""
+    """Every problem found in a recipe, each line naming the key and a fix.
 
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+    ``items`` are the structured :class:`Problem` s; ``problems`` their lines as rendered by ``render``
+    (the launcher passes one that names the environment variable a key came from).
+    """
+
+    def __init__(self, problems: list[Problem | str], render: Callable[[Problem], str] = Problem.text):
+        self.items = [p if isinstance(p, Problem) else Problem("", p) for p in problems]
+        self.problems = [render(p) for p in self.items]
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
@@ -62,7 +100,12 @@ class DataConfig:
     """Instruction data (DATA, DATA_FORMAT) and how it becomes token batches."""
 
     paths: list[str] = field(default_factory=list)  # files or dirs; JSON, JSONL or Parquet
-    format: str = "auto"  # auto | alpaca | sharegpt
+    format: str = "auto"  # auto | alpaca | sharegpt | text
+    # the formats' field names -> this dataset's own, e.g. {"instruction": "question", "output": "answer"}
+    columns: dict[str, str] = field(default_factory=dict)
+    on_error: str = "fail"  # fail | skip (malformed records are dropped and counted in the report)
+    val_size: float = 0.0  # held out for validation: a fraction (< 1) or a count (>= 1) of the samples
+    val_paths: list[str] = field(default_factory=list)  # validation files (instead of val_size)
     weights: list[float] = field(default_factory=list)  # one per path; empty: all 1.0
     seq_len: int = 1024
     packing: bool = True
@@ -109,8 +152,23 @@ class TrainConfig:
     seed: int = 42
     log_every: int = 1
     save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # 0: keep all
     resume: str = "auto"  # auto | never | <checkpoint dir>
+    # Stop after this many consecutive steps with a non-finite loss or gradients. fp16's dynamic loss
+    # scale skips a step per backoff (65536 -> 1 takes 16); bf16/fp32 have no scale to lower.
+    max_bad_steps: int = 20
+
+    def precision_on(self, device: str) -> str:
+        """The concrete precision on ``device`` ('npu' | 'cpu'): auto is bf16 on NPU, fp32 on CPU."""
+        if self.precision == "auto":
+            return "bf16" if device == "npu" else "fp32"
+        return self.precision
+
+    def device_problems(self, device: str) -> list[Problem]:
+        if self.precision_on(device) == "bf16" and device == "cpu":
+            return [Problem("train.precision", "the CPU has no bf16 matmul; use fp32 (or fp16) on CPU, bf16 on "
+                            "Ascend", "fp32", repr(self.precision))]
+        return []
 
 
 @dataclass
@@ -122,6 +180,24 @@ class ParallelConfig:
     pp: int = 1
     shard_optimizer: bool | None = None  # None: on when dp > 1
     vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
+
+    def world_problems(self, world: int) -> list[Problem]:
+        """Why this layout cannot run on ``world`` workers (nodes x workers per node), each with the fix."""
+        tp, pp, dp = self.tp, self.pp, self.dp
+        if world % (tp * pp):
+            fit = max(d for d in range(1, world + 1) if world % d == 0 and d <= tp)
+            return [Problem("parallel.tp", f"TP x PP = {tp * pp} does not divide the {world} worker(s) of this job "
+                            "(nodes x workers per node)", str(fit), repr(tp))]
+        if dp and tp * dp * pp != world:
+            return [Problem("parallel.dp", f"TP={tp} x DP={dp} x PP={pp} = {tp * dp * pp} != world {world} "
+                            "(nodes x workers per node); DP=0 derives it", str(world // (tp * pp)), repr(dp))]
+        return []
+
+    def for_world(self, world: int) -> ParallelConfig:
+        """dp derived (0: world / (tp x pp)), shard_optimizer decided (None: dp > 1), vocab_parallel only with tp > 1."""
+        dp = self.dp or world // (self.tp * self.pp)
+        shard = self.shard_optimizer if self.shard_optimizer is not None else dp > 1
+        return dataclasses.replace(self, dp=dp, shard_optimizer=shard, vocab_parallel=self.vocab_parallel and self.tp > 1)
 
 
 @dataclass
@@ -163,18 +239,34 @@ class Recipe:
     export: ExportConfig = field(default_factory=ExportConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def resolved(self, world: int, device: str) -> Recipe:
+        """This recipe for ``world`` workers on ``device`` ('npu' | 'cpu'), every derived value explicit.
+
+        The launcher writes the result into plan.json; on a resolved recipe this only checks (the worker
+        calls it with the world msrun started). Raises :class:`ConfigError` naming each fix.
+        """
+        problems = self.parallel.world_problems(world) + self.train.device_problems(device)
+        if problems:
+            raise ConfigError(problems)
+        r = copy.deepcopy(self)
+        r.parallel = self.parallel.for_world(world)
+        r.train.precision = self.train.precision_on(device)
+        r.launch.device = device
+        return r
+
 
 # ---------------------------------------------------------------------------- parsing
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 def _example(tp: Any) -> str:
     return {int: "8", float: "2e-5", bool: "true", str: "text"}.get(tp, "[...]")
 
 
-def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+def _coerce(value: Any, tp: Any, key: str, problems: list[Problem]) -> Any:
     """Convert a YAML value or an override string to the annotated type."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -185,7 +277,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return _coerce(value, inner[0], key, problems)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            problems.append(f"{key}: expected a mapping of settings, got {value!r}")
+            problems.append(Problem(key, "expected a mapping of settings", value=repr(value)))
             return tp()
         return _build(tp, value, key + ".", problems)
     if tp is dict or origin is dict:
@@ -195,16 +287,16 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             except json.JSONDecodeError:
                 pass
         if not isinstance(value, dict):
-            problems.append(f"{key}: expected a mapping, got {value!r} (e.g. {key}='{{\"hidden_size\": 64}}')")
+            problems.append(Problem(key, "expected a mapping", "'{\"hidden_size\": 64}'", repr(value)))
             return None
         return value
     if origin is list:
         if isinstance(value, str):
             value = [v for v in (value.split(",") if value else [])]
         if not isinstance(value, (list, tuple)):
-            problems.append(f"{key}: expected a list, got {value!r} (e.g. {key}=a,b)")
+            problems.append(Problem(key, "expected a list", "a,b", repr(value)))
             return []
-        return [_coerce(v, args[0] if args else str, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        return [_coerce(v, args[0] if args else str, key, problems) for v in value]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -212,40 +304,37 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             return True
         if str(value).strip().lower() in _FALSE:
             return False
-        problems.append(f"{key}: expected true or false, got {value!r} (e.g. {key}=true)")
+        problems.append(Problem(key, "expected true or false", "true", repr(value)))
         return False
     if tp in (int, float):
-        if isinstance(value, bool):
-            problems.append(f"{key}: expected a number, got {value!r} (e.g. {key}={_example(tp)})")
-            return tp()
         try:
-            if tp is int:
-                f = float(value)
-                if f != int(f):
-                    raise ValueError
-                return int(f)
-            return float(value)
+            if isinstance(value, bool):
+                raise ValueError
+            f = float(value)
+            if not math.isfinite(f) or (tp is int and f != int(f)):
+                raise ValueError
+            return int(f) if tp is int else f
         except (TypeError, ValueError):
-            problems.append(f"{key}: expected {'an integer' if tp is int else 'a number'}, got {value!r} "
-                            f"(e.g. {key}={_example(tp)})")
+            what = "an integer" if tp is int else "a finite number"
+            problems.append(Problem(key, f"expected {what}", _example(tp), repr(value)))
             return tp()
     if tp is str:
         if isinstance(value, (dict, list)):
-            problems.append(f"{key}: expected text, got {value!r}")
+            problems.append(Problem(key, "expected text", value=repr(value)))
             return ""
         return "" if value is None else str(value)
     return value
 
 
-def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
+def _build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in raw.items():
         if k not in hints:
             close = difflib.get_close_matches(str(k), names, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(names)}"
-            problems.append(f"{prefix}{k}: unknown key{hint}")
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            problems.append(Problem(f"{prefix}{k}", f"unknown key; {hint}"))
             continue
         kwargs[k] = _coerce(v, hints[k], prefix + k, problems)
     return cls(**kwargs)
@@ -275,22 +364,23 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def parse_overrides(items: list[str]) -> tuple[dict[str, str], list[str]]:
+def parse_overrides(items: list[str]) -> tuple[dict[str, str], list[Problem]]:
     """``["train.lr=1e-5", ...]`` -> ``{"train.lr": "1e-5"}`` plus problems for malformed items."""
     flat, problems = {}, []
     for item in items:
-        if "=" not in item or item.startswith("="):
-            problems.append(f"override {item!r}: expected key=value (e.g. train.lr=1e-5)")
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not _KEY.fullmatch(key):
+            problems.append(Problem("", f"override {item!r}: expected key=value with a dotted recipe key "
+                                        "(e.g. train.lr=1e-5)"))
             continue
-        k, v = item.split("=", 1)
-        flat[k.strip()] = v
+        flat[key] = item.split("=", 1)[1]
     return flat, problems
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
     """A recipe name in recipes/ (with or without .yaml) or a path to a YAML file."""
     p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.exists():
+    if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
     for cand in (RECIPES_DIR / f"{name_or_path}.yaml", RECIPES_DIR / name_or_path, p):
         if cand.is_file():
@@ -299,36 +389,75 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     raise ConfigError([f"RECIPE={name_or_path!r}: no such recipe; use one of: {known}, or a path to a YAML file"])
 
 
+def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line of its value in a composed YAML mapping."""
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}{k.value}"
+            out[key] = k.start_mark.line + 1
+            out.update(_key_lines(v, key + "."))
+    return out
+
+
+def _read_recipe(path: Path) -> tuple[dict, dict[str, int]]:
+    """The recipe's mapping and the line of each key (``recipes/x.yaml:12`` in problems)."""
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text) or {}
+        lines = _key_lines(yaml.compose(text))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"{path}: unreadable ({e}); RECIPE names a recipe in recipes/ or a YAML file"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: a recipe is a mapping of sections (model:, data:, train:, ...)"])
+    return data, lines
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def overridden(key: str, keys: Iterable[str]) -> str | None:
+    """The override among ``keys`` that set ``key`` (itself, a parent or a child), or None."""
+    for k in keys:
+        if k == key or key.startswith(k + ".") or k.startswith(key + "."):
+            return k
+    return None
+
+
 def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | None = None,
-                raw: dict | None = None) -> Recipe:
+                raw: dict | None = None, render: Callable[[Problem], str] = Problem.text) -> Recipe:
     """Recipe YAML (or ``raw``) + dotted overrides -> validated :class:`Recipe`.
 
-    Raises :class:`ConfigError` listing every problem at once.
+    Raises :class:`ConfigError` listing every problem at once, one per key; a problem about a value
+    from the recipe file names its line, ``render`` words the rest (the launcher names env variables).
     """
-    problems: list[str] = []
+    problems: list[Problem] = []
     data: dict = {}
+    lines: dict[str, int] = {}
+    where = ""
     if raw is not None:
         data = raw
     elif name_or_path:
         path = resolve_recipe_path(name_or_path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
-        if not isinstance(data, dict):
-            raise ConfigError([f"{path}: a recipe is a mapping of sections (model:, data:, train:, ...)"])
+        data, lines = _read_recipe(path)
         data.setdefault("name", path.stem)
+        where = _shown(path)
     data = _merge(data, _nest(overrides or {}))
     recipe = _build(Recipe, data, "", problems)
-    problems += validate(recipe)
+    bad = {p.key for p in problems}
+    problems += [p for p in validate(recipe) if p.key not in bad]  # a value that failed to parse fails no range
     if problems:
-        raise ConfigError(problems)
+        over = list(overrides or {})
+        problems = [dataclasses.replace(p, where=f"{where}:{lines[p.key]}")
+                    if p.key in lines and not overridden(p.key, over) else p for p in problems]
+        raise ConfigError(problems, render)
     return recipe
-
-
-def _choice(problems: list[str], key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        problems.append(f"{key}={value!r}: must be one of {', '.join(allowed)} (e.g. {key}={allowed[0]})")
 
 
 def parse_size(text: str) -> int:
@@ -342,79 +471,112 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def validate(r: Recipe) -> list[str]:
-    """Cross-field checks that the types alone do not catch."""
-    p: list[str] = []
-    _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt"))
-    _choice(p, "train.schedule", r.train.schedule, ("cosine", "constant"))
-    _choice(p, "train.precision", r.train.precision, ("auto", "fp32", "bf16", "fp16"))
-    _choice(p, "export.dtype", r.export.dtype, ("bf16", "fp16", "fp32"))
-    _choice(p, "launch.device", r.launch.device, ("auto", "npu", "cpu"))
-    _choice(p, "launch.numa_bind", r.launch.numa_bind, ("auto", "numactl", "affinity", "off"))
-    for key, v, lo in (("data.seq_len", r.data.seq_len, 8), ("train.grad_accum", r.train.grad_accum, 1),
-                       ("train.micro_batch_size", r.train.micro_batch_size, 1),
-                       ("train.epochs", r.train.epochs, 1), ("train.log_every", r.train.log_every, 1),
-                       ("parallel.tp", r.parallel.tp, 1), ("parallel.pp", r.parallel.pp, 1),
-                       ("launch.nnodes", r.launch.nnodes, 1)):
+def _choice(p: list[Problem], key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        p.append(Problem(key, f"must be one of {', '.join(allowed)}", allowed[0], repr(value)))
+
+
+def _at_least(p: list[Problem], lo: float, example: str, **values: float) -> None:
+    for key, v in values.items():
         if v < lo:
-            p.append(f"{key}={v}: must be >= {lo} (e.g. {key}={max(lo, 1)})")
-    for key, v in (("train.max_steps", r.train.max_steps), ("train.warmup_steps", r.train.warmup_steps),
-                   ("train.save_every", r.train.save_every), ("parallel.dp", r.parallel.dp),
-                   ("launch.max_restarts", r.launch.max_restarts), ("launch.node_rank", r.launch.node_rank),
-                   ("data.max_tokens_per_batch", r.data.max_tokens_per_batch),
-                   ("train.loss_chunk_tokens", r.train.loss_chunk_tokens)):
-        if v < 0:
-            p.append(f"{key}={v}: must be >= 0 (e.g. {key}=0)")
-    if not (r.train.lr > 0):
-        p.append(f"train.lr={r.train.lr}: must be > 0 (e.g. train.lr=2e-5)")
-    if len(r.train.betas) != 2 or not all(0 <= b < 1 for b in r.train.betas):
-        p.append(f"train.betas={r.train.betas}: two numbers in [0, 1) (e.g. train.betas=0.9,0.999)")
+            p.append(Problem(key.replace("__", "."), f"must be >= {lo:g}", example, repr(v)))
+
+
+def validate(r: Recipe) -> list[Problem]:
+    """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
+    p: list[Problem] = []
+    t, c, L = r.train, r.data.clean, r.launch
+    _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt", "text"))
+    p += _validate_data_sources(r.data)
+    _choice(p, "train.schedule", t.schedule, ("cosine", "constant"))
+    _choice(p, "train.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
+    _choice(p, "export.dtype", r.export.dtype, ("bf16", "fp16", "fp32"))
+    _choice(p, "launch.device", L.device, ("auto", "npu", "cpu"))
+    _choice(p, "launch.numa_bind", L.numa_bind, ("auto", "numactl", "affinity", "off"))
+    _at_least(p, 1, "1", train__grad_accum=t.grad_accum, train__micro_batch_size=t.micro_batch_size,
+              train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,
+              train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp,
+              parallel__pp=r.parallel.pp, launch__nnodes=L.nnodes, launch__cluster_time_out=L.cluster_time_out,
+              data__clean__repeated_chars_max_run=c.repeated_chars_max_run)
+    _at_least(p, 8, "1024", data__seq_len=r.data.seq_len)
+    _at_least(p, 0, "0", train__max_steps=t.max_steps, train__warmup_steps=t.warmup_steps,
+              train__save_every=t.save_every, train__keep_checkpoints=t.keep_checkpoints, parallel__dp=r.parallel.dp,
+              launch__max_restarts=L.max_restarts, launch__node_rank=L.node_rank,
+              launch__nproc_per_node=L.nproc_per_node, data__max_tokens_per_batch=r.data.max_tokens_per_batch,
+              train__loss_chunk_tokens=t.loss_chunk_tokens, data__num_workers=r.data.num_workers,
+              data__max_samples=r.data.max_samples, data__clean__min_tokens=c.min_tokens,
+              data__clean__max_tokens=c.max_tokens, train__weight_decay=t.weight_decay, train__min_lr=t.min_lr,
+              train__clip_grad=t.clip_grad)
+    for key, v, example in (("train.lr", t.lr, "2e-5"), ("train.eps", t.eps, "1e-6"),
+                            ("train.loss_scale.initial", t.loss_scale.initial, "65536")):
+        if not v > 0:
+            p.append(Problem(key, "must be > 0", example, repr(v)))
+    if not t.loss_scale.growth_factor >= 1:
+        p.append(Problem("train.loss_scale.growth_factor", "must be >= 1", "2", repr(t.loss_scale.growth_factor)))
+    if not 0 < t.loss_scale.backoff_factor < 1:
+        p.append(Problem("train.loss_scale.backoff_factor", "a factor in (0, 1)", "0.5",
+                         repr(t.loss_scale.backoff_factor)))
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        p.append(Problem("train.betas", "two numbers in [0, 1)", "0.9,0.999", repr(t.betas)))
     if r.parallel.pp != 1:
-        p.append(f"parallel.pp={r.parallel.pp}: pipeline parallelism is not supported yet; "
-                 "use parallel.pp=1 with tensor parallelism (parallel.tp=2) instead")
-    c = r.data.clean
-    for key, v in (("data.num_workers", r.data.num_workers), ("data.max_samples", r.data.max_samples),
-                   ("data.clean.min_tokens", c.min_tokens), ("data.clean.max_tokens", c.max_tokens)):
-        if v < 0:
-            p.append(f"{key}={v}: must be >= 0 (e.g. {key}=0)")
+        p.append(Problem("parallel.pp", "pipeline parallelism is not supported yet; use parallel.pp=1 with "
+                                        "tensor parallelism (parallel.tp=2) instead", "1", repr(r.parallel.pp)))
     wm = r.data.worker_malloc
     if wm not in ("auto", "system") and not (wm.startswith("/") and ".so" in wm):
-        p.append(f"data.worker_malloc={wm!r}: auto, system or the absolute path of a malloc library "
-                 "(e.g. data.worker_malloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4)")
-    if c.repeated_chars_max_run < 1:
-        p.append(f"data.clean.repeated_chars_max_run={c.repeated_chars_max_run}: must be >= 1 "
-                 "(e.g. data.clean.repeated_chars_max_run=10)")
+        p.append(Problem("data.worker_malloc", "auto, system or the absolute path of a malloc library",
+                         "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", repr(wm)))
     if not 0 < c.mojibake_max_ratio <= 1:
-        p.append(f"data.clean.mojibake_max_ratio={c.mojibake_max_ratio}: a share in (0, 1] "
-                 "(e.g. data.clean.mojibake_max_ratio=0.3)")
+        p.append(Problem("data.clean.mojibake_max_ratio", "a share in (0, 1]", "0.3", repr(c.mojibake_max_ratio)))
     if any(w < 0 for w in r.data.weights):
-        p.append(f"data.weights={r.data.weights}: weights are >= 0 (e.g. data.weights=1,0.5)")
+        p.append(Problem("data.weights", "weights are >= 0", "1,0.5", repr(r.data.weights)))
     if r.data.weights and len(r.data.weights) != len(r.data.paths):
-        p.append(f"data.weights: {len(r.data.weights)} weights for {len(r.data.paths)} paths; "
-                 "give one weight per data.paths entry or none")
-    if not 1 <= r.launch.master_port <= 65535:
-        p.append(f"launch.master_port={r.launch.master_port}: a TCP port 1..65535 (e.g. 8118)")
-    if r.launch.node_rank >= r.launch.nnodes and not r.launch.hostfile:
-        p.append(f"launch.node_rank={r.launch.node_rank}: must be < launch.nnodes={r.launch.nnodes}")
+        p.append(Problem("data.weights", f"{len(r.data.weights)} weights for {len(r.data.paths)} paths; "
+                                         "give one weight per data.paths entry or none"))
+    if not 1 <= L.master_port <= 65535:
+        p.append(Problem("launch.master_port", "a TCP port 1..65535", "8118", repr(L.master_port)))
+    if L.node_rank >= L.nnodes and not L.hostfile:
+        p.append(Problem("launch.node_rank", f"must be < launch.nnodes={L.nnodes}", "0", repr(L.node_rank)))
     try:
         if parse_size(r.export.shard_size) <= 0:
             raise ValueError
-    except ValueError:
-        p.append(f"export.shard_size={r.export.shard_size!r}: a size like 2GB or 500MB")
+    except (ValueError, OverflowError):
+        p.append(Problem("export.shard_size", "a size like 2GB or 500MB", "2GB", repr(r.export.shard_size)))
+    return p
+
+
+def _validate_data_sources(d: DataConfig) -> list[Problem]:
+    """data.columns, data.on_error, data.val_size / data.val_paths."""
+    p: list[Problem] = []
+    _choice(p, "data.on_error", d.on_error, ("fail", "skip"))
+    for k, v in d.columns.items():
+        if k not in DATA_COLUMNS:
+            close = difflib.get_close_matches(str(k), DATA_COLUMNS, n=1)
+            p.append(Problem("data.columns", f"unknown field {k!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; keys are the formats' fields ({', '.join(DATA_COLUMNS)}), values your dataset's",
+                             """'{"instruction": "question", "output": "answer"}'"""))
+        elif not isinstance(v, str) or not v:
+            p.append(Problem(f"data.columns.{k}", "the name of a field of your records",
+                             f"""'{{"{k}": "my_{k}"}}'""", repr(v)))
+    if d.val_size < 0 or (d.val_size >= 1 and d.val_size != int(d.val_size)):
+        p.append(Problem("data.val_size", "a fraction below 1 (0.05: 5% of the samples) or a whole count "
+                                          "(200 samples) held out for validation; 0: none", "0.05", repr(d.val_size)))
+    if d.val_size and d.val_paths:
+        p.append(Problem("data.val_size", "data.val_size and data.val_paths both set: validate on held-out samples "
+                                          "(data.val_size) or on your own files (data.val_paths), not both", "0"))
     return p
 
 
 def resolved_model_dir(r: Recipe) -> str:
-    """model.dir, or <output_dir>/base-model for the created tiny default (model.init set)."""
+    """model.dir, or <output_dir>/base-model where the tiny default is created (no model.dir, model.init set)."""
     if r.model.dir:
         return r.model.dir
     return str(Path(r.output_dir) / "base-model") if r.model.init is not None else ""
 
 
+def creates_tiny_model(r: Recipe) -> bool:
+    """The seeded tiny model is created only where no model directory was given (never over MODEL_DIR)."""
+    return not r.model.dir and r.model.init is not None
+
+
 def to_dict(r: Any) -> dict:
     return dataclasses.asdict(r)
-
-
-def from_dict(d: dict) -> Recipe:
-    """Rebuild a Recipe from :func:`to_dict` output (e.g. the resolved recipe in plan.json)."""
-    return load_recipe(raw=d)

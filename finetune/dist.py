@@ -8,8 +8,9 @@ msrun 2.10 sets, per worker: ``MS_ROLE=MS_WORKER``, ``MS_WORKER_NUM`` (world siz
 contiguous ranks (inside one node when tp divides the local worker count) and a DP group is the
 ranks with the same tp_rank.
 
-Only the pure-Python parts (layout, group ranks) are importable without MindSpore; the collective
-helpers import it lazily so the launcher can use :func:`resolve_layout` for its plan.
+The layout (tp, dp) comes resolved in the plan (``Recipe.resolved``); a worker only checks that msrun
+started the world the plan was made for. The pure-Python parts (group ranks) import no MindSpore;
+the collective helpers import it lazily.
 """
 from __future__ import annotations
 
@@ -46,26 +47,16 @@ def under_msrun() -> bool:
     return "MS_ROLE" in os.environ and int(os.environ.get("MS_WORKER_NUM", "1")) >= 1
 
 
-def resolve_layout(world: int, tp: int, dp: int = 0, pp: int = 1) -> tuple[int, int]:
-    """Check ``world == tp * dp * pp`` (dp=0: derived) and return (tp, dp); ValueError names the fix."""
-    if pp != 1:
-        raise ValueError(f"parallel.pp={pp}: pipeline parallelism is not supported; use parallel.pp=1 "
-                         "and split the model with parallel.tp instead (e.g. parallel.tp=2)")
-    if tp < 1 or world % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide the {world} worker(s) of this job; use a tp that "
-                         f"divides the worker count (e.g. parallel.tp={_divisor(world)}) or change the number "
-                         "of workers (launch.nproc_per_node x launch.nnodes)")
-    if dp == 0:
-        dp = world // tp
+def launched_world() -> int:
+    """The number of workers msrun started (1 without msrun)."""
+    return int(os.environ["MS_WORKER_NUM"]) if under_msrun() else 1
+
+
+def check_world(world: int, tp: int, dp: int) -> None:
+    """ValueError naming the fix unless the plan's ``tp x dp`` is the world msrun started."""
     if tp * dp != world:
-        raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp} but the job has {world} worker(s) "
-                         f"(launch.nproc_per_node x launch.nnodes); set parallel.dp=0 to derive it "
-                         f"(here {world // tp}) or start {tp * dp} workers")
-    return tp, dp
-
-
-def _divisor(world: int) -> int:
-    return 2 if world % 2 == 0 and world > 1 else 1
+        raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp} but the job has {world} worker(s): the "
+                         "plan was made for another world; make it again for this one (python -m launcher plan)")
 
 
 def tp_group_ranks(rank: int, tp: int) -> list[int]:
@@ -84,18 +75,16 @@ def group_name(kind: str, ranks: list[int]) -> str:
     return f"{kind}-" + "-".join(str(r) for r in ranks)
 
 
-def init_distributed(tp: int = 1, dp: int = 0, device_target: str = "CPU", pp: int = 1) -> RankInfo:
-    """Initialise collectives when launched by msrun and build the TP/DP groups.
+def init_distributed(tp: int = 1, dp: int = 1, device_target: str = "CPU") -> RankInfo:
+    """Initialise collectives when launched by msrun and build the TP/DP groups of the plan's layout.
 
     Single process (no msrun): world 1, no groups, nothing initialised. A group spanning all ranks
     is the backend's world group (not a created sub-group), so world-only collectives can use it.
     """
+    world_env = launched_world()
+    check_world(world_env, tp, dp)  # fail fast, before connecting to anyone
     if not under_msrun():
-        if tp != 1 or dp not in (0, 1) or pp != 1:
-            resolve_layout(1, tp, dp, pp)  # raises with the fix
         return RankInfo(device_target=device_target)
-    world_env = int(os.environ["MS_WORKER_NUM"])
-    tp, dp = resolve_layout(world_env, tp, dp, pp)  # fail fast, before connecting to anyone
     local_rank = int(os.environ.get("DEVICE_ID", "0"))
 
     import mindspore as ms

@@ -15,8 +15,8 @@ from mindspore import ops
 
 from finetune.checkpoint import (TrainerState, checkpoint_root, find_latest, load_checkpoint,
                                  save_checkpoint)
-from finetune.config import Recipe, resolved_model_dir
-from finetune.dist import RankInfo, barrier, init_distributed
+from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
+from finetune.dist import RankInfo, barrier, init_distributed, launched_world
 from finetune.metrics import MetricsWriter, log, progress_line, summarize
 from finetune.optim import LossScaler, build_optimizer, lr_at
 
@@ -30,15 +30,9 @@ def device_target(recipe: Recipe) -> str:
     return "Ascend" if glob.glob("/dev/davinci[0-9]*") else "CPU"
 
 
-def compute_dtype(recipe: Recipe, device: str):
-    """The dtype of weights and matmuls (fp32 master weights live in the optimizer)."""
-    precision = recipe.train.precision
-    if precision == "auto":
-        precision = "bf16" if device == "Ascend" else "fp32"
-    if precision == "bf16" and device == "CPU":
-        raise ValueError("train.precision=bf16: the CPU has no bf16 matmul; use train.precision=fp32 "
-                         "(or fp16) on CPU, bf16 on Ascend")
-    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[precision]
+def compute_dtype(recipe: Recipe):
+    """The dtype of weights and matmuls of a resolved recipe (fp32 master weights live in the optimizer)."""
+    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[recipe.train.precision]
 
 
 class _StopFlag:
@@ -71,27 +65,29 @@ def _world_any(flag: bool, rank: RankInfo) -> bool:
 
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
-    from finetune.data.cache import ensure_cache
+    from finetune.data.prepare import ensure_cache
     from finetune.data.batching import BatchLoader
     from finetune.hf_io import export_hf, load_hf_config, load_weights
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
     t_start = time.time()
     device = device_target(recipe)
+    # the plan's recipe is resolved already: this only checks it against the world msrun started
+    recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target=device)
     rank = init_distributed(recipe.parallel.tp, recipe.parallel.dp, device)
     say = log if rank.is_main else (lambda msg: None)
     out = Path(recipe.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tc = recipe.train
-    dtype = compute_dtype(recipe, device)
+    dtype = compute_dtype(recipe)
     head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     say(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
         f"{head}), compute dtype {dtype}, output {out}")
 
     # --- model directory (created once for the embedded default) and data cache
     model_dir = Path(resolved_model_dir(recipe))
-    if recipe.model.init is not None and rank.local_rank == 0:
+    if creates_tiny_model(recipe) and rank.local_rank == 0:
         from finetune.tiny import ensure_tiny_model
 
         if ensure_tiny_model(model_dir, recipe.model.init, recipe.model.init_seed):
@@ -114,7 +110,7 @@ def run(recipe: Recipe) -> int:
     load_weights(model, model_dir, rank)
     params = model.trainable_params()
     model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
-    shard = recipe.parallel.shard_optimizer if recipe.parallel.shard_optimizer is not None else rank.dp > 1
+    shard = recipe.parallel.shard_optimizer
     opt = build_optimizer(params, tc, rank, shard=shard)
     scaler = LossScaler(tc.loss_scale, enabled=dtype == ms.float16)
     n_params = sum(int(np.prod(p.shape)) for p in params)

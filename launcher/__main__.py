@@ -1,15 +1,6 @@
 """ascend-finetune launcher: environment -> recipe -> plan -> preflight -> msrun -> supervise.
 
-    python -m launcher {train,plan,preflight,prepare-data,generate,render} [--recipe R] [key=value ...]
-
 Runs once per node, host side; never imports mindspore. Precedence: CLI ``key=value`` > environment
-> recipe > schema defaults (finetune/config.py). The CLI also takes the variable names below
-(``train TP=2``). Empty variables count as unset. All bad settings are
-reported at once, each naming the variable or key and an example fix.
-
-Environment contract (the README table mirrors this one):
-
-==================== ======================== ===============================================================
 variable             recipe key               meaning
 ==================== ======================== ===============================================================
 RECIPE               (recipe)                 name in recipes/ or a YAML path; default qwen2.5-7b-full when
@@ -35,13 +26,18 @@ HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE passed through to workers unchange
 ASCEND_VISIBLE_DEVICES                        physical NPU ids (0-3, 0,2,4); read, not set
 ASCEND_RT_VISIBLE_DEVICES                     logical NPU ids; read; set for workers when a subset is used
 ==================== ======================== ===============================================================
+=======
+> recipe > schema defaults (finetune/config.py). The CLI also takes the variable names
+(``train TP=2 RECIPE=tiny-cpu``). Empty variables count as unset. All bad settings are reported at
+once, each naming the variable or key and an example fix. The environment contract is the table
+``launcher.settings.ENV_CONTRACT`` (printed by ``--help``; the README's table is generated from it).
 
 Cluster detection, first match wins (logged with the reason): explicit NNODES / NODE_RANK /
 MASTER_ADDR; Volcano (VC_TASK_INDEX, VC_<TASK>_HOSTS, VC_<TASK>_NUM, /etc/volcano/<task>.host);
 AscendJob (MS_SCHED_HOST, MS_SCHED_PORT, MS_WORKER_NUM = NPUs in the job, MS_LOCAL_WORKER,
 MS_NODE_RANK, RANK_TABLE_FILE waited for until "status": "completed"); torchrun / Kubeflow
 (MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK counting nodes, PET_NNODES, PET_NODE_RANK,
-PET_NPROC_PER_NODE); HOSTFILE; else one node.
+PET_NPROC_PER_NODE); HOSTFILE (NODE_RANK, when set, picks this node's line); else one node.
 
 Variables the launcher sets for every worker: PATH (the venv's bin first: msrun starts bare
 ``python``), PYTHONPATH (repo root first), PYTHONUNBUFFERED=1, HCCL_CONNECT_TIMEOUT and
@@ -59,16 +55,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config import REPO_ROOT, ConfigError, Recipe, resolved_model_dir, to_dict
+from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import ascendjob, launch, numa, preflight, settings
-
-COMMANDS = ("train", "plan", "preflight", "prepare-data", "generate", "render")
 
 
 def log(msg: str) -> None:
@@ -88,11 +82,12 @@ class Host:
     npu_smi: deviceslib.NpuSmi | None = deviceslib.run_npu_smi
     have_numactl: bool | None = None
     command: list[str] | None = None  # replaces the msrun / worker argv (tests use a stub)
+    cwd: Path | None = None  # where relative output paths resolve (None: the current directory)
 
 
 @dataclass
 class Job:
-    recipe: Recipe
+    recipe: Recipe  # resolved for this job's world and device (Recipe.resolved)
     devices: deviceslib.Devices
     cluster: clusterlib.Cluster
     nproc: int
@@ -102,33 +97,20 @@ class Job:
     log_dir: Path
     plan_path: Path
 
-
-def _optional(module: str, name: str):
-    """A function from a module another engineer writes; None until it exists."""
-    try:
-        return getattr(__import__(module, fromlist=[name]), name)
-    except (ImportError, AttributeError):
-        return None
+    @property
+    def world(self) -> int:
+        return self.plan["topology"]["world_size"]
 
 
-def memory_summary(recipe: Recipe, nproc: int, has_npu: bool) -> dict:
-    est_fn = _optional("finetune.memory", "estimate_memory")
+def memory_summary(recipe: Recipe) -> dict:
+    """The estimate's parts in bytes for the resolved recipe, or why there is none."""
     cfg = preflight.model_config(recipe)
-    if est_fn is None or cfg is None:
-        return {"unavailable": "no config.json yet" if cfg is None else "finetune.memory missing"}
-    tp = recipe.parallel.tp
-    dp = recipe.parallel.dp or max(1, recipe.launch.nnodes * nproc // tp)
-    precision = recipe.train.precision if recipe.train.precision != "auto" else ("bf16" if has_npu else "fp32")
+    if cfg is None:
+        return {"unavailable": "no config.json yet"}
     try:
-        est = est_fn(cfg, seq_len=recipe.data.seq_len, micro_batch_size=recipe.train.micro_batch_size, tp=tp, dp=dp,
-                     precision=precision, recompute=recipe.train.recompute,
-                     shard_optimizer=bool(recipe.parallel.shard_optimizer if recipe.parallel.shard_optimizer
-                                          is not None else dp > 1), vocab_parallel=recipe.parallel.vocab_parallel,
-                     loss_chunk_tokens=recipe.train.loss_chunk_tokens)
-    except NotImplementedError:
-        return {"unavailable": "finetune.memory.estimate_memory not implemented yet"}
-    except ValueError as e:  # a layout the model cannot take; preflight's layout check names the fix
-        return {"unavailable": str(e)}
+        est = preflight.memory_estimate(recipe, cfg)
+    except (ValueError, KeyError, TypeError) as e:  # a layout or config.json the estimate cannot take
+        return {"unavailable": f"{type(e).__name__}: {e}"}
     return {k: getattr(est, k) for k in ("weights", "grads", "master", "optimizer", "activations", "workspace",
                                          "total")}
 
@@ -138,29 +120,53 @@ def memory_line(mem: dict, recipe: Recipe) -> str:
     if "total" not in mem:
         return f"memory: no estimate ({mem.get('unavailable')})"
     parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
-    head = "vocab-parallel" if recipe.parallel.vocab_parallel and recipe.parallel.tp > 1 else "replicated"
+    t = recipe.train
     return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
-            f"(embedding/LM head {head}, seq_len {recipe.data.seq_len}, micro batch {recipe.train.micro_batch_size}, "
-            f"recompute {str(recipe.train.recompute).lower()}, loss over chunks of "
-            f"{recipe.train.loss_chunk_tokens or 'all'} tokens)")
+            f"(embedding/LM head {'vocab-parallel' if recipe.parallel.vocab_parallel else 'replicated'}, "
+            f"seq_len {recipe.data.seq_len}, micro batch {t.micro_batch_size}, recompute {str(t.recompute).lower()}, "
+            f"loss over chunks of {t.loss_chunk_tokens or 'all'} tokens)")
 
 
-def _abs(path: str) -> str:
-    """Absolute path: as given from the current directory, else relative to the repo (bundled assets)."""
+def _input(path: str) -> str:
+    """An input path: as given from the current directory, else relative to the repo (bundled assets)."""
     p = Path(path).expanduser()
     if p.is_absolute() or p.exists() or not (REPO_ROOT / p).exists():
         return str(p.resolve())
     return str((REPO_ROOT / p).resolve())
 
 
-def absolutize(recipe: Recipe) -> Recipe:
-    """Workers run inside the output dir: every path in the recipe becomes absolute."""
-    recipe.output_dir = _abs(recipe.output_dir)
-    recipe.model.dir = _abs(recipe.model.dir) if recipe.model.dir else ""
-    recipe.data.paths = [_abs(p) for p in recipe.data.paths]
-    recipe.data.cache_dir = _abs(recipe.data.cache_dir) if recipe.data.cache_dir else ""
-    recipe.launch.hostfile = _abs(recipe.launch.hostfile) if recipe.launch.hostfile else ""
+def absolutize(recipe: Recipe, cwd: Path) -> Recipe:
+    """Workers run inside the output dir: every path becomes absolute. Outputs (output_dir,
+    data.cache_dir) resolve against ``cwd`` always; inputs against ``cwd``, else the repo (bundled assets)."""
+    recipe.output_dir = str((cwd / Path(recipe.output_dir).expanduser()).resolve())
+    recipe.data.cache_dir = str((cwd / Path(recipe.data.cache_dir).expanduser()).resolve()) \
+        if recipe.data.cache_dir else ""
+    recipe.model.dir = _input(recipe.model.dir) if recipe.model.dir else ""
+    recipe.data.paths = [_input(p) for p in recipe.data.paths]
+    recipe.data.val_paths = [_input(p) for p in recipe.data.val_paths]
+    recipe.launch.hostfile = _input(recipe.launch.hostfile) if recipe.launch.hostfile else ""
     return recipe
+
+
+def _needs_master(recipe: Recipe, s: settings.Settings, cluster: clusterlib.Cluster) -> list[Problem]:
+    """Several nodes need node 0's address on every node: refused now, not after msrun's cluster timeout."""
+    if recipe.launch.nnodes > 1 and "launch.master_addr" not in {**s.overrides, **cluster.overrides()}:
+        return [Problem("", f"launch.nnodes={recipe.launch.nnodes} but no MASTER_ADDR: every node needs node 0's "
+                            "address (e.g. MASTER_ADDR=10.0.0.1, the same on every node), or a HOSTFILE")]
+    return []
+
+
+def _output_problems(out: Path) -> list[Problem]:
+    """OUTPUT_DIR must be a directory this user can create or write (checked before anything is written)."""
+    fix = dict(key="output_dir", example="/data/output/run1", value=repr(str(out)))
+    near = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
+    if not near.is_dir():
+        what = "is a file" if near == out else f"is inside {near}, which is a file"
+        return [Problem(message=f"{what}, not a directory", **fix)]
+    if not os.access(near, os.W_OK | os.X_OK):
+        return [Problem(message=f"{near} is not writable by this user (uid {os.getuid()}); use a writable "
+                                "directory or mount a volume there", **fix)]
+    return []
 
 
 def resolve(args: argparse.Namespace, host: Host) -> Job:
@@ -169,14 +175,23 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     s = settings.collect(host.env, args.overrides, args.recipe, devs.has_npu)
     first = settings.load(s)
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
-    recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first)
-    device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
+    cwd, given_output = host.cwd or Path.cwd(), first.output_dir
+    recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
+    device = devs.worker_device(recipe.launch.device, scheduler=clus.role == "scheduler")
     nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
+    world = recipe.launch.nnodes * nproc
+    try:
+        problems = (_needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
+                    + devs.missing(device, recipe.name, scheduler=clus.role == "scheduler"))
+        recipe = recipe.resolved(world, device)
+    except ConfigError as e:
+        problems += e.items
+    if problems:
+        raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
-    out = Path(recipe.output_dir).resolve()
+    out = Path(recipe.output_dir)
     log_dir, plan_path = out / "logs", out / "plan.json"
-    world = recipe.launch.nnodes * nproc
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
@@ -184,23 +199,24 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     rd = to_dict(recipe)
     rd["model"]["dir"] = resolved_model_dir(recipe)
-    rd["launch"].update(device=device if recipe.launch.device == "auto" else recipe.launch.device,
-                        nproc_per_node=nproc)
+    rd["launch"]["nproc_per_node"] = nproc
+    p = recipe.parallel
     plan = {
         "recipe": rd,
         "topology": {"nnodes": recipe.launch.nnodes, "node_rank": recipe.launch.node_rank,
                      "nproc_per_node": nproc, "world_size": world, "master_addr": recipe.launch.master_addr,
-                     "master_port": recipe.launch.master_port, "tp": recipe.parallel.tp, "pp": recipe.parallel.pp,
-                     "dp": recipe.parallel.dp or max(1, world // (recipe.parallel.tp * recipe.parallel.pp))},
+                     "master_port": recipe.launch.master_port, "tp": p.tp, "pp": p.pp, "dp": p.dp},
         "ranks": [{"local_rank": i, "global_rank": recipe.launch.node_rank * nproc + i,
                    "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
         "binding": {**binding, "ranks": numa.to_json(ranks, nodes)},
-        "memory": memory_summary(recipe, nproc, devs.has_npu),
+        "memory": memory_summary(recipe),
         "msrun_argv": argv,
         "worker_env": launch.set_vars(env, host.env),
         "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
                     "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(recipe.launch.device, recipe.name),
                     "device_notes": devs.notes,
+                    "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
+                                  f"a relative path is relative to the current directory ({cwd})",
                     "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
                                                              "msrun scheduler"},
     }
@@ -210,139 +226,218 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     return Job(recipe, devs, clus, nproc, plan, argv, env, log_dir, plan_path)
 
 
-def print_plan(job: Job, full: bool = True) -> None:
-    """Log the resolved plan with the reason for each detected value; ``full`` also prints plan.json."""
+def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
+    """The resolved plan, one line per decision with its reason."""
     p = job.plan
-    log(f"recipe: {p['sources']['recipe']}")
-    log(f"cluster: {p['sources']['cluster']}")
-    log(f"devices: {p['sources']['devices']}")
+    say(f"recipe: {p['sources']['recipe']}")
+    say(f"cluster: {p['sources']['cluster']}")
+    say(f"devices: {p['sources']['devices']}")
     for n in p["sources"]["device_notes"]:
-        log(f"  {n}")
-    t = p["topology"]
-    log(f"topology: {t['nnodes']} node(s) x {t['nproc_per_node']} worker(s) = world {t['world_size']} "
+        say(f"  {n}")
+    t, r = p["topology"], job.recipe
+    say(f"topology: {t['nnodes']} node(s) x {t['nproc_per_node']} worker(s) = world {t['world_size']} "
         f"(TP {t['tp']} x DP {t['dp']} x PP {t['pp']}); this node {t['node_rank']}; master "
         f"{t['master_addr']}:{t['master_port']}")
-    log(f"binding ({p['binding']['method']}, allowed CPUs {p['binding']['allowed_cpus']} from "
+    say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
+        f"{'sharded over DP' if r.parallel.shard_optimizer else 'replicated'}")
+    say(f"output: {p['sources']['output_dir']}")
+    say(f"binding ({p['binding']['method']}, allowed CPUs {p['binding']['allowed_cpus']} from "
         f"{p['binding']['allowed_from']}):")
-    for r in p["binding"]["ranks"]:
-        log(f"  {r['applied']}")
-    log(memory_line(p["memory"], job.recipe))
-    log(f"launch ({p['sources']['launch_mode']}): {json.dumps(p['msrun_argv'])}")
-    log(f"worker env: {json.dumps(p['worker_env'])}")
-    if full:
-        print(json.dumps(p, indent=2, default=str), flush=True)
+    for rk in p["binding"]["ranks"]:
+        say(f"  {rk['applied']}")
+    say(memory_line(p["memory"], job.recipe))
+    say(f"launch ({p['sources']['launch_mode']}): {json.dumps(p['msrun_argv'])}")
+    say(f"worker env: {json.dumps(p['worker_env'])}")
 
 
 def ensure_model(recipe: Recipe) -> None:
-    """Create the seeded tiny model (model.init) when the model dir has no config.json."""
+    """Create the seeded tiny model where no model dir was given (model.init), once."""
+    if not creates_tiny_model(recipe):
+        return
+    from finetune.tiny import ensure_tiny_model
+
     mdir = resolved_model_dir(recipe)
-    if recipe.model.init is None or (Path(mdir) / "config.json").exists():
-        return
-    fn = _optional("finetune.tiny", "ensure_tiny_model")
-    if fn is None:
-        log("finetune.tiny.ensure_tiny_model not available yet: the tiny model is not created")
-        return
-    log(f"creating the tiny model in {mdir} (seed {recipe.model.init_seed})")
-    fn(mdir, recipe.model.init, recipe.model.init_seed)
+    if ensure_tiny_model(mdir, recipe.model.init, recipe.model.init_seed):
+        log(f"created the tiny model in {mdir} (seed {recipe.model.init_seed})")
 
 
 def run_preflight(job: Job, host: Host) -> bool:
-    ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root,
-                            data_checker=_optional("finetune.data.formats", "check_data"),
-                            memory_estimator=_optional("finetune.memory", "estimate_memory"))
+    from finetune.data.formats import check_data
+
+    ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root, data_checker=check_data)
     rows = ascendjob.scheduler_checks(ctx, job.cluster) if job.nproc == 0 else preflight.run_checks(ctx)
     print(preflight.table(rows), flush=True)
     return not preflight.failed(rows)
 
 
 def prepare_data(recipe: Recipe) -> int:
-    fresh = _optional("finetune.data.cache", "cache_is_fresh")
-    prep = _optional("finetune.data.prepare", "main")
-    if prep is None:
-        log("finetune.data.prepare not available yet: skipping data preparation")
+    """prepare-data: build the token cache unless a fresh one exists (finetune.data.prepare decides)."""
+    from finetune.data.prepare import main as prepare_main
+
+    return prepare_main(recipe, table_when_fresh=False)
+
+
+# ------------------------------------------------------------------------------------ commands
+
+def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
+    """Write plan.json; print the plan (``--json``: the JSON alone, for jq)."""
+    launch.write_plan(job.plan_path, job.plan)
+    if getattr(args, "json", False):
+        print(json.dumps(job.plan, indent=2, default=str), flush=True)
         return 0
-    tok_for = _optional("finetune.data.prepare", "tokenizer_path_for")
-    try:
-        tok = tok_for(recipe) if tok_for else Path(resolved_model_dir(recipe)) / "tokenizer.json"
-    except ConfigError as e:
-        print(f"[launcher] {e}", file=sys.stderr)
-        return 2
-    if fresh is not None and fresh(recipe, tok):
-        log("data cache is fresh")
-        return 0
-    log("preparing data (cache missing or stale)")
-    return int(prep(recipe) or 0)
+    print_plan(job)
+    log(f"plan written to {job.plan_path}")
+    print(json.dumps(job.plan, indent=2, default=str), flush=True)
+    return 0
 
 
-def _is_override(item: str) -> bool:
-    """``train.lr=1e-5`` / ``output_dir=x``: a recipe key (first part a Recipe field) followed by '='."""
-    key = item.split("=", 1)[0]
-    return "=" in item and key.split(".")[0] in Recipe.__dataclass_fields__
+def cmd_prepare_data(job: Job, args: argparse.Namespace, host: Host) -> int:
+    return prepare_data(job.recipe)
 
 
-def main(argv: list[str] | None = None, host: Host | None = None) -> int:
-    host = host or Host()
-    ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=COMMANDS)
-    ap.add_argument("--recipe", default=None, help="recipe name in recipes/ or a YAML path (env RECIPE)")
-    ap.add_argument("overrides", nargs="*", help="key=value recipe overrides (beat the environment)")
-    args, rest = ap.parse_known_intermixed_args(argv)  # overrides may follow --recipe
-    if args.command in ("render", "generate"):  # their own options follow; recipe key=value items stay ours
-        raw = list(sys.argv[1:] if argv is None else argv)
-        mixed = raw[raw.index(args.command) + 1:]
-        for i, a in enumerate(mixed):  # --recipe is ours too
-            if a == "--recipe":
-                del mixed[i:i + 2]
-                break
-            if a.startswith("--recipe="):
-                del mixed[i]
-                break
-        args.overrides = [a for a in mixed if _is_override(a)]
-        rest = [a for a in mixed if not _is_override(a)]
-    elif rest:
-        ap.error(f"unknown options {rest}")
-    try:
-        job = resolve(args, host)
-    except (ConfigError, clusterlib.ClusterError) as e:
-        print(f"[launcher] {e}", file=sys.stderr)
-        return 2
-    if args.command == "plan" or (args.command == "train" and job.recipe.launch.dry_run):
-        print_plan(job)
-        return 0
-    if args.command == "render":
-        fn = _optional("launcher.render", "main")
-        if fn is None:
-            log("launcher.render is not available in this build")
-            return 2
-        return int(fn(rest, overrides=args.overrides, recipe_arg=args.recipe))
-    if args.command == "generate":
-        script = REPO_ROOT / "finetune" / "generate.py"
-        if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model
-            hf = Path(job.recipe.output_dir) / "hf"
-            rest = ["--model-dir", str(hf if (hf / "config.json").exists() else resolved_model_dir(job.recipe)), *rest]
-        return subprocess.call([sys.executable, str(script), *rest], env=job.env)
-    if args.command == "prepare-data":
-        return prepare_data(job.recipe)
-    ensure_model(job.recipe)
-    ok = run_preflight(job, host)
-    if args.command == "preflight":
-        return 0 if ok else 1
-    if not ok:
+def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
+    return 0 if run_preflight(job, host) else 1
+
+
+def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
+    if job.recipe.launch.dry_run:
+        return cmd_plan(job, args, host)
+    if not run_preflight(job, host):
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
+    ensure_model(job.recipe)
     if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
         rc = prepare_data(job.recipe)
         if rc:
             return rc
     launch.write_plan(job.plan_path, job.plan)
-    print_plan(job, full=False)
-    log(f"plan written to {job.plan_path}; starting {'msrun' if len(job.argv) > 4 else 'the worker'}")
+    print_plan(job)
+    log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
     return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                            cwd=job.plan_path.parent,
-                            tee_to=job.log_dir / "worker_0.log" if job.plan["topology"]["world_size"] == 1 else None,
-                            signal_workers_only=job.plan["topology"]["world_size"] > 1)
+                            cwd=job.plan_path.parent, tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+                            signal_workers_only=job.world > 1)
+
+
+def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
+    from launcher import render
+
+    return int(render.main(args.rest, host.env, overrides=args.overrides, recipe_arg=args.recipe))
+
+
+def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
+    rest = args.rest
+    if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model
+        hf = Path(job.recipe.output_dir) / "hf"
+        rest = ["--model-dir", str(hf if (hf / "config.json").exists() else resolved_model_dir(job.recipe)), *rest]
+    return subprocess.call([sys.executable, str(GENERATE), *rest], env=job.env)
+
+
+GENERATE = REPO_ROOT / "finetune" / "generate.py"
+# name -> (handler, one-line help, passes its own options through to a tool with its own --help)
+COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
+    "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
+                         "and supervise it", False),
+    "plan": (cmd_plan, "resolve env + recipe + cluster into OUTPUT_DIR/plan.json and print it; start nothing",
+             False),
+    "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
+    "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
+    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job) for this job", True),
+    "generate": (cmd_generate, "answer a prompt with the fine-tuned (else the base) model", True),
+}
+
+
+def _env_help() -> str:
+    rows = [f"  {var:<24} {key or '-':<22} {meaning.replace('`', '').replace(chr(92), '')}"
+            for var, key, meaning in settings.ENV_CONTRACT]
+    return "environment (variable, recipe key, meaning):\n" + "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One subparser per command, each with its own --help; commands that wrap a tool pass its options on."""
+    ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0],
+                                 epilog=_env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (_, text, passthrough) in COMMANDS.items():
+        sp = sub.add_parser(name, help=text, description=text, add_help=not passthrough,
+                            epilog=_env_help() if not passthrough else None,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.add_argument("--recipe", default=None, help="recipe name in recipes/ or a YAML path (env RECIPE)")
+        if not passthrough:
+            sp.add_argument("overrides", nargs="*", metavar="key=value",
+                            help="recipe overrides (train.lr=1e-5) or variables (TP=2); beat the environment")
+    sub.choices["plan"].add_argument("--json", action="store_true", help="print the plan JSON alone (for jq)")
+    return ap
+
+
+def _is_setting(item: str) -> bool:
+    """``train.lr=1e-5`` / ``TP=2`` / ``RECIPE=x``: a recipe key or a contract variable followed by '='."""
+    key = item.split("=", 1)[0]
+    return "=" in item and (key.split(".")[0] in Recipe.__dataclass_fields__ or key in settings.ENV_KEYS
+                            or key == "RECIPE")
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Commands of our own take settings anywhere; a wrapping command's other items go to its tool."""
+    args, rest = ap.parse_known_args(argv)
+    if COMMANDS[args.command][2]:
+        args.overrides = [a for a in rest if _is_setting(a)]
+        args.rest = [a for a in rest if not _is_setting(a)]
+    else:
+        args.overrides += [a for a in rest if _is_setting(a)]
+        unknown = [a for a in rest if not _is_setting(a)]
+        if unknown:
+            ap.parse_args([args.command, *unknown])  # exits 2 naming them, with the command's usage
+    return args
+
+
+def help_of_tool(command: str) -> int:
+    """``render --help`` / ``generate --help``: the tool's own options, after ours."""
+    print(f"python -m launcher {command} [--recipe R] [key=value ...] <{command} options>:\n"
+          f"  {COMMANDS[command][1]}; recipe settings as for train, then:\n", flush=True)
+    if command == "render":
+        from launcher import render
+
+        try:
+            render.parse_args(["--help"])
+        except SystemExit as e:
+            return int(e.code or 0)
+    return subprocess.call([sys.executable, str(GENERATE), "--help"])
+
+
+def main(argv: list[str] | None = None, host: Host | None = None) -> int:
+    host = host or Host()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    if not argv:
+        ap.print_help()
+        return 2
+    args = parse(ap, argv)
+    if COMMANDS[args.command][2] and any(a in ("-h", "--help") for a in args.rest):
+        return help_of_tool(args.command)
+    if args.command == "render":  # a manifest for the cluster's pods: nothing of this host is resolved
+        return cmd_render(None, args, host)
+    try:
+        job = resolve(args, host)
+    except (ConfigError, clusterlib.ClusterError) as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 2
+    return COMMANDS[args.command][0](job, args, host)
+
+
+def console_main() -> int:
+    """main() with no traceback on the console: an unexpected error is one line, its traceback in a file."""
+    try:
+        return main()
+    except Exception as e:  # noqa: BLE001 - the last line of defence; every expected error is handled above
+        import tempfile
+        import traceback
+
+        fd, path = tempfile.mkstemp(prefix="launcher-error-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            traceback.print_exc(file=f)
+        print(f"[launcher] error: {type(e).__name__}: {e} (full traceback in {path})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -49,13 +49,17 @@ class ClusterError(ValueError):
 
 
 def own_identities() -> set[str]:
-    """This host's names and addresses (hostname, FQDN, resolved IPs)."""
+    """This host's names and addresses (hostname, FQDN, resolved IPs, every interface's address)."""
+    import psutil
+
     names = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"}
     for n in list(names):
         try:
             names.update(i[4][0] for i in socket.getaddrinfo(n, None))
         except OSError:
             pass
+    names.update(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family in (socket.AF_INET, socket.AF_INET6))
     return {n for n in names if n}
 
 
@@ -71,8 +75,13 @@ def _matches(host: str, me: set[str]) -> bool:
     return host in me or host.split(".")[0] in {m.split(".")[0] for m in me if not m[0].isdigit()}
 
 
-def from_explicit(env: Mapping[str, str]) -> Cluster | None:
-    """NNODES / NODE_RANK set by the user (MASTER_ADDR alone too, unless torchrun variables exist)."""
+def from_explicit(env: Mapping[str, str], hostfile: str | None = None) -> Cluster | None:
+    """NNODES / NODE_RANK set by the user (MASTER_ADDR alone too, unless torchrun variables exist).
+
+    With a hostfile the hostfile describes the cluster (NODE_RANK then picks this node's line).
+    """
+    if hostfile:
+        return None
     torch_vars = any(env_value(env, v) for v in ("WORLD_SIZE", "RANK", "PET_NNODES", "PET_NODE_RANK"))
     if not (env_value(env, "NNODES") or env_value(env, "NODE_RANK")
             or (env_value(env, "MASTER_ADDR") and not torch_vars)):
@@ -203,20 +212,25 @@ def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
     return out
 
 
-def from_hostfile(hostfile: str | None, me: set[str]) -> Cluster | None:
-    """A hostfile: the first host is the master; this node is the line matching its names/addresses."""
+def from_hostfile(hostfile: str | None, me: set[str], node_rank: int | None = None) -> Cluster | None:
+    """A hostfile: the first host is the master; this node is line ``node_rank`` (NODE_RANK) when given,
+    else the line matching one of its names/addresses."""
     if not hostfile:
         return None
     path = Path(hostfile)
     if not path.is_file():
         raise ClusterError(f"HOSTFILE={hostfile}: no such file; point it at e.g. hostfiles/two-nodes.txt")
     entries = parse_hostfile(path)
-    mine = [i for i, (h, _) in enumerate(entries) if _matches(h, me)]
+    if node_rank is not None and not 0 <= node_rank < len(entries):
+        raise ClusterError(f"NODE_RANK={node_rank}: HOSTFILE={hostfile} lists {len(entries)} node(s); "
+                           f"use 0..{len(entries) - 1}")
+    mine = [node_rank] if node_rank is not None else [i for i, (h, _) in enumerate(entries) if _matches(h, me)]
     if not mine:
         raise ClusterError(f"HOSTFILE={hostfile}: none of its hosts ({', '.join(h for h, _ in entries)}) is this "
                            f"machine ({', '.join(sorted(me))}); list this host's name or address, or set NODE_RANK")
     me_entry = entries[mine[0]][0]
-    return Cluster("hostfile", f"{hostfile}: this host is entry {mine[0] + 1} of {len(entries)} ({me_entry})",
+    how = "NODE_RANK" if node_rank is not None else "matched this host's names/addresses"
+    return Cluster("hostfile", f"{hostfile}: this host is entry {mine[0] + 1} of {len(entries)} ({me_entry}, {how})",
                    nnodes=len(entries), node_rank=mine[0], master_addr=entries[0][0],
                    nproc_per_node=entries[mine[0]][1],
                    hosts=[h for h, _ in entries])
@@ -227,9 +241,11 @@ def detect(env: Mapping[str, str], hostfile: str | None = None, me: set[str] | N
            sleep: Callable[[float], None] = time.sleep) -> Cluster:
     """The first source that applies, in the documented order; a single node when none does."""
     me = own_identities() if me is None else me
-    for probe in (lambda: from_explicit(env), lambda: from_volcano(env, me, volcano_dir),
+    hostfile = hostfile or env_value(env, "HOSTFILE")
+    rank = _int(env, "NODE_RANK") if hostfile and env_value(env, "NODE_RANK") else None
+    for probe in (lambda: from_explicit(env, hostfile), lambda: from_volcano(env, me, volcano_dir),
                   lambda: from_ascendjob(env, rank_table_timeout_s, sleep), lambda: from_torchrun(env),
-                  lambda: from_hostfile(hostfile or env_value(env, "HOSTFILE"), me)):
+                  lambda: from_hostfile(hostfile, me, rank)):
         found = probe()
         if found is not None:
             return found

@@ -13,16 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from launcher.devices import Devices, format_id_list, parse_id_list
-
-
-def read_cpulist(path: Path) -> list[int]:
-    """A sysfs/cgroup cpulist file ('0-3,8') -> CPU ids; [] when absent or empty."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return []
-    return parse_id_list(text, str(path)) if text else []
+from finetune.cpus import allowed_cpus, read_cpulist
+from launcher.devices import Devices, format_id_list
 
 
 def numa_nodes(sys_root: Path = Path("/sys")) -> dict[int, list[int]]:
@@ -33,16 +25,6 @@ def numa_nodes(sys_root: Path = Path("/sys")) -> dict[int, list[int]]:
         if d.name[4:].isdigit():
             out[int(d.name[4:])] = read_cpulist(d / "cpulist")
     return dict(sorted(out.items()))
-
-
-def allowed_cpus(sys_root: Path = Path("/sys"),
-                 getaffinity: Callable[[int], set[int]] = os.sched_getaffinity) -> tuple[list[int], str]:
-    """CPUs this container may use: cgroup v2 cpuset.cpus.effective, v1 cpuset.cpus, else the affinity."""
-    for rel in ("fs/cgroup/cpuset.cpus.effective", "fs/cgroup/cpuset/cpuset.cpus"):
-        cpus = read_cpulist(sys_root / rel)
-        if cpus:
-            return cpus, f"/sys/{rel}"
-    return sorted(getaffinity(0)), "sched_getaffinity"
 
 
 def pci_numa(sys_root: Path, devices: Devices) -> dict[int, int]:

@@ -1,21 +1,25 @@
 """Preflight: every check the job can fail on, answered in about a second, before any worker starts.
 
 Each check returns :class:`Check` rows (ok / warn / fail); every fail carries the fix.
-Checks read only the :class:`Context`, whose paths and probes tests replace.
+Checks read only the :class:`Context` (its recipe resolved for the job's world: ``Recipe.resolved``),
+whose paths and probes tests replace.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import shutil
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import qwen2_layout
-from finetune.config import Recipe, resolved_model_dir
+from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
+from finetune.memory import MemoryEstimate, estimate_memory
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -34,13 +38,13 @@ class Check:
 class Context:
     """What the checks look at; defaults are the real host."""
 
-    recipe: Recipe
+    recipe: Recipe  # resolved (Recipe.resolved)
     devices: Devices
     nproc: int
     root: Path = Path("/")
     shm: Path = Path("/dev/shm")
     data_checker: Callable | None = None  # finetune.data.formats.check_data
-    memory_estimator: Callable | None = None  # finetune.memory.estimate_memory
+    memory_estimator: Callable[..., MemoryEstimate] = estimate_memory
     connect: Callable[[str, int, float], None] = lambda host, port, t: socket.create_connection((host, port), t).close()
     port_free: Callable[[int], bool] = field(default=None)  # type: ignore[assignment]
 
@@ -56,6 +60,15 @@ def model_config(recipe: Recipe) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def memory_estimate(recipe: Recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory
+                    ) -> MemoryEstimate:
+    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json)."""
+    p, t = recipe.parallel, recipe.train
+    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
+                     precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
+                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)
 
 
 def param_count(cfg: dict) -> int:
@@ -121,7 +134,7 @@ def check_versions(c: Context) -> list[Check]:
         out.append(Check("CANN", "ok", f"CANN toolkit {ver.strip()}"))
     else:
         out.append(Check("CANN", "fail", "no ascend-toolkit install info under /usr/local/Ascend/ascend-toolkit/latest",
-                         "use the CANN base image (BASE_IMAGE) or install CANN 8.x toolkit"))
+                         "use the CANN base image (BASE_IMAGE) or install the CANN toolkit MindSpore 2.10 needs"))
     return out
 
 
@@ -156,28 +169,77 @@ def check_disk(c: Context) -> list[Check]:
     return [Check("disk", "ok", detail)]
 
 
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+REDOWNLOAD = "re-download the model (huggingface-cli download <repo> --local-dir DIR)"
+
+
+def _weights_problem(path: Path) -> str | None:
+    """Why a safetensors file is unusable (unreadable header, shorter than its header says), or None."""
+    from finetune.hf_io import read_header
+
+    try:
+        header, start = read_header(path)
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+        return f"{path}: not a readable safetensors file ({type(e).__name__})"
+    size = path.stat().st_size
+    if size < start + end:
+        return f"{path}: truncated: {size} bytes, its header needs {start + end}"
+    return None
+
+
 def check_model(c: Context) -> list[Check]:
     mdir = resolved_model_dir(c.recipe)
     if not mdir:
         return [Check("model", "fail", "no model directory", "set MODEL_DIR=/path/to/Qwen2.5-7B-Instruct (HF layout)")]
     d = Path(mdir)
-    if c.recipe.model.init is not None and not (d / "config.json").exists():
+    if creates_tiny_model(c.recipe) and not (d / "config.json").exists():
         return [Check("model", "ok", f"{d}: tiny model is created there before training (model.init)")]
+    if not d.is_dir():
+        return [Check("model", "fail", f"MODEL_DIR={d}: no such directory",
+                      "set MODEL_DIR to a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")]
     missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            missing += [s for s in shards if not (d / s).is_file()]
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            return [Check("model", "fail", f"{index}: unreadable ({e})", "re-download the model")]
-    elif not list(d.glob("*.safetensors")):
-        missing.append("*.safetensors")
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+            return [Check("model", "fail", f"{index}: unreadable ({e})", REDOWNLOAD)]
+        missing += [s for s in shards if not (d / s).is_file()]
+    else:
+        shards = [f.name for f in sorted(d.glob("*.safetensors"))]
+        if not shards:
+            missing.append("*.safetensors")
     if missing:
         return [Check("model", "fail", f"{d}: missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""),
                       "MODEL_DIR must be a complete Hugging Face model dir (huggingface-cli download <repo> "
                       "--local-dir DIR)")]
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        return [Check("model", "fail", f"{d / 'config.json'}: malformed ({e})", REDOWNLOAD)]
+    arch = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if not set(arch) & set(SUPPORTED_ARCHITECTURES):
+        return [Check("model", "fail", f"{d / 'config.json'}: architecture {', '.join(map(str, arch))} is not "
+                      f"supported (this trainer implements {', '.join(SUPPORTED_ARCHITECTURES)}: Qwen2 / Qwen2.5)",
+                      "set MODEL_DIR to a Qwen2 or Qwen2.5 model")]
+    bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
+    if bad:
+        return [Check("model", "fail", b, REDOWNLOAD) for b in bad]
     return [Check("model", "ok", f"{d}: config, weights, tokenizer present")]
+
+
+def check_resume(c: Context) -> list[Check]:
+    resume = c.recipe.train.resume
+    if resume in ("auto", "never"):
+        return [Check("resume", "ok", f"train.resume={resume}")]
+    if not (Path(resume) / "trainer_state.json").is_file():
+        return [Check("resume", "fail", f"train.resume={resume}: no checkpoint there (no trainer_state.json)",
+                      "OVERRIDES='train.resume=auto' (the newest checkpoint in OUTPUT_DIR) or the path of a "
+                      "checkpoints/step_N directory")]
+    return [Check("resume", "ok", f"resuming from {resume}")]
 
 
 def check_data(c: Context) -> list[Check]:
@@ -195,14 +257,15 @@ def check_data(c: Context) -> list[Check]:
 
 
 def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
-    heads = cfg.get("num_attention_heads", 1)
+    """The smallest TP (with micro batch 1, recompute and a sharded optimizer) whose estimate fits."""
+    heads, r = cfg.get("num_attention_heads", 1), c.recipe
     for tp in (1, 2, 4, 8):
         if tp > c.nproc or heads % tp or c.nproc % tp:
             continue
-        est = c.memory_estimator(cfg, seq_len=c.recipe.data.seq_len, micro_batch_size=1, tp=tp,
-                                 dp=max(1, c.world // tp), precision="bf16", recompute=True,
-                                 shard_optimizer=c.world // tp > 1, vocab_parallel=tp > 1,
-                                 loss_chunk_tokens=c.recipe.train.loss_chunk_tokens)
+        alt = dataclasses.replace(r, parallel=dataclasses.replace(r.parallel, tp=tp, dp=0, shard_optimizer=True,
+                                                                  vocab_parallel=True),
+                                  train=dataclasses.replace(r.train, micro_batch_size=1, recompute=True))
+        est = memory_estimate(alt.resolved(c.world, alt.launch.device), cfg, c.memory_estimator)
         if est.total <= budget:
             return (f"TP={tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true'"
                     f" ({est.total / GIB:.1f} GiB per device)")
@@ -211,18 +274,9 @@ def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
 
 def check_memory(c: Context) -> list[Check]:
     cfg = model_config(c.recipe)
-    if cfg is None or c.memory_estimator is None:
-        return [Check("memory", "warn", "estimate unavailable (no config.json yet or no estimator)")]
-    r, tp = c.recipe, c.recipe.parallel.tp
-    dp = r.parallel.dp or max(1, c.world // (tp * r.parallel.pp))
-    precision = r.train.precision if r.train.precision != "auto" else ("bf16" if c.devices.has_npu else "fp32")
-    shard = r.parallel.shard_optimizer if r.parallel.shard_optimizer is not None else dp > 1
-    try:
-        est = c.memory_estimator(cfg, seq_len=r.data.seq_len, micro_batch_size=r.train.micro_batch_size, tp=tp,
-                                 dp=dp, precision=precision, recompute=r.train.recompute, shard_optimizer=shard,
-                                 vocab_parallel=r.parallel.vocab_parallel, loss_chunk_tokens=r.train.loss_chunk_tokens)
-    except NotImplementedError:
-        return [Check("memory", "warn", "memory estimate not implemented yet (finetune.memory)")]
+    if cfg is None:
+        return [Check("memory", "warn", "estimate unavailable (no config.json yet)")]
+    est = memory_estimate(c.recipe, cfg, c.memory_estimator)
     if c.devices.has_npu:
         budget = min(c.devices.hbm_total_mb.values(), default=NPU_HBM_DEFAULT / 2**20) * 2**20
         where = "NPU HBM"
@@ -261,15 +315,9 @@ def check_network(c: Context) -> list[Check]:
 
 
 def check_world(c: Context) -> list[Check]:
+    """What the world size alone does not decide: TP inside a node and dividing heads and vocab."""
     r, out = c.recipe, []
-    tp, pp, dp = r.parallel.tp, r.parallel.pp, r.parallel.dp
-    if dp and tp * dp * pp != c.world:
-        out.append(Check("layout", "fail", f"TP={tp} x DP={dp} x PP={pp} = {tp * dp * pp} != world {c.world} "
-                         f"(NNODES={r.launch.nnodes} x NPROC_PER_NODE={c.nproc})",
-                         f"set DP={c.world // (tp * pp) if c.world % (tp * pp) == 0 else 0} or DP=0 (derived)"))
-    elif c.world % (tp * pp):
-        out.append(Check("layout", "fail", f"world {c.world} is not divisible by TP x PP = {tp * pp}",
-                         f"set TP to a divisor of NPROC_PER_NODE={c.nproc} (e.g. TP=1)"))
+    tp = r.parallel.tp
     if c.nproc % tp:
         out.append(Check("layout", "fail", f"TP={tp} does not divide NPROC_PER_NODE={c.nproc} (TP stays in a node)",
                          "e.g. TP=2 with 8 NPUs per node"))
@@ -282,10 +330,11 @@ def check_world(c: Context) -> list[Check]:
     if r.parallel.vocab_parallel and vocab and vocab % tp:
         out.append(Check("layout", "fail", f"TP={tp} does not divide vocab_size={vocab} (parallel.vocab_parallel)",
                          "OVERRIDES='parallel.vocab_parallel=false' (replicated embedding/LM head) or another TP"))
-    return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {dp or c.world // (tp * pp)} x PP {pp}")]
+    return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
 
 
-CHECKS = (check_devices, check_versions, check_shm, check_disk, check_model, check_data, check_memory,
+CHECKS = (check_devices, check_versions, check_shm, check_disk, check_model, check_resume, check_data,
+          check_memory,
           check_network, check_world)
 
 

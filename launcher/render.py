@@ -71,6 +71,12 @@ def _under(path: str, root: str) -> bool:
     return Path(path).is_absolute() and Path(os.path.normpath(path)).is_relative_to(root)
 
 
+def _given_recipe(env: Mapping[str, str], overrides: list[str], recipe_arg: str | None) -> str | None:
+    """The recipe the user named: --recipe, RECIPE=... on the command line, or the RECIPE variable."""
+    cli = [i.split("=", 1)[1] for i in overrides if i.startswith("RECIPE=")]
+    return recipe_arg or (cli[-1] if cli else None) or settings.env_value(env, "RECIPE")
+
+
 def _pod_recipe(given: str, data_dir: str) -> tuple[str, str | None]:
     """(RECIPE for the pod, problem): a bundled recipe by name, a pod path as is, a file of this machine refused."""
     if _under(given, data_dir):
@@ -103,7 +109,7 @@ def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], over
                  recipe_arg: str | None) -> PodSettings:
     """The pods' env from what the user gave, checked: pod paths, no cluster keys, a loadable recipe."""
     s = settings.collect(env, overrides, recipe_arg, has_npu=True)
-    if not (recipe_arg or settings.env_value(env, "RECIPE")) and {"model.dir", "data.paths"} <= set(s.overrides):
+    if not _given_recipe(env, overrides, recipe_arg) and {"model.dir", "data.paths"} <= set(s.overrides):
         s.recipe = settings.NPU_RECIPE  # what the pod picks: it has NPUs, and MODEL_DIR and DATA are given
     given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
                                                  ns.data_dir, ns.pvc, MASTER_PORT)
@@ -291,7 +297,7 @@ def main(args: list[str], env: Mapping[str, str] | None = None, overrides: list[
         problems.append(f"--max-retry {ns.max_retry}: 0 or more (e.g. --max-retry 3)")
     if not ns.data_dir.startswith("/"):
         problems.append(f"--data-dir {ns.data_dir!r}: an absolute path in the pod (e.g. --data-dir /data)")
-    given = recipe_arg or settings.env_value(env, "RECIPE") or "job"
+    given = _given_recipe(env, list(overrides), recipe_arg) or "job"
     stem = Path(given).stem if given.endswith((".yaml", ".yml")) else Path(given).name
     name = _dns_name(ns.name or f"ascend-finetune-{stem}", ns.nodes)
     pod = pod_settings(ns, name, env, list(overrides), recipe_arg) if not problems else None

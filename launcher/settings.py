@@ -1,38 +1,65 @@
 """Env + CLI -> one dict of dotted recipe overrides -> validated Recipe (one parser for both).
 
 Precedence: CLI ``key=value`` > environment (``OVERRIDES`` then the named variables) > recipe >
-schema defaults. Empty environment values count as unset. Problems from the environment are
-reported with the variable name, e.g. ``TP='two' (parallel.tp): expected an integer (e.g. TP=2)``.
+schema defaults. Empty environment values count as unset. A problem names where its value came
+from: ``TP='two' (parallel.tp): expected an integer (e.g. TP=8)`` for a variable,
+``OVERRIDES: train.lr='x': ...`` for an ``OVERRIDES`` item, ``recipes/x.yaml:12: ...`` for a recipe line.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from finetune.config import ConfigError, Recipe, load_recipe, parse_overrides
+from finetune.config import ConfigError, Problem, Recipe, load_recipe, overridden, parse_overrides
 
-# Environment variable -> dotted recipe key (the env contract; see launcher/__main__.py).
-ENV_KEYS: dict[str, str] = {
-    "MODEL_DIR": "model.dir",
-    "DATA": "data.paths",
-    "DATA_FORMAT": "data.format",
-    "OUTPUT_DIR": "output_dir",
-    "NNODES": "launch.nnodes",
-    "NODE_RANK": "launch.node_rank",
-    "MASTER_ADDR": "launch.master_addr",
-    "MASTER_PORT": "launch.master_port",
-    "NPROC_PER_NODE": "launch.nproc_per_node",
-    "HOSTFILE": "launch.hostfile",
-    "TP": "parallel.tp",
-    "PP": "parallel.pp",
-    "DP": "parallel.dp",
-    "NUMA_BIND": "launch.numa_bind",
-    "MAX_RESTARTS": "launch.max_restarts",
-    "DRY_RUN": "launch.dry_run",
-}
+# The env contract, the one table: (variable, recipe key or "", meaning). The README's table is
+# generated from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
+ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
+    ("RECIPE", "", "name in `recipes/` or a YAML path; default `qwen2.5-7b-full` when NPUs are present and "
+                   "`MODEL_DIR` and `DATA` are set, else `tiny-cpu`"),
+    ("MODEL_DIR", "model.dir", "Hugging Face model dir (`config.json`, safetensors + index, `tokenizer.json`); "
+                               "unset with `tiny-cpu`: the tiny model created in `OUTPUT_DIR/base-model`"),
+    ("DATA", "data.paths", "files or dirs, comma-separated (JSON, JSONL, Parquet); the format is detected "
+                           "(`data.format=auto`) unless `DATA_FORMAT` is set"),
+    ("DATA_FORMAT", "data.format", "`auto` \\| `alpaca` \\| `sharegpt`"),
+    ("OUTPUT_DIR", "output_dir", "checkpoints, `logs/worker_<rank>.log`, `plan.json`, `hf/` export; a relative "
+                                 "path is relative to the current directory"),
+    ("NNODES", "launch.nnodes", "nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`"),
+    ("NODE_RANK", "launch.node_rank", "this node, 0 = master"),
+    ("MASTER_ADDR", "launch.master_addr", "node 0's address (msrun scheduler)"),
+    ("MASTER_PORT", "launch.master_port", "scheduler port, default 8118, same on every node"),
+    ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1)"),
+    ("HOSTFILE", "launch.hostfile", "`host slots=N` lines (see `hostfiles/`); this node is the line naming one "
+                                    "of its host names or interface addresses, or `NODE_RANK`"),
+    ("TP", "parallel.tp", "tensor-parallel size (world = TP x DP x PP)"),
+    ("PP", "parallel.pp", "pipeline-parallel size (1)"),
+    ("DP", "parallel.dp", "data-parallel size; `0` derives it from the world size"),
+    ("OVERRIDES", "", "space-separated `key=value` for any recipe key, e.g. "
+                      "`OVERRIDES=\"train.lr=1e-5 train.epochs=1\"`"),
+    ("NUMA_BIND", "launch.numa_bind", "`auto` (numactl if installed, else CPU affinity) \\| `numactl` \\| "
+                                      "`affinity` \\| `off`"),
+    ("MAX_RESTARTS", "launch.max_restarts", "relaunches after a failure; each resumes from the newest checkpoint"),
+    ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
+    ("HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT", "",
+     "defaulted for workers to 1200 / 1836 s when unset (1836: CANN's Atlas A2 default)"),
+    ("HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE", "", "passed through to workers unchanged"),
+    ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`, or ascend-operator's `Ascend910-0,Ascend910-1`) "
+                                   "to use; read"),
+    ("ASCEND_RT_VISIBLE_DEVICES", "", "logical NPU ids; read, and set for workers when only some NPUs are used"),
+)
+# Environment variable -> dotted recipe key.
+ENV_KEYS: dict[str, str] = {var: key for var, key, _ in ENV_CONTRACT if key}
 NPU_RECIPE = "qwen2.5-7b-full"
 CPU_RECIPE = "tiny-cpu"
+
+
+def env_table() -> str:
+    """The env contract as the README's Markdown table."""
+    rows = ["| variable | recipe key | meaning / default |", "|---|---|---|"]
+    for var, key, meaning in ENV_CONTRACT:
+        names = ", ".join(f"`{v.strip()}`" for v in var.split(","))
+        rows.append(f"| {names} | {f'`{key}`' if key else '–'} | {meaning} |")
+    return "\n".join(rows)
 
 
 def env_value(env: Mapping[str, str], name: str) -> str | None:
@@ -51,6 +78,21 @@ class Settings:
     origin: dict[str, str] = field(default_factory=dict)  # dotted key -> "TP" / "OVERRIDES" / "cli"
     problems: list[str] = field(default_factory=list)
 
+    def render(self, p: Problem) -> str:
+        """A problem worded by where its value came from: the variable, OVERRIDES or the command line."""
+        key = overridden(p.key, self.overrides) if p.key else None
+        via = self.origin.get(key or "", "")
+        if via == "OVERRIDES":
+            return f"OVERRIDES: {p.text()}"
+        if via and via != "cli" and key == p.key:
+            return p.text(via, self.overrides[key])
+        return p.text()
+
+    def origin_of(self, key: str) -> str:
+        """``OUTPUT_DIR`` / ``OVERRIDES`` / ``the command line`` / ``the recipe`` for a dotted key."""
+        via = self.origin.get(key, "")
+        return {"": f"the recipe {self.recipe}", "cli": "the command line"}.get(via, via)
+
 
 def default_recipe(env: Mapping[str, str], has_npu: bool) -> tuple[str, str]:
     """RECIPE, else the NPU recipe when NPUs are present and MODEL_DIR and DATA are set, else tiny-cpu."""
@@ -65,55 +107,33 @@ def default_recipe(env: Mapping[str, str], has_npu: bool) -> tuple[str, str]:
 
 def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None = None,
             has_npu: bool = False) -> Settings:
-    """Merge env vars, ``OVERRIDES`` and CLI ``key=value`` items into dotted overrides."""
-    name, reason = (cli_recipe, "--recipe given") if cli_recipe else default_recipe(env, has_npu)
+    """Merge env vars, ``OVERRIDES`` and CLI ``key=value`` items into dotted overrides.
+
+    The CLI also takes the variable names (``train TP=2 DATA=a.json RECIPE=tiny-cpu``). A user's
+    ``DATA`` (or ``data.paths``) means ``data.format=auto`` unless a format is set too.
+    """
+    cli_vars = dict(i.split("=", 1) for i in cli_items if i.split("=", 1)[0] in ("RECIPE", *ENV_KEYS) and "=" in i)
+    rest = [i for i in cli_items if i.split("=", 1)[0] not in cli_vars]
+    name, reason = (cli_recipe, "--recipe given") if cli_recipe else default_recipe({**env, **cli_vars}, has_npu)
     s = Settings(recipe=name, recipe_reason=reason)
     for var, key in ENV_KEYS.items():
         v = env_value(env, var)
         if v is not None:
-            s.overrides[key] = v.strip()
-            s.origin[key] = var
-    env_items = (env_value(env, "OVERRIDES") or "").split()
-    flat, probs = parse_overrides(env_items)
-    s.problems += [f"OVERRIDES: {p}" for p in probs]
-    for k, v in flat.items():
-        s.overrides[k] = v
-        s.origin[k] = "OVERRIDES"
-    flat, probs = parse_overrides(cli_items)
-    s.problems += probs
-    for k, v in flat.items():  # the CLI also takes the variable names: `train TP=2 DATA=a.json`
-        key = ENV_KEYS.get(k, k)
-        s.overrides[key] = v
-        s.origin[key] = k if k in ENV_KEYS else "cli"
+            s.overrides[key], s.origin[key] = v.strip(), var
+    flat, probs = parse_overrides((env_value(env, "OVERRIDES") or "").split())
+    s.problems += [f"OVERRIDES: {p.text()}" for p in probs]
+    s.overrides.update(flat)
+    s.origin.update(dict.fromkeys(flat, "OVERRIDES"))
+    flat, probs = parse_overrides(rest)
+    s.problems += [p.text() for p in probs]
+    s.overrides.update(flat)
+    s.origin.update(dict.fromkeys(flat, "cli"))
+    for var, v in cli_vars.items():
+        if var in ENV_KEYS:
+            s.overrides[ENV_KEYS[var]], s.origin[ENV_KEYS[var]] = v, var
+    if "data.paths" in s.overrides and "data.format" not in s.overrides:
+        s.overrides["data.format"], s.origin["data.format"] = "auto", s.origin["data.paths"]
     return s
-
-
-def _rename(problem: str, settings: Settings) -> str:
-    """Rewrite a schema problem about a key that came from an env var to name that variable."""
-    m = re.match(r"([\w.]+)(\[\d+\])?[:=]", problem)
-    if not m or settings.origin.get(m.group(1), "cli") == "cli":
-        return problem
-    if settings.origin[m.group(1)] == "OVERRIDES":
-        return f"OVERRIDES: {problem}"
-    key, var = m.group(1), settings.origin[m.group(1)]
-    rest = problem[m.end():].lstrip()
-    if problem[m.end() - 1] == "=":  # "key=value: must be ..." -> drop the repeated value
-        rest = rest.split(": ", 1)[-1]
-    rest = re.sub(r",? ?got [^(]*", " ", rest).strip()
-    rest = re.sub(rf"\(e\.g\. {re.escape(key)}=([^)]*)\)", rf"(e.g. {var}=\1)", rest)
-    return f"{var}={settings.overrides[key]!r} ({key}): {rest}"
-
-
-def _first_per_key(problems: list[str]) -> list[str]:
-    """Keep one problem per key: a value that failed to parse also fails the range checks."""
-    seen, out = set(), []
-    for p in problems:
-        m = re.search(r"\(([\w.]+)\)|^(?:OVERRIDES: )?([\w.]+)[:=\[]", p)
-        key = (m.group(1) or m.group(2)) if m else p
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
 
 
 def load(settings: Settings, extra: dict[str, str] | None = None) -> Recipe:
@@ -122,11 +142,10 @@ def load(settings: Settings, extra: dict[str, str] | None = None) -> Recipe:
     ``extra`` holds lower-precedence values (e.g. the detected cluster) that the user did not set.
     """
     overrides = {**(extra or {}), **settings.overrides}
-    problems = list(settings.problems)
     try:
-        recipe = load_recipe(settings.recipe, overrides)
+        recipe = load_recipe(settings.recipe, overrides, render=settings.render)
     except ConfigError as e:
-        raise ConfigError(problems + _first_per_key([_rename(p, settings) for p in e.problems])) from None
-    if problems:
-        raise ConfigError(problems)
+        raise ConfigError([*settings.problems, *e.items], settings.render) from None
+    if settings.problems:
+        raise ConfigError(settings.problems)
     return recipe

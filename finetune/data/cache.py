@@ -5,20 +5,19 @@ Layout of ``data.cache_dir`` (default ``<output_dir>/data``)::
     tokens.npy   int32 [T]      all kept samples' input_ids, back to back
     labels.npy   int32 [T]      aligned labels (-100 = none)
     index.npy    int64 [N, 4]   start, length, shifted label count (labels[1:] != -100), labels[0] != -100
+    val_index.npy int64 [V, 4]  the same for the validation set (data.val_size / data.val_paths), if any
     manifest.json               fingerprint: sources (size, mtime, sha256), tokenizer hash, settings
     data_report.json            kept/dropped per rule, token-length percentiles, packing efficiency
 
-A sample of a file with weight 2 has two index rows pointing at the same tokens. The cache is
-built in a sibling temp directory and renamed into place, so readers never see half a cache.
+A sample of a file with weight 2 has two index rows pointing at the same tokens. This module only
+stores and checks: ``finetune/data/prepare.py`` builds the cache (in a temp sibling directory
+renamed into place, ``finetune/fsutil.atomic_dir``) and decides which process prepares it.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from finetune.config import Recipe
-from finetune.data.formats import Source, resolve_sources
+from finetune.data.files import Source, resolve_sources
 from finetune.data.template import TEMPLATE_VERSION
 
 MANIFEST = "manifest.json"
+VAL_INDEX = "val_index.npy"
 FORMAT_VERSION = 1
 _HEADER = 128  # fixed .npy header size so arrays can be streamed and the shape filled in last
 
@@ -43,6 +43,7 @@ class CacheInfo:
     num_tokens: int  # tokens stored (unique samples)
     manifest: dict
     report: dict
+    num_val: int = 0  # validation samples (val_index.npy)
 
 
 def cache_dir_for(recipe: Recipe) -> Path:
@@ -59,12 +60,16 @@ def file_hash(path: Path) -> str:
 
 
 def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict:
-    """Every setting that changes the cache's content (batching settings do not)."""
+    """Every setting that changes the cache's content (batching settings do not; settings added
+    later appear only when set, so a cache made before them stays fresh)."""
     d = recipe.data
+    later = (("columns", d.columns), ("on_error", d.on_error if d.on_error != "fail" else ""),
+             ("val_size", d.val_size), ("val_paths", d.val_paths))
     return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSION,
             "tokenizer_sha256": file_hash(Path(tokenizer_path)), "system_prompt": d.system_prompt,
             "seq_len": d.seq_len, "format": d.format, "max_samples": d.max_samples,
-            "clean": dataclasses.asdict(d.clean)}
+            "clean": dataclasses.asdict(d.clean),
+            **{k: v for k, v in later if v}}
 
 
 def source_entry(src: Source, with_hash: bool = True) -> dict:
@@ -91,7 +96,7 @@ def cache_is_fresh(recipe: Recipe, tokenizer_path: str | Path) -> bool:
     if not m or m.get("settings") != settings_of(recipe, tokenizer_path):
         return False
     try:
-        sources = resolve_sources(recipe.data)
+        sources = resolve_sources(recipe.data) + resolve_sources(recipe.data, val=True)
     except ValueError:
         return False
     old = m.get("sources", [])
@@ -112,7 +117,8 @@ def load_info(cache_dir: Path) -> CacheInfo:
         report = json.loads((Path(cache_dir) / "data_report.json").read_text())
     except (OSError, json.JSONDecodeError):
         report = {}
-    return CacheInfo(Path(cache_dir), int(m.get("num_samples", 0)), int(m.get("num_tokens", 0)), m, report)
+    return CacheInfo(Path(cache_dir), int(m.get("num_samples", 0)), int(m.get("num_tokens", 0)), m, report,
+                     int(m.get("num_val_samples", 0)))
 
 
 # ------------------------------------------------------------------------------ streamed writing
@@ -141,53 +147,3 @@ class ArrayStream:
         self.f.seek(0)
         self.f.write(_npy_header(self.dtype, (self.rows, *self.row_shape)))
         self.f.close()
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Replace final by the finished temp directory (rename; the old one removed after)."""
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------ multi-process
-
-def ensure_cache(recipe: Recipe, tokenizer_path: str | Path, rank: Any = 0, local_rank: int = 0,
-                 timeout_s: float = 3600.0, poll_s: float = 1.0, progress: bool = False) -> CacheInfo:
-    """Make sure a fresh cache exists; exactly one process per node (or per job) prepares it.
-
-    ``rank`` is the global rank or any object with ``rank`` and ``local_rank`` (e.g. RankInfo).
-    The preparer is local rank 0 of each node, or global rank 0 when data.shared_storage; the
-    others wait for a fresh manifest and never tokenize on their own.
-    """
-    if hasattr(rank, "rank"):
-        rank, local_rank = rank.rank, rank.local_rank
-    out = cache_dir_for(recipe)
-    preparer = rank == 0 if recipe.data.shared_storage else local_rank == 0
-    failed = out.parent / f".{out.name}.failed"
-    if preparer:
-        if cache_is_fresh(recipe, tokenizer_path):
-            return load_info(out)
-        from finetune.data.prepare import prepare  # noqa: PLC0415 (prepare imports this module)
-
-        failed.unlink(missing_ok=True)
-        try:
-            return prepare(recipe, tokenizer_path, progress=progress)
-        except BaseException as e:
-            failed.parent.mkdir(parents=True, exist_ok=True)
-            failed.write_text(f"{type(e).__name__}: {e}")
-            raise
-    started, deadline = time.time(), time.monotonic() + timeout_s
-    who = "global rank 0" if recipe.data.shared_storage else "local rank 0 of this node"
-    while not cache_is_fresh(recipe, tokenizer_path):
-        if failed.exists() and failed.stat().st_mtime >= started - 1:  # not an old run's marker
-            raise RuntimeError(f"rank {rank}: data preparation failed on {who}: {failed.read_text()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"rank {rank}: waited {timeout_s:.0f}s for the token cache {out / MANIFEST} that {who} "
-                "prepares; check that rank's log, run `python -m launcher prepare-data` first, or set "
-                "data.shared_storage=false when the nodes do not share the output directory")
-        time.sleep(poll_s)
-    return load_info(out)

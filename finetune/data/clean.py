@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from finetune.config import CleanConfig
-from finetune.data.formats import Sample
+from finetune.data.formats import Sample, is_text
 
 # drop reasons, in the order they are checked (the report lists them in this order)
 RULES = ("invalid_utf8", "empty_response", "repeat_prompt", "repeated_chars", "mojibake",
@@ -27,7 +27,8 @@ def _norm(text: str) -> str:
 
 
 def _answers(s: Sample) -> list[str]:
-    return [c for r, c in s.turns if r == "assistant"]
+    """What the model learns: the assistant turns (a plain-text document: the document)."""
+    return [c for r, c in s.turns if r in ("assistant", "text")]
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,7 +73,7 @@ def may_repeat(samples: list[Sample], max_run: int) -> list[bool]:
 
 def text_rule(s: Sample, cfg: CleanConfig, run_possible: bool = True) -> str | None:
     """The first text rule that drops the sample, or None to keep it (``run_possible`` False: the
-    sample is known to pass repeated_chars)."""
+    sample is known to pass repeated_chars; plain-text documents are not checked for runs)."""
     if cfg.invalid_utf8 and s.bad_utf8:
         return "invalid_utf8"
     answers = _answers(s)
@@ -85,6 +86,7 @@ def text_rule(s: Sample, cfg: CleanConfig, run_possible: bool = True) -> str | N
                     and _norm(content) == _norm(prev):
                 return "repeat_prompt"
             prev = content if role == "user" else prev
+    run_possible = run_possible and not is_text(s)
     if not (cfg.mojibake or (cfg.repeated_chars and run_possible)):
         return None
     joined = _joined(s)
@@ -105,6 +107,8 @@ def token_rule(n_tokens: int, cfg: CleanConfig) -> str | None:
 
 
 def dedup_key(s: Sample) -> bytes:
-    """Hash of the normalized prompt + response (all turns, in order)."""
+    """Hash of the normalized prompt + response (all turns, in order; the tool schemas too)."""
     text = "\0".join(f"{role}\1{content.strip()}" for role, content in s.turns)
+    if s.tools:
+        text += f"\0tools\1{s.tools}"
     return hashlib.blake2b(_norm(text).encode("utf-8", "replace"), digest_size=16).digest()

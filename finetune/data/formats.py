@@ -1,225 +1,125 @@
-"""Readers for instruction data: Alpaca and ShareGPT records in JSON, JSONL or Parquet.
+"""Records -> samples: Alpaca, ShareGPT (with tool calls) and plain text, detected per file.
 
-Every record becomes a :class:`Sample` (system prompt or None, then (role, content) turns with
-roles "user"/"assistant"). Bad input raises :class:`DataError` naming the file, the record
-(line for JSONL, index for JSON/Parquet), the field and the fix.
+Every record becomes a :class:`Sample` (system prompt or None, tool schemas or None, then
+(role, content) turns with roles "user"/"assistant", already in the Qwen2.5 tool-call form; a
+plain-text document is one ("text", document) turn). Bad input raises :class:`DataError` naming
+the file, the record, the field and the fix.
 """
 from __future__ import annotations
 
+import itertools
 import json
-import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-from finetune.config import REPO_ROOT, DataConfig
+from finetune.config import DataConfig
+from finetune.data.files import SURROGATE, DataError, decode, iter_raw, resolve_sources
 
-EXTENSIONS = (".json", ".jsonl", ".parquet")
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "system": "system"}
-_SURROGATE = re.compile("[\udc80-\udcff]")
-
-
-class DataError(ValueError):
-    """A data file problem; the message names the file, the record, the field and the fix."""
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+          "function_call": "function_call", "observation": "tool", "tool": "tool", "function": "tool"}
 
 
 class Sample(NamedTuple):
     system: str | None  # None: use data.system_prompt
-    turns: tuple[tuple[str, str], ...]  # ("user"|"assistant", content) in order
+    turns: tuple[tuple[str, str], ...]  # ("user"|"assistant", content) in order; text: (("text", document),)
     where: str  # "file.jsonl:line 7" or "file.json[3]"
     bad_utf8: bool = False  # the raw bytes were not valid UTF-8 (replaced by U+FFFD)
+    tools: str | None = None  # tool schemas, one JSON object per line (the system block's <tools>)
+    dropped_tail: int = 0  # user / tool turns after the last answer, dropped
 
 
-@dataclass(frozen=True)
-class Source:
-    """One data file and how often its samples are taken."""
-
-    path: Path
-    weight: float = 1.0
-
-
-def resolve_path(p: str) -> Path:
-    """A relative path resolves against the current directory, then the repo root."""
-    path = Path(p).expanduser()
-    if path.is_absolute() or path.exists():
-        return path
-    alt = REPO_ROOT / path
-    return alt if alt.exists() else path
-
-
-def resolve_sources(cfg: DataConfig) -> list[Source]:
-    """data.paths (files or directories) + data.weights -> the files to read, in order."""
-    if not cfg.paths:
-        raise DataError("data.paths is empty: give the data files or a directory "
-                        "(e.g. DATA=assets/data or data.paths=train.jsonl)")
-    weights = cfg.weights or [1.0] * len(cfg.paths)
-    out: list[Source] = []
-    for i, (p, w) in enumerate(zip(cfg.paths, weights)):
-        if w < 0:
-            raise DataError(f"data.weights[{i}]={w}: a weight is >= 0 (e.g. data.weights=1,0.5)")
-        path = resolve_path(p)
-        if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in EXTENSIONS
-                           and not any(part.startswith(".") for part in f.relative_to(path).parts))
-            if not files:
-                raise DataError(f"{path}: directory holds no {'/'.join(EXTENSIONS)} files "
-                                f"(data.paths[{i}]); put the data there or name the files")
-            out += [Source(f, float(w)) for f in files]
-        elif path.is_file():
-            if path.suffix not in EXTENSIONS:
-                raise DataError(f"{path}: unknown file format {path.suffix or '(no extension)'!r}; "
-                                f"use .json (array), .jsonl (one record per line) or .parquet")
-            out.append(Source(path, float(w)))
-        else:
-            raise DataError(f"{p}: no such file or directory (data.paths[{i}]; relative paths are "
-                            f"looked up in {os.getcwd()} and {REPO_ROOT})")
-    return out
-
-
-# ------------------------------------------------------------------------------ raw records
-
-def _decode(raw: bytes) -> tuple[str, bool]:
-    """Bytes -> text; invalid UTF-8 is kept as surrogate escapes and flagged."""
-    try:
-        return raw.decode("utf-8"), False
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "surrogateescape"), True
-
-
-def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> DataError:
-    """Locate the failing record of a JSON array for the message."""
-    dec = json.JSONDecoder()
-    idx, pos = 0, text.index("[") + 1
-    try:
-        while True:
-            while pos < len(text) and text[pos] in " \t\r\n,":
-                pos += 1
-            if pos >= len(text) or text[pos] == "]":
-                break
-            _, pos = dec.raw_decode(text, pos)
-            idx += 1
-    except json.JSONDecodeError:
-        pass
-    hint = ("the file ends before the array is closed (truncated?); restore the full file"
-            if not text.rstrip().endswith("]") else "fix the JSON syntax there")
-    return DataError(f"{path}: record {idx} (line {err.lineno}, column {err.colno}): not valid JSON: "
-                     f"{err.msg}; {hint}")
-
-
-def _json_head(path: Path, text: str, limit: int) -> list:
-    """The first ``limit`` records of a JSON array without parsing the rest (quick checks)."""
-    dec, out, pos = json.JSONDecoder(), [], text.index("[") + 1
-    while len(out) < limit:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            rec, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise _json_error(path, text, e) from None
-        out.append(rec)
-    return out
-
-
-def iter_raw(path: Path, limit: int = 0) -> Iterator[tuple[str, Any, bool]]:
-    """Yield (where, record, bad_utf8) for every record of one file (a JSON array: the first
-    ``limit`` records only, when limit > 0)."""
-    name = str(path)
-    if path.suffix == ".parquet":
-        yield from _iter_parquet(path)
-        return
-    if path.stat().st_size == 0:
-        raise DataError(f"{name}: empty file; remove it from data.paths or add records")
-    if path.suffix == ".json":
-        text, bad = _decode(path.read_bytes())
-        head = text.lstrip()[:1]
-        if head == "[":
-            try:
-                records = _json_head(path, text, limit) if limit else json.loads(text)
-            except json.JSONDecodeError as e:
-                raise _json_error(path, text, e) from None
-            for i, rec in enumerate(records):
-                yield f"{name}[{i}]", rec, bad and _has_surrogates(rec)
-            return
-        if head != "{":
-            raise DataError(f"{name}: record 0: not a JSON array or object (starts with {head!r}); "
-                            "a .json file holds [ {...}, ... ] (or use .jsonl: one object per line)")
-    with open(path, "rb") as f:  # JSONL (or a .json file with one object per line)
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            line, bad = _decode(raw)
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{name}: line {n} (column {e.colno}): not valid JSON: {e.msg}; "
-                                "each line must be one complete JSON object") from None
-            yield f"{name}:line {n}", rec, bad
-
-
-def _has_surrogates(obj: Any) -> bool:
-    if isinstance(obj, str):
-        return bool(_SURROGATE.search(obj))
-    if isinstance(obj, dict):
-        return any(_has_surrogates(v) for v in obj.values())
-    if isinstance(obj, list):
-        return any(_has_surrogates(v) for v in obj)
-    return False
-
-
-def _iter_parquet(path: Path) -> Iterator[tuple[str, Any, bool]]:
-    try:
-        import pyarrow.parquet as pq  # only needed for Parquet input
-    except ImportError as e:
-        raise DataError(f"{path}: cannot read Parquet here ({e}); install pyarrow<22 (make setup) "
-                        "or convert the file to JSONL") from None
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise DataError(f"{path}: not a readable Parquet file ({e}); re-export it or use JSON/JSONL") from None
-    names = set(pf.schema_arrow.names)
-    if not ({"instruction", "output"} <= names or names & {"conversations", "messages"}):
-        raise DataError(f"{path}: Parquet columns {sorted(names)} lack the needed ones: Alpaca needs "
-                        "'instruction' and 'output' (optional 'input', 'system', 'history'); ShareGPT needs "
-                        "'conversations' or 'messages'; rename the columns")
-    i = 0
-    for batch in pf.iter_batches(batch_size=2048):
-        for rec in batch.to_pylist():
-            yield f"{path}[{i}]", rec, False
-            i += 1
+def is_text(s: Sample) -> bool:
+    """A plain-text document (loss on every token) rather than a conversation."""
+    return s.turns[:1] == (("text", s.turns[0][1]),) if s.turns else False
 
 
 # ------------------------------------------------------------------------------ records -> samples
 
-def detect_kind(rec: Any, where: str) -> str:
-    """'alpaca' or 'sharegpt' from one record's keys."""
+# field names of other datasets -> the format field they usually mean (for the data.columns hint)
+_ALIASES = {"prompt": "instruction", "question": "instruction", "query": "instruction", "completion": "output",
+            "answer": "output", "response": "output", "chosen": "output", "dialog": "conversations",
+            "conversation": "conversations", "chat": "messages", "content": "text", "document": "text"}
+_NAMES = {"alpaca": "Alpaca", "sharegpt": "ShareGPT", "text": "plain text"}
+
+
+def _columns_hint(rec: dict) -> str:
+    """'; map your field names, e.g. data.columns=...' when the record's keys suggest a mapping."""
+    guess = {_ALIASES[k]: k for k in rec if k in _ALIASES}
+    return (f"; or map your field names: data.columns='{json.dumps(guess)}'" if guess else
+            "; or map your field names with data.columns (e.g. data.columns='{\"instruction\": \"question\", "
+            "\"output\": \"answer\"}')")
+
+
+def detect_kind(rec: Any, where: str) -> tuple[str, str]:
+    """(format, reason) from one record's keys: 'sharegpt', 'alpaca' or 'text'."""
     if isinstance(rec, dict):
-        if "conversations" in rec or "messages" in rec:
-            return "sharegpt"
-        if "instruction" in rec or "output" in rec:
-            return "alpaca"
+        for key in ("conversations", "messages"):
+            if key in rec:
+                return "sharegpt", f"records have `{key}`"
+        for key in ("instruction", "output"):
+            if key in rec:
+                return "alpaca", f"records have `{key}`"
+        if "text" in rec:
+            return "text", "records have `text`"
         keys = sorted(rec)[:8]
     else:
         keys = type(rec).__name__
-    raise DataError(f"{where}: unknown format (record has {keys}); expected Alpaca "
-                    "(instruction/input/output) or ShareGPT (conversations or messages); "
-                    "fix the record or set data.format=alpaca|sharegpt")
+    raise DataError(f"{where}: unknown format (record has {keys}); expected Alpaca (instruction/input/output), "
+                    "ShareGPT (conversations or messages) or plain text (text)"
+                    + (_columns_hint(rec) if isinstance(rec, dict) else "; fix the record"))
+
+
+def _mapped(rec: Any, columns: dict[str, str]) -> Any:
+    """The record with data.columns applied (its own fields copied under the format's names)."""
+    if not columns or not isinstance(rec, dict):
+        return rec
+    return {**rec, **{canon: rec[own] for canon, own in columns.items() if own in rec}}
+
+
+def file_format(path: Path, fmt: str = "auto", columns: dict[str, str] | None = None) -> tuple[str, str]:
+    """(format, why) of one file: a .txt file is text; otherwise the first record decides (auto), or
+    confirms the format that is set (a file that plainly is another format is an error naming it)."""
+    if path.suffix == ".txt":
+        if fmt not in ("auto", "text"):
+            raise DataError(f"{path}: a .txt file is plain text, but data.format is {fmt}; set DATA_FORMAT=text "
+                            "(or auto), or give this file its own data set")
+        return "text", "a .txt file"
+    first = next(iter_raw(path, limit=1, skip=False), None)
+    if first is None:
+        raise DataError(f"{path}: no records (empty data set); add records or remove it from data.paths")
+    where, rec, _ = first
+    rec = _mapped(rec, columns or {})
+    if fmt == "auto":
+        kind, why = detect_kind(rec, where)
+        return kind, f"{why} (detected; DATA_FORMAT sets it)"
+    needs = {"alpaca": ("instruction",), "sharegpt": ("conversations", "messages"), "text": ("text",)}[fmt]
+    if isinstance(rec, dict) and not any(k in rec for k in needs):
+        try:
+            kind, why = detect_kind(rec, where)
+        except DataError:
+            kind, why = fmt, ""
+        if kind != fmt:
+            raise DataError(f"{where}: looks like {_NAMES[kind]} ({why}), but data.format is {fmt}; "
+                            f"set DATA_FORMAT={kind} (or data.format={kind}, or auto)")
+    return fmt, f"data.format={fmt}"
 
 
 def _text(rec: dict, key: str, where: str, required: bool, example: str) -> str:
     v = rec.get(key)
     if v is None:
         if required:
-            raise DataError(f"{where}: field {key!r} is missing; add it (e.g. \"{key}\": \"{example}\")")
+            raise DataError(f"{where}: field {key!r} is missing; add it (e.g. \"{key}\": \"{example}\")"
+                            + _columns_hint(rec))
         return ""
     if not isinstance(v, str):
         raise DataError(f"{where}: field {key!r} must be a string, got {type(v).__name__} "
                         f"({str(v)[:40]!r}); e.g. \"{key}\": \"{example}\"")
     return v
+
+
+def _system(rec: dict, where: str) -> str | None:
+    system = rec.get("system")
+    return None if system is None else _text(rec, "system", where, False, "You are a helpful assistant.") or None
 
 
 def alpaca_sample(rec: Any, where: str, bad: bool = False) -> Sample:
@@ -230,9 +130,6 @@ def alpaca_sample(rec: Any, where: str, bad: bool = False) -> Sample:
     instr = _text(rec, "instruction", where, True, "Summarize the text.")
     inp = _text(rec, "input", where, False, "")
     out = _text(rec, "output", where, True, "The answer.")
-    system = rec.get("system")
-    if system is not None:
-        system = _text(rec, "system", where, False, "You are a helpful assistant.") or None
     turns: list[tuple[str, str]] = []
     history = rec.get("history") or []
     if not isinstance(history, list):
@@ -244,23 +141,69 @@ def alpaca_sample(rec: Any, where: str, bad: bool = False) -> Sample:
                             f"got {str(pair)[:60]!r}")
         turns += [("user", pair[0]), ("assistant", pair[1])]
     turns += [("user", f"{instr}\n{inp}" if inp else instr), ("assistant", out)]
-    return Sample(system, tuple(turns), where, bad)
+    return Sample(_system(rec, where), tuple(turns), where, bad, _tools(rec, where))
 
 
-def sharegpt_sample(rec: Any, where: str, bad: bool = False) -> Sample:
-    """conversations [{from, value}] or messages [{role, content}] (+ optional top-level system)."""
+def _tools(rec: dict, where: str) -> str | None:
+    """The `tools` field (a list of function schemas, or its JSON text) as the template writes it:
+    one JSON object per line; None when there are none."""
+    v = rec.get("tools")
+    if isinstance(v, str) and v.strip():
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not valid JSON ({e.msg}); give a list of function "
+                            'schemas, e.g. "tools": [{"name": "get_weather", "parameters": {...}}]') from None
+    if not v:
+        return None
+    if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+        raise DataError(f"{where}: field 'tools' must be a list of function schemas (objects), got {str(v)[:60]!r}")
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in v)
+
+
+def _tool_calls(calls: Any, where: str) -> str:
+    """Tool calls ({name, arguments} or OpenAI's {function: {name, arguments}}; arguments an object or
+    its JSON text) as Qwen2.5 writes them: <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>."""
+    out = []
+    for call in calls if isinstance(calls, list) else [calls]:
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = call["function"]
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise DataError(f"{where}: a tool call is {{\"name\": ..., \"arguments\": {{...}}}}, got {str(call)[:60]!r}")
+        args = call.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: tool call {call['name']!r}: arguments are not valid JSON ({e.msg}); "
+                                'give an object, e.g. "arguments": {"city": "Paris"}') from None
+        out.append('<tool_call>\n{"name": "' + call["name"] + '", "arguments": '
+                   + json.dumps(args, ensure_ascii=False) + "}\n</tool_call>")
+    return "\n".join(out)
+
+
+def _tool_responses(contents: list[str]) -> str:
+    """Consecutive tool results: one user turn of <tool_response> blocks (as the template merges them)."""
+    return "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
+
+
+def sharegpt_sample(rec: Any, where: str, bad: bool = False, role_key: str = "", content_key: str = "") -> Sample:
+    """conversations [{from, value}] or messages [{role, content}] (+ optional top-level system and tools).
+
+    Tool use: ShareGPT ``function_call`` (the call as JSON) and ``observation`` turns, or OpenAI
+    assistant ``tool_calls`` and ``tool`` messages. User and tool turns after the last answer are dropped.
+    """
     if not isinstance(rec, dict):
         raise DataError(f"{where}: a ShareGPT record is an object with 'conversations' or 'messages', "
                         f"got {type(rec).__name__}")
     key, rk, ck = ("conversations", "from", "value") if "conversations" in rec else ("messages", "role", "content")
+    rk, ck = role_key or rk, content_key or ck
     msgs = rec.get(key)
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: field {key!r} must be a non-empty list of {{\"{rk}\": ..., \"{ck}\": ...}}, "
                         f"got {str(msgs)[:60]!r}")
-    system = rec.get("system")
-    if system is not None:
-        system = _text(rec, "system", where, False, "You are a helpful assistant.") or None
-    turns: list[tuple[str, str]] = []
+    system = _system(rec, where)
+    turns: list[tuple[str, str]] = []  # role "tool": a tool result, merged into user turns below
     for j, m in enumerate(msgs):
         field = f"{key}[{j}]"
         if not isinstance(m, dict):
@@ -269,6 +212,21 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False) -> Sample:
         if role is None:
             raise DataError(f"{where}: field '{field}.{rk}' = {m.get(rk)!r} is not a known role; use one of "
                             f"{', '.join(_ROLES)}")
+        if role == "function_call":
+            try:
+                call = json.loads(_text(m, ck, f"{where} {field}", True, '{"name": "f", "arguments": {}}'))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: field '{field}.{ck}': a function_call holds the call as JSON "
+                                f'({e.msg}); e.g. {{"name": "get_weather", "arguments": {{"city": "Paris"}}}}') from None
+            turns.append(("assistant", _tool_calls(call, f"{where} {field}")))
+            continue
+        if role == "assistant" and m.get("tool_calls"):
+            content = m.get(ck) or ""
+            if not isinstance(content, str):
+                raise DataError(f"{where}: field '{field}.{ck}' must be a string or null next to tool_calls")
+            calls = _tool_calls(m["tool_calls"], f"{where} {field}")
+            turns.append(("assistant", f"{content}\n{calls}" if content else calls))
+            continue
         content = _text(m, ck, f"{where} {field}", True, "text")
         if role == "system":
             if turns:
@@ -276,23 +234,61 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False) -> Sample:
             system = content or None
             continue
         turns.append((role, content))
-    while turns and turns[-1][0] == "user":  # nothing to learn after the last answer
-        turns.pop()
-    return Sample(system, tuple(turns), where, bad)
+    merged: list[tuple[str, str]] = []
+    for role, group in itertools.groupby(turns, key=lambda t: t[0]):
+        if role == "tool":
+            merged.append(("user", _tool_responses([c for _, c in group])))
+        else:
+            merged += list(group)
+    n = len(merged)
+    while merged and merged[-1][0] == "user":  # nothing to learn after the last answer
+        merged.pop()
+    return Sample(system, tuple(merged), where, bad, _tools(rec, where), n - len(merged))
 
 
-def iter_samples(path: Path, fmt: str = "auto", limit: int = 0) -> Iterator[Sample]:
-    """Samples of one file; fmt 'auto' detects Alpaca/ShareGPT from the first record."""
-    kind = None if fmt == "auto" else fmt
+def text_sample(rec: Any, where: str, bad: bool = False) -> Sample:
+    """A plain-text document ({"text": ...}) for continued pretraining."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: a plain-text record is an object with 'text', got {type(rec).__name__}")
+    return Sample(None, (("text", _text(rec, "text", where, True, "A document.")),), where, bad)
+
+
+def iter_samples(path: Path, fmt: str = "auto", limit: int = 0, columns: dict[str, str] | None = None,
+                 skip: bool = False) -> Iterator[Sample | DataError]:
+    """Samples of one file in the format of :func:`file_format` (see :func:`read_samples`)."""
+    return read_samples(path, file_format(path, fmt, columns)[0], limit, columns, skip)
+
+
+def read_samples(path: Path, kind: str, limit: int = 0, columns: dict[str, str] | None = None,
+                 skip: bool = False) -> Iterator[Sample | DataError]:
+    """Samples of one file of format ``kind``; with ``skip`` a malformed record is yielded as its
+    DataError instead of raised."""
+    columns = columns or {}
     n = 0
-    for where, rec, bad in iter_raw(path, limit):
-        if kind is None:
-            kind = detect_kind(rec, where)
-        s = alpaca_sample(rec, where, bad) if kind == "alpaca" else sharegpt_sample(rec, where, bad)
-        if bad:
-            s = s._replace(system=_fix(s.system), turns=tuple((r, _fix(c)) for r, c in s.turns))
-        yield s
+    if kind == "text" and path.suffix == ".txt":
+        text, bad = decode(path.read_bytes())
+        yield Sample(None, (("text", _fix(text) if bad else text),), str(path), bad)
+        return
+    for where, rec, bad in iter_raw(path, limit, skip):
         n += 1
+        try:
+            if isinstance(rec, DataError):
+                raise rec
+            rec = _mapped(rec, columns)
+            if kind == "alpaca":
+                s = alpaca_sample(rec, where, bad)
+            elif kind == "sharegpt":
+                s = sharegpt_sample(rec, where, bad, columns.get("role", ""), columns.get("content", ""))
+            else:
+                s = text_sample(rec, where, bad)
+        except DataError as e:
+            if not skip:
+                raise
+            yield e
+        else:
+            if bad:
+                s = s._replace(system=_fix(s.system), turns=tuple((r, _fix(c)) for r, c in s.turns))
+            yield s
         if limit and n >= limit:
             return
     if n == 0:
@@ -301,7 +297,7 @@ def iter_samples(path: Path, fmt: str = "auto", limit: int = 0) -> Iterator[Samp
 
 def _fix(s: str | None) -> str | None:
     """Surrogate-escaped invalid bytes -> U+FFFD."""
-    if s is None or not _SURROGATE.search(s):
+    if s is None or not SURROGATE.search(s):
         return s
     return s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
@@ -309,13 +305,13 @@ def _fix(s: str | None) -> str | None:
 def check_data(data_cfg: DataConfig, max_records: int = 3) -> list[str]:
     """Open every data path, parse up to max_records per file; problems (file, record, field, fix)."""
     try:
-        sources = resolve_sources(data_cfg)
+        sources = resolve_sources(data_cfg) + resolve_sources(data_cfg, val=True)
     except DataError as e:
         return [str(e)]
     problems = []
     for src in sources:
         try:
-            for _ in iter_samples(src.path, data_cfg.format, limit=max_records):
+            for _ in iter_samples(src.path, data_cfg.format, max_records, data_cfg.columns):
                 pass
         except DataError as e:
             problems.append(str(e))

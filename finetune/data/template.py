@@ -1,7 +1,9 @@
 """Qwen2.5 chat template, labels and truncation on token ids.
 
-Text: ``<|im_start|>system\\n{system}<|im_end|>\\n`` then per turn
-``<|im_start|>{role}\\n{content}<|im_end|>\\n``. The special tokens split the text before the
+Text: ``<|im_start|>system\\n{system}<|im_end|>\\n`` (with tools: the system prompt, then the tool
+schemas and the call instructions of Qwen2.5's tool template) then per turn
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` (tool calls and tool results are already in the
+turns' content, see ``formats.py``). The special tokens split the text before the
 byte-level pre-tokenizer, so encoding the whole rendered text gives the ids that
 ``transformers``' ``apply_chat_template`` gives. Labels (aligned with input_ids; the model shifts)
 are -100 except each assistant turn's content tokens and its ``<|im_end|>``.
@@ -14,6 +16,11 @@ from finetune.data.formats import Sample
 
 IGNORE = -100
 TEMPLATE_VERSION = "qwen2.5-chatml-v1"  # part of the cache fingerprint
+TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+              "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+              "\"arguments\": <args-json-object>}\n</tool_call>")
 
 
 def render(sample: Sample, default_system: str) -> str:
@@ -24,7 +31,8 @@ def render(sample: Sample, default_system: str) -> str:
 def render_system(sample: Sample, default_system: str) -> str:
     """The system block of the templated text."""
     system = sample.system if sample.system is not None else default_system
-    return f"<|im_start|>system\n{system}<|im_end|>\n"
+    tools = f"{TOOLS_HEAD}{sample.tools}{TOOLS_TAIL}" if sample.tools else ""
+    return f"<|im_start|>system\n{system}{tools}<|im_end|>\n"
 
 
 def render_turns(sample: Sample) -> str:

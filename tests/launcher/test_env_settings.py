@@ -81,3 +81,31 @@ def test_cli_takes_variable_names_too():
     assert r.parallel.tp == 1 and r.launch.numa_bind == "off"
     with pytest.raises(ConfigError, match=r"PP='x' \(parallel.pp\): expected an integer"):
         load({}, ["PP=x"])
+
+
+def test_readme_env_table_is_the_contract_table():
+    readme = (RECIPES_DIR.parent / "README.md").read_text()
+    assert settings.env_table() in readme, "regenerate the README table from launcher.settings.env_table()"
+    for var in settings.ENV_KEYS:
+        assert f"`{var}`" in readme
+
+
+@pytest.mark.parametrize("env,cli,fmt", [
+    ({}, [], "alpaca"),  # the recipe's own paths keep the recipe's format
+    ({"DATA": "/d/sharegpt.json"}, [], "auto"),  # a user's data: detected
+    ({"DATA": "/d/x.json", "DATA_FORMAT": "sharegpt"}, [], "sharegpt"),
+    ({}, ["DATA=/d/x.json"], "auto"),
+    ({}, ["data.paths=/d/x.json"], "auto"),
+    ({"DATA": "/d/x.json", "OVERRIDES": "data.format=alpaca"}, [], "alpaca"),
+])
+def test_data_format_is_auto_whenever_data_is_given(env, cli, fmt):
+    assert load(env, cli).data.format == fmt  # tiny-cpu says format: alpaca for its bundled files
+
+
+def test_problems_come_structured_and_are_worded_by_origin():
+    with pytest.raises(ConfigError) as e:
+        load({"TP": "two", "OVERRIDES": "train.eps=-1"}, ["train.lr=inf"])
+    items = {p.key: p for p in e.value.items}
+    assert (items["parallel.tp"].message, items["parallel.tp"].example) == ("expected an integer", "8")
+    assert "OVERRIDES: train.eps=-1.0: must be > 0 (e.g. train.eps=1e-6)" in e.value.problems
+    assert "train.lr='inf': expected a finite number (e.g. train.lr=2e-5)" in e.value.problems

@@ -58,7 +58,8 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
     assert plan["worker_env"]["AF_CPU_BIND_7"] == "156-167" and plan["worker_env"]["AF_BIND_MODE"] == "affinity"
     assert "explicit NNODES, NODE_RANK, MASTER_ADDR" in plan["sources"]["cluster"]
     assert "rank 7 (NPU 7, NUMA node 6): CPU affinity 156-167" in out.out
-    assert not (tmp_path / "out").exists()  # plan starts and writes nothing
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]  # plan writes the plan, nothing else
+    assert json.loads((tmp_path / "out/plan.json").read_text()) == plan
 
 
 QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
@@ -79,6 +80,41 @@ def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, ca
     assert "= 39.1 (embedding/LM head vocab-parallel, seq_len 4096" in out.out
     rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full", "parallel.vocab_parallel=false"], capsys, **host)
     assert rc == 0 and "= 45.2 (embedding/LM head replicated" in out.out
+
+
+@pytest.mark.parametrize("env,msg", [
+    ({"TP": "3", "RECIPE": "qwen2.5-7b-full"}, "TP='3' (parallel.tp): TP x PP = 3 does not divide the 8 worker(s) of this job (nodes x workers "
+                  "per node) (e.g. TP=2)"),
+    ({"TP": "2", "DP": "2", "RECIPE": "qwen2.5-7b-full"}, "DP='2' (parallel.dp): TP=2 x DP=2 x PP=1 = 4 != world 8"),
+    ({"OVERRIDES": "train.precision=bf16", "RECIPE": "tiny-cpu"}, None),
+])
+def test_a_layout_that_does_not_fit_the_world_is_refused_at_plan_time(atlas, tmp_path, capsys, env, msg):
+    host = dict(env={"OUTPUT_DIR": str(tmp_path / "out"), **env}, dev_dir=atlas / "dev", root=atlas,
+                sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities=set())
+    rc, plan, out = run_main(["plan"], capsys, **host)
+    if msg is None:  # tiny-cpu runs on CPU (launch.device=cpu) even on an NPU host: no bf16 matmul there
+        assert rc == 2 and "OVERRIDES: train.precision='bf16': the CPU has no bf16 matmul" in out.err, out.err
+    else:
+        assert rc == 2 and msg in out.err, out.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_holds_every_derived_value(tmp_path, capsys):
+    """dp, shard_optimizer, precision and device are written resolved; the worker only checks them."""
+    (tmp_path / "dev").mkdir()
+    rc, plan, out = run_main(["plan", "--json", "NPROC_PER_NODE=2", f"OUTPUT_DIR={tmp_path}/o",
+                              "train.precision=auto"], capsys, env={}, dev_dir=tmp_path / "dev", root=tmp_path,
+                             npu_smi=None, sys_root=make_sys(tmp_path, {0: "0-3"}, cpuset_v2="0-3"))
+    assert rc == 0
+    saved = json.loads(out.out)  # --json: the JSON alone
+    assert saved == json.loads((tmp_path / "o/plan.json").read_text())
+    r = saved["recipe"]
+    assert (r["parallel"]["dp"], r["parallel"]["shard_optimizer"], r["train"]["precision"], r["launch"]["device"]) \
+        == (2, True, "fp32", "cpu")
+    recipe = load_recipe(raw=r)
+    assert recipe.resolved(2, "cpu") == recipe  # resolving a resolved recipe changes nothing
+    with pytest.raises(ValueError, match="!= world 3"):
+        recipe.resolved(3, "cpu")
 
 
 def test_cpu_host_says_so_and_runs_the_worker_directly(tmp_path, capsys):
@@ -263,14 +299,13 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
     rc, plan, out = run_main(["train"], capsys, env={"DRY_RUN": "1", "OUTPUT_DIR": str(tmp_path / "o")},
                              dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
     assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
-    assert not (tmp_path / "state").exists() and not (tmp_path / "o").exists()
+    assert not (tmp_path / "state").exists() and [p.name for p in (tmp_path / "o").iterdir()] == ["plan.json"]
 
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
-    fake = type(sys)("launcher.render")
-    fake.main = lambda args, overrides, recipe_arg: seen.setdefault("render", (args, overrides, recipe_arg)) and 0
-    monkeypatch.setitem(sys.modules, "launcher.render", fake)
+    monkeypatch.setattr("launcher.render.main", lambda args, env, overrides, recipe_arg:
+                        seen.setdefault("render", (args, overrides, recipe_arg)) and 0)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()
     host = dict(env={"OUTPUT_DIR": str(tmp_path)}, dev_dir=tmp_path / "dev", npu_smi=None)

@@ -10,7 +10,7 @@ import pytest
 
 from finetune.data import cache
 from finetune.data.formats import DataError
-from finetune.data.prepare import main, prepare
+from finetune.data.prepare import ensure_cache, main, prepare
 from finetune.data.template import IGNORE
 from tests.finetune.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_json, write_jsonl
 
@@ -106,10 +106,10 @@ def test_worker_processes_give_the_same_cache(tmp_path, data):
 def test_ensure_cache_only_the_preparer_tokenizes(tmp_path, data):
     shared = recipe_for(tmp_path, [data], shared_storage="true")
     with pytest.raises(TimeoutError, match="global rank 0"):  # rank 1 never prepares; it waits
-        cache.ensure_cache(shared, TOKENIZER, rank=1, local_rank=0, timeout_s=0.2, poll_s=0.05)
+        ensure_cache(shared, TOKENIZER, rank=1, local_rank=0, timeout_s=0.2, poll_s=0.05)
     assert not (tmp_path / "out" / "data").exists()
-    info = cache.ensure_cache(shared, TOKENIZER, rank=0, local_rank=0)
-    assert cache.ensure_cache(shared, TOKENIZER, rank=1, local_rank=0, timeout_s=1).num_samples == info.num_samples
+    info = ensure_cache(shared, TOKENIZER, rank=0, local_rank=0)
+    assert ensure_cache(shared, TOKENIZER, rank=1, local_rank=0, timeout_s=1).num_samples == info.num_samples
     per_node = recipe_for(tmp_path, [data], seq_len="96")
     with pytest.raises(TimeoutError, match="local rank 0 of this node"):
-        cache.ensure_cache(per_node, TOKENIZER, rank=0, local_rank=1, timeout_s=0.1, poll_s=0.05)
+        ensure_cache(per_node, TOKENIZER, rank=0, local_rank=1, timeout_s=0.1, poll_s=0.05)

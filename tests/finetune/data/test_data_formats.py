@@ -65,7 +65,8 @@ def test_directories_sorted_weights_and_repo_relative_paths(tmp_path):
     ("type.json", [alpaca(0), {"instruction": "x", "output": 5}], ["type.json[1]", "'output'", "string"]),
     ("role.jsonl", [{"conversations": [{"from": "robot", "value": "x"}]}],
      ["role.jsonl:line 1", "conversations[0].from", "'robot'", "human"]),
-    ("unknown.json", [{"question": "x", "answer": "y"}], ["unknown.json[0]", "unknown format", "data.format"]),
+    ("unknown.json", [{"question": "x", "answer": "y"}], ["unknown.json[0]", "unknown format",
+                                                             """data.columns='{"instruction": "question", "output": "answer"}'"""]),
     ("empty.json", [], ["empty.json", "no records"]),
 ])
 def test_bad_records_name_file_record_field(tmp_path, name, content, expect):
@@ -91,10 +92,13 @@ def test_truncated_json_array_names_the_record(tmp_path):
         list(iter_samples(p))
 
 
-def test_parquet_without_needed_columns(tmp_path):
+def test_parquet_with_other_column_names_is_read_through_data_columns(tmp_path):
     p = _parquet(tmp_path / "cols.parquet", {"prompt": ["x"], "completion": ["y"]})
-    with pytest.raises(DataError, match=r"cols.parquet: Parquet columns \['completion', 'prompt'\].*'instruction'"):
+    with pytest.raises(DataError, match=r"cols.parquet\[0\]: unknown format \(record has \['completion', 'prompt'\]\)"
+                                        r""".*data.columns='\{"instruction": "prompt", "output": "completion"\}'"""):
         list(iter_samples(p))
+    (s,) = iter_samples(p, columns={"instruction": "prompt", "output": "completion"})
+    assert s.turns == (("user", "x"), ("assistant", "y"))
 
 
 def test_unknown_extension_and_missing_path(tmp_path):

@@ -10,7 +10,9 @@ import pytest
 
 from finetune.config import CleanConfig, ConfigError, load_recipe
 from finetune.data import cache, malloc
+from finetune.data import encode as enc_mod
 from finetune.data import prepare as prep
+from finetune.data.clean import text_rule
 from finetune.data.formats import Sample, iter_samples, resolve_sources
 from finetune.data.template import render, splits_at_specials
 from tests.finetune.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_jsonl
@@ -23,7 +25,7 @@ def _maps(_: int = 0) -> str:
 
 def _held_chunks(_: int = 0) -> int:
     """(runs in a pool worker) how many chunks of encodings the worker holds before freeing."""
-    return prep._WORKER.hold_chunks
+    return enc_mod._WORKER.hold_chunks
 
 
 def test_choose_prefers_the_wheel_then_system_libraries_in_order(tmp_path):
@@ -68,19 +70,19 @@ def test_preloaded_sets_and_restores_ld_preload(monkeypatch):
 def test_workers_run_with_the_library_and_write_the_same_cache(tmp_path):
     name, lib = malloc.choose("auto")
     args = (str(TOKENIZER), "sys", 128, CleanConfig())
-    pool = prep._start_pool(args, 2, lib)
+    pool = enc_mod.start_pool(args, 2, lib)
     try:
         assert len(pool._processes) == 2  # both started with the library, and the variable restored
         assert "LD_PRELOAD" not in os.environ or str(lib) not in os.environ["LD_PRELOAD"]
         assert all(str(lib.resolve()) in m for m in pool.map(_maps, range(8)))
         assert set(pool.map(_held_chunks, range(8))) == {0}  # holding only helps glibc
     finally:
-        prep._stop_pool(pool)
-    system = prep._start_pool(args, 2, None)
+        enc_mod.stop_pool(pool)
+    system = enc_mod.start_pool(args, 2, None)
     try:
-        assert set(system.map(_held_chunks, range(8))) == {prep.HOLD_CHUNKS}
+        assert set(system.map(_held_chunks, range(8))) == {enc_mod.HOLD_CHUNKS}
     finally:
-        prep._stop_pool(system)
+        enc_mod.stop_pool(system)
     assert lib.name not in _maps()  # this process keeps the system malloc
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(600)])
     infos = {w: prep.prepare(recipe_for(tmp_path / w, [data], num_workers="2", worker_malloc=w), TOKENIZER,
@@ -105,7 +107,7 @@ def _full_ids(tok, samples: list[Sample], system: str) -> list[list[int]]:
 
 
 def test_system_block_encoded_once_gives_the_ids_of_the_whole_text():
-    enc = prep.Encoder(str(TOKENIZER), "You are a helpful assistant.", 128, CleanConfig())
+    enc = enc_mod.Encoder(str(TOKENIZER), "You are a helpful assistant.", 128, CleanConfig())
     assert enc.split
     samples = _samples() * 3
     assert enc._encode(samples) == _full_ids(enc.tok, samples, enc.system_prompt)
@@ -121,7 +123,7 @@ def test_a_tokenizer_whose_specials_strip_whitespace_encodes_whole_texts(tmp_pat
             t["rstrip"] = True
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(spec))
-    enc = prep.Encoder(str(path), "You are a helpful assistant.", 128, CleanConfig())
+    enc = enc_mod.Encoder(str(path), "You are a helpful assistant.", 128, CleanConfig())
     assert not enc.split and not splits_at_specials(enc.tok)
     samples = _samples()
     assert enc._encode(samples) == _full_ids(enc.tok, samples, enc.system_prompt)
@@ -133,9 +135,9 @@ def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
     info = prep.prepare(r, TOKENIZER, progress=False)
     toks = np.load(info.dir / "tokens.npy")
     idx = np.load(info.dir / "index.npy")
-    tok = prep.load_tokenizer(str(TOKENIZER), TOKENIZER.stat().st_mtime)
+    tok = enc_mod.load_tokenizer(str(TOKENIZER), TOKENIZER.stat().st_mtime)
     samples = [s for src in resolve_sources(r.data) for s in iter_samples(src.path)]
-    kept = [s for s in samples if prep.text_rule(s, r.data.clean) is None]
+    kept = [s for s in samples if text_rule(s, r.data.clean) is None]
     full = _full_ids(tok, kept, r.data.system_prompt)
     full = [f for f in full if len(f) >= r.data.clean.min_tokens]
     assert len(full) == len(idx) == cache.load_info(info.dir).num_samples
@@ -143,22 +145,7 @@ def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
         assert toks[start:start + n].tolist() == ids
 
 
-def test_auto_workers_follow_the_cgroup_cpu_quota(tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    assert prep.available_cpus(tmp_path / "none") == 64
-    v2 = tmp_path / "v2"
-    v2.mkdir()
-    (v2 / "cpu.max").write_text("250000 100000\n")  # a Kubernetes limit of 2.5 CPUs
-    assert prep.available_cpus(v2) == 3
-    (v2 / "cpu.max").write_text("max 100000\n")
-    assert prep.available_cpus(v2) == 64
-    v1 = tmp_path / "v1"
-    (v1 / "cpu").mkdir(parents=True)
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("800000\n")
-    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert prep.available_cpus(v1) == 8
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert prep.available_cpus(v1) == 64
+def test_auto_workers_follow_the_available_cpus(tmp_path, monkeypatch):
     # data.num_workers=0 on a large input: one worker per available CPU, at most MAX_AUTO_WORKERS
     monkeypatch.setattr(prep, "AUTO_POOL_BYTES", 0)
     monkeypatch.setattr(prep, "MAX_AUTO_WORKERS", 3)

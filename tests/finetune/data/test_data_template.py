@@ -9,7 +9,7 @@ import pytest
 
 from finetune.config import CleanConfig
 from finetune.data.formats import Sample, alpaca_sample, sharegpt_sample
-from finetune.data.prepare import Encoder
+from finetune.data.encode import Encoder
 from finetune.data.template import IGNORE
 from tests.finetune.data.data_helpers import TOKENIZER
 

@@ -1,18 +1,18 @@
 """Layout checks and group membership (pure Python, no workers)."""
 import pytest
 
-from finetune.dist import dp_group_ranks, group_name, init_distributed, resolve_layout, tp_group_ranks
+from finetune.config import ParallelConfig
+from finetune.dist import check_world, dp_group_ranks, group_name, init_distributed, tp_group_ranks
 
 
-def test_dp_is_derived_and_products_are_checked():
-    assert resolve_layout(8, 2) == (2, 4)
-    assert resolve_layout(4, 2, 2) == (2, 2)
-    with pytest.raises(ValueError, match=r"parallel.tp=2 x parallel.dp=4 = 8 but the job has 4 worker"):
-        resolve_layout(4, 2, 4)
-    with pytest.raises(ValueError, match=r"parallel.tp=3 does not divide the 4 worker"):
-        resolve_layout(4, 3)
-    with pytest.raises(ValueError, match=r"parallel.pp=2: pipeline parallelism is not supported"):
-        resolve_layout(4, 2, 0, pp=2)
+def test_the_layout_is_derived_once_and_the_worker_only_checks():
+    assert ParallelConfig(tp=2).for_world(8).dp == 4
+    assert ParallelConfig(tp=2, dp=2).for_world(4).dp == 2
+    assert "TP=2 x DP=4 x PP=1 = 8 != world 4" in ParallelConfig(tp=2, dp=4).world_problems(4)[0].message
+    assert "TP x PP = 3 does not divide the 4 worker(s)" in ParallelConfig(tp=3).world_problems(4)[0].message
+    check_world(8, 2, 4)
+    with pytest.raises(ValueError, match=r"parallel.tp=2 x parallel.dp=4 = 8 but the job has 4 worker.*plan"):
+        check_world(4, 2, 4)
 
 
 def test_tp_groups_are_contiguous_and_dp_groups_share_the_tp_rank():
@@ -26,7 +26,7 @@ def test_tp_groups_are_contiguous_and_dp_groups_share_the_tp_rank():
 
 def test_single_process_needs_no_collectives_and_refuses_a_split(monkeypatch):
     monkeypatch.delenv("MS_ROLE", raising=False)
-    rank = init_distributed(1, 0, "CPU")
+    rank = init_distributed(1, 1, "CPU")
     assert (rank.world_size, rank.tp, rank.dp, rank.dp_group, rank.is_main) == (1, 1, 1, None, True)
     with pytest.raises(ValueError, match="parallel.tp=2"):
-        init_distributed(2, 0, "CPU")
+        init_distributed(2, 1, "CPU")

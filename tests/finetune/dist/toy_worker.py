@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from mindspore import nn, ops  # noqa: E402
 
 from finetune.config import TrainConfig  # noqa: E402
-from finetune.dist import init_distributed  # noqa: E402
+from finetune.dist import init_distributed, launched_world  # noqa: E402
 from finetune.parallel.grads import global_grad_norm, sum_grads_over_dp  # noqa: E402
 from finetune.parallel.zero import ShardedAdamW  # noqa: E402
 
@@ -75,7 +75,7 @@ class RefAdamW:
 def main() -> None:
     out, shard = Path(sys.argv[1]), sys.argv[2] == "1"
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    rank = init_distributed(tp=1, dp=0, device_target="CPU")
+    rank = init_distributed(tp=1, dp=launched_world(), device_target="CPU")
     model = Toy()
     params = list(model.trainable_params())
     opt = ShardedAdamW(params, CFG, rank, bucket_bytes=256) if shard else RefAdamW(params)  # several buckets
