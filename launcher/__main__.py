@@ -62,7 +62,7 @@ from pathlib import Path
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, launch, numa, preflight, settings
+from launcher import ascendjob, launch, npu_monitor, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -313,9 +313,11 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     launch.write_plan(job.plan_path, job.plan)
     print_plan(job)
     log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-    return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                            cwd=job.plan_path.parent, tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
-                            signal_workers_only=job.world > 1)
+    with npu_monitor.running(job.devices, job.plan_path.parent, job.recipe.launch.node_rank,
+                             job.recipe.launch.npu_monitor_s, host.npu_smi, log):
+        return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                cwd=job.plan_path.parent, signal_workers_only=job.world > 1,
+                                tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None)
 
 
 def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:

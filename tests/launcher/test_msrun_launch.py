@@ -180,6 +180,7 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
                              sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"),
                              command=stub(tmp_path, tmp_path / "out/logs"))
     assert rc == 0, out.out + out.err
+    assert "NPU monitor: off (no NPU on this host)" in out.out
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
