@@ -10,24 +10,32 @@
 # The docs searched for this file held no MindSpore 2.10 row; CANN 9.1.0 (release notes:
 # gitcode.com/cann/release-management 9.1.0, HDK 25.2+/26.0.RC1) is the CANN release of the
 # MindSpore 2.10 period. Confirm against the mindspore.cn/install table for your cluster and pass
-# --build-arg BASE_IMAGE=... to change it. Tag scheme <cann>-910b-<os>-py<ver> as published on
-# Docker Hub (ascendai/cann) and quay.io (quay.io/ascend/cann:9.0.0-910b-ubuntu22.04-py3.12 in the
-# vllm-ascend install docs). `make image-test` builds this file on a local Debian bookworm +
-# Python 3.11 base instead.
-ARG BASE_IMAGE=ascendai/cann:9.1.0-910b-ubuntu22.04-py3.11
+# --build-arg BASE_IMAGE=... to change it. Tags <cann>-910b-<os>-py<ver> as Ascend/cann-container-image
+# publishes them (cann/<tag>/Dockerfile; Docker Hub ascendai/cann, quay.io/ascend/cann); 9.1.0 exists
+# there as 9.1.0-beta.3, the newest 9.1 build. That image puts Python in /usr/local/python3.11.15
+# (on PATH, no /usr/bin/python3) and its entrypoint sources the CANN scripts, as entrypoint.sh does.
+# `make image-test` builds this file on a local CANN-shaped base (tools/image/base.sh).
+ARG BASE_IMAGE=ascendai/cann:9.1.0-beta.3-910b-ubuntu22.04-py3.11
 FROM ${BASE_IMAGE}
 
 # Build-time only, never stored in a layer: PIP_CERT is the path of a CA bundle the builder mounts
 # for the RUN steps (buildah bud --volume /etc/ssl/certs/ca-certificates.crt:/run/pip-ca.crt:ro
 # --build-arg PIP_CERT=/run/pip-ca.crt); PIP_FIND_LINKS / PIP_NO_INDEX point pip at a mounted
 # wheel directory (tools/image/wheels.sh) to install offline. Empty values are unset before pip runs.
+# MINDSPORE_WHEEL: the MindSpore wheel for the target architecture, a URL or a path inside the
+# build (tools/image/build.sh mounts a local file). PyPI's mindspore 2.10.0 is tagged py3-none-any
+# but holds x86-64 libraries: an aarch64 image (Atlas 800T A2) needs the linux_aarch64 wheel from
+# MindSpore's release repository (README "Container image"); the build fails, naming it, otherwise.
 ARG PIP_CERT=""
 ARG PIP_FIND_LINKS=""
 ARG PIP_NO_INDEX=""
+ARG MINDSPORE_WHEEL=""
 
+# PATH extends the base's: the CANN images reach Python (/usr/local/python3.11.x/bin) and the
+# toolkit's tools only through it, and have no /usr/bin/python3.
 ENV APP_DIR=/opt/ascend-finetune \
     VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PATH=/opt/venv/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -59,7 +67,7 @@ COPY pyproject.toml tools/image/deps.py /tmp/deps/
 RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_FIND_LINKS; \
     [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
     python /tmp/deps/deps.py /tmp/deps/pyproject.toml > /tmp/deps/requirements.txt \
-    && python -m pip install --quiet -r /tmp/deps/requirements.txt \
+    && python -m pip install --quiet ${MINDSPORE_WHEEL:+"$MINDSPORE_WHEEL"} -r /tmp/deps/requirements.txt \
     && rm -rf /tmp/deps
 
 # The project itself, editable so that recipes/ and assets/ resolve next to the code.
@@ -68,4 +76,5 @@ RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_
     [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
     python -m pip install --quiet --no-deps -e "$APP_DIR" \
     && chmod 0755 "$APP_DIR/entrypoint.sh" \
+    && python -m finetune.native \
     && python -c "import mindspore, finetune.config, launcher; print('mindspore', mindspore.__version__)"

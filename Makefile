@@ -10,13 +10,20 @@ PYTEST_ARGS ?=
 
 .PHONY: setup train plan preflight prepare-data generate render test test-fast bench-data image image-test clean
 
+# MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
+# "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
+# the installed MindSpore's native code matches this machine (python -m finetune.native).
+MINDSPORE_WHEEL ?=
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(if $(MINDSPORE_WHEEL),"$(MINDSPORE_WHEEL)") -e '.[test]'
 	@touch $@
 
 setup: $(STAMP)
+	$(PY) -m finetune.native$(if $(MINDSPORE_WHEEL), || { $(PY) -m pip install -q --no-deps --force-reinstall \
+	    "$(MINDSPORE_WHEEL)" && $(PY) -m finetune.native; })
 
 ## The main job: with no NPU and no settings it runs recipes/tiny-cpu.yaml end to end.
 train: $(STAMP)
@@ -59,12 +66,14 @@ PIP_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
 .PHONY: base-image
 
 image:
-	IMAGE="$(IMAGE)" BASE_IMAGE="$(BASE_IMAGE)" PIP_CA="$(PIP_CA)" tools/image/build.sh
+	IMAGE="$(IMAGE)" BASE_IMAGE="$(BASE_IMAGE)" PIP_CA="$(PIP_CA)" MINDSPORE_WHEEL="$(MINDSPORE_WHEEL)" \
+	    tools/image/build.sh
 
-## Local Debian bookworm + Python 3.11 base (debootstrap, cached under /var/tmp) in buildah storage.
+## Local CANN-shaped base (Debian bookworm via debootstrap, cached under /var/tmp; Python only under
+## /usr/local/python3.11.x; stub CANN set_env.sh scripts) in buildah storage.
 base-image:
 	tools/image/base.sh
 
-## Build on the local base with buildah and run the entrypoint inside: bash, plan, training end to end.
+## Build on the CANN-shaped base with buildah and run the entrypoint inside: bash, plan, training end to end.
 image-test: $(STAMP)
 	tools/image/test.sh "$(CURDIR)/$(PY)"

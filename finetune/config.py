@@ -154,6 +154,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2  # 0: keep all
     resume: str = "auto"  # auto | never | <checkpoint dir>
+    tensorboard: bool = True  # scalar event files under <output_dir>/tensorboard (rank 0)
     # Stop after this many consecutive steps with a non-finite loss or gradients. fp16's dynamic loss
     # scale skips a step per backoff (65536 -> 1 takes 16); bf16/fp32 have no scale to lower.
     max_bad_steps: int = 20

@@ -41,6 +41,11 @@ class RankInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def log(self, msg: str) -> None:
+        """The job's one logger: a line on the console from rank 0 (every rank runs the same code)."""
+        if self.is_main:
+            print(msg, flush=True)
+
 
 def under_msrun() -> bool:
     """True when msrun started this process (it sets MS_ROLE / MS_WORKER_NUM)."""
@@ -75,6 +80,18 @@ def group_name(kind: str, ranks: list[int]) -> str:
     return f"{kind}-" + "-".join(str(r) for r in ranks)
 
 
+def _set_device(target: str, device_id: int | None) -> None:
+    """``mindspore.set_device`` (before any kernel runs and before ``init()``), tolerating a process
+    that already runs kernels on that target (tests that train several times in one process)."""
+    import mindspore as ms
+
+    try:
+        ms.set_device(target, device_id)
+    except RuntimeError:
+        if ms.get_context("device_target") != target:
+            raise
+
+
 def init_distributed(tp: int = 1, dp: int = 1, device_target: str = "CPU") -> RankInfo:
     """Initialise collectives when launched by msrun and build the TP/DP groups of the plan's layout.
 
@@ -84,14 +101,13 @@ def init_distributed(tp: int = 1, dp: int = 1, device_target: str = "CPU") -> Ra
     world_env = launched_world()
     check_world(world_env, tp, dp)  # fail fast, before connecting to anyone
     if not under_msrun():
+        _set_device(device_target, None)
         return RankInfo(device_target=device_target)
     local_rank = int(os.environ.get("DEVICE_ID", "0"))
 
-    import mindspore as ms
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
-    if device_target == "Ascend":  # one NPU per local worker; the trainer has set the device target
-        ms.set_context(device_id=local_rank)
+    _set_device(device_target, local_rank if device_target == "Ascend" else None)  # one NPU per local worker
     init()
     rank, world = get_rank(), get_group_size()
     if world != world_env:

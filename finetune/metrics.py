@@ -1,8 +1,7 @@
-"""Rank-0 observability: metrics.jsonl, progress lines, the end-of-run summary and loss.png."""
+"""Rank-0 observability: metrics.jsonl and progress lines (summary, plot, TensorBoard: finetune/report.py)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -37,34 +36,3 @@ def progress_line(r: dict, total_steps: int) -> str:
     return (f"step {r['step']:>6}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['elapsed_s']:.1f}s elapsed | eta {eta:.0f}s")
-
-
-def summarize(records: list[dict], out_dir: Path, tokens: int, wall_s: float) -> dict:
-    """Write summary.json and loss.png; return the summary."""
-    summary = {"steps": records[-1]["step"] if records else 0, "tokens": tokens,
-               "first_loss": records[0]["loss"] if records else None,
-               "last_loss": records[-1]["loss"] if records else None, "wall_time_s": round(wall_s, 2)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if records:
-        plot_loss(records, out_dir / "loss.png")
-    return summary
-
-
-def plot_loss(records: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the summary still stands without a picture
-        print("matplotlib is not installed: no loss.png", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

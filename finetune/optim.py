@@ -6,6 +6,7 @@ reduce over data-parallel ranks, unscale, global-norm clip, skip on overflow, up
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -13,7 +14,7 @@ from mindspore import ops
 
 from finetune.config import LossScaleConfig, TrainConfig
 from finetune.dist import RankInfo
-from finetune.parallel.grads import global_grad_norm, reduce_grads
+from finetune.parallel.grads import global_grad_norm, sum_grads_over_dp
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -33,6 +34,28 @@ def clip_by_norm(grads: list, norm: float, max_norm: float) -> list:
         coef = max_norm / (norm + 1e-6)
         return [g * coef for g in grads]
     return grads
+
+
+class KernelScalars(NamedTuple):
+    """Arguments of the in-place ``AdamWeightDecay`` kernel for one step (fp32 tensors)."""
+
+    lr: ms.Tensor
+    beta1: ms.Tensor
+    beta2: ms.Tensor
+    eps: ms.Tensor
+    decay_factor: float  # weight decay ``wd`` enters the kernel as ``wd * decay_factor``
+
+
+def kernel_scalars(cfg: TrainConfig, lr: float, t: int) -> KernelScalars:
+    """Torch AdamW's bias corrections folded into the kernel's arguments for step ``t`` (1-based).
+
+    The kernel computes ``w -= lr' * (m / (sqrt(v) + eps') + wd' * w)`` without bias correction.
+    With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
+    """
+    b1, b2 = cfg.betas
+    bc1, bc2 = 1.0 - b1 ** t, math.sqrt(1.0 - b2 ** t)
+    f32 = lambda x: ms.Tensor(x, ms.float32)  # noqa: E731
+    return KernelScalars(f32(lr * bc2 / bc1), f32(b1), f32(b2), f32(cfg.eps * bc2), bc1 / bc2)
 
 
 class LossScaler:
@@ -85,7 +108,7 @@ class AdamW:
 
     def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied)."""
-        grads = reduce_grads(grads, self.rank)
+        grads = sum_grads_over_dp(grads, self.rank)
         grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
         if grad_scale != 1.0:
             grads = [g / grad_scale for g in grads]
@@ -94,15 +117,10 @@ class AdamW:
             return norm, False
         grads = clip_by_norm(grads, norm, self.cfg.clip_grad)
         self.t += 1
-        b1, b2 = self.cfg.betas
-        bc1, bc2 = 1.0 - b1 ** self.t, math.sqrt(1.0 - b2 ** self.t)
-        # The kernel has no bias correction: w -= lr' * (m / (sqrt(v) + eps') + wd' * w). With
-        # lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
-        f32 = lambda x: ms.Tensor(x, ms.float32)  # noqa: E731
-        lr_t, b1_t, b2_t, eps_t = f32(lr * bc2 / bc1), f32(b1), f32(b2), f32(self.cfg.eps * bc2)
-        wd_t = {d: f32(d * bc1 / bc2) for d in set(self.decay)}  # one tensor per distinct decay
+        k = kernel_scalars(self.cfg, lr, self.t)
+        wd_t = {d: ms.Tensor(d * k.decay_factor, ms.float32) for d in set(self.decay)}  # one per distinct decay
         for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
-            self._update(w, self.m[i], self.v[i], lr_t, b1_t, b2_t, eps_t, wd_t[self.decay[i]], g)
+            self._update(w, self.m[i], self.v[i], k.lr, k.beta1, k.beta2, k.eps, wd_t[self.decay[i]], g)
             if w is not p:
                 p.set_data(w.astype(p.dtype))
         return norm, True
@@ -125,11 +143,3 @@ class AdamW:
             if self.master[i] is not p:
                 self.master[i].set_data(ms.Tensor(d[f"master.{p.name}"], ms.float32))
 
-
-def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool):
-    """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
-    if shard and rank.dp > 1:
-        from finetune.parallel.zero import ShardedAdamW
-
-        return ShardedAdamW(params, cfg, rank)
-    return AdamW(params, cfg, rank)

@@ -1,24 +1,31 @@
 """The training loop: one function, top to bottom, run by every rank.
 
-Configured only by the resolved recipe and the rank environment msrun gives the process.
+Configured only by the resolved recipe and the rank environment msrun gives the process. The
+setup (model, optimizer, data, resume) is ``finetune/trainer.py``; this module runs the steps.
+
+Host syncs: a step copies nothing from the device except the gradient norm the optimizer needs to
+clip and to skip non-finite steps. The loss, token counts and the stop request cross the ranks and
+reach the host only at a *sync point*: a logged step, a checkpoint step and the last step.
 """
 from __future__ import annotations
 
 import glob
 import signal
 import time
-from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.checkpoint import (TrainerState, checkpoint_root, find_latest, load_checkpoint,
-                                 save_checkpoint)
-from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
-from finetune.dist import RankInfo, barrier, init_distributed, launched_world
-from finetune.metrics import MetricsWriter, log, progress_line, summarize
-from finetune.optim import LossScaler, build_optimizer, lr_at
+from finetune.config import Recipe
+from finetune.dist import RankInfo, all_reduce_sum, barrier, init_distributed, launched_world
+from finetune.metrics import MetricsWriter, progress_line, read_metrics
+from finetune.report import summarize
+from finetune.optim import lr_at
+from finetune.trainer import BATCH_KEYS, Trainer, setup
+
+EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
+EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
 
 
 def device_target(recipe: Recipe) -> str:
@@ -47,154 +54,125 @@ class _StopFlag:
         self.set = True
 
 
-def _dp_sum(values: list[float], rank: RankInfo) -> list[float]:
-    """Sum scalars over the data-parallel group (identity when dp == 1)."""
-    if rank.dp == 1:
-        return values
-    t = ops.AllReduce(group=rank.dp_group)(ms.Tensor(np.array(values, np.float32)))
-    return t.asnumpy().tolist()
+def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Tensor) -> tuple[list, ms.Tensor]:
+    """Gradients summed over the micro-batches in fp32 (whatever the compute dtype), and the summed
+    scaled loss; both stay on the device."""
+    grads, loss_sum = None, None
+    for mb in micro_batches:
+        loss, g = grad_fn(*(ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS), scale)
+        g = [x if x.dtype == ms.float32 else x.astype(ms.float32) for x in g]
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+    return grads, loss_sum
 
 
-def _world_any(flag: bool, rank: RankInfo) -> bool:
-    """True on every rank if it is True on any rank (keeps ranks in step when stopping)."""
+def sync(loss: ms.Tensor, tokens: int, stop: bool, rank: RankInfo) -> tuple[float, int, bool]:
+    """(loss summed over DP, tokens summed over DP, stop requested on any rank): one float and one
+    integer all-reduce over the world (TP ranks hold equal copies of loss and tokens)."""
     if rank.world_size == 1:
-        return flag
-    t = ops.AllReduce()(ms.Tensor(np.array([1.0 if flag else 0.0], np.float32)))
-    return bool(t.asnumpy()[0] > 0)
+        return float(loss.asnumpy()), tokens, stop
+    both = all_reduce_sum(ops.stack([loss.astype(ms.float32), ms.Tensor(float(stop), ms.float32)]), rank.world_group)
+    count = all_reduce_sum(ms.Tensor(np.array([tokens], np.int32)), rank.world_group)
+    loss_sum, stops = both.asnumpy().tolist()
+    return loss_sum / rank.tp, int(count.asnumpy()[0]) // rank.tp, stops > 0
 
 
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
-    from finetune.data.prepare import ensure_cache
-    from finetune.data.batching import BatchLoader
-    from finetune.hf_io import export_hf, load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
-
-    t_start = time.time()
     device = device_target(recipe)
     # the plan's recipe is resolved already: this only checks it against the world msrun started
     recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target=device)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     rank = init_distributed(recipe.parallel.tp, recipe.parallel.dp, device)
-    say = log if rank.is_main else (lambda msg: None)
-    out = Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tc = recipe.train
     dtype = compute_dtype(recipe)
     head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
-    say(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
-        f"{head}), compute dtype {dtype}, output {out}")
+    rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
+             f"{head}), compute dtype {dtype}, output {recipe.output_dir}")
+    trainer = setup(recipe, rank, dtype)
+    code = train_loop(trainer, _StopFlag())
+    return finish(trainer) if code == 0 else code
 
-    # --- model directory (created once for the embedded default) and data cache
-    model_dir = Path(resolved_model_dir(recipe))
-    if creates_tiny_model(recipe) and rank.local_rank == 0:
-        from finetune.tiny import ensure_tiny_model
 
-        if ensure_tiny_model(model_dir, recipe.model.init, recipe.model.init_seed):
-            say(f"[train] created the tiny random-init model in {model_dir} (seed {recipe.model.init_seed})")
-    barrier(rank)
-    cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main).dir
-    loader = BatchLoader(cache_dir, recipe.data.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp,
-                         rank.dp_rank, tc.seed, packing=recipe.data.packing,
-                         max_tokens_per_batch=recipe.data.max_tokens_per_batch, epochs=tc.epochs)
-    total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
-    if total_steps == 0:
-        raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
-                         "sequences: lower train.micro_batch_size / train.grad_accum or add data")
-
-    # --- model, optimizer, loss scale
-    ms.set_seed(tc.seed)
-    cfg = Qwen2Config.from_dict(load_hf_config(model_dir))
-    model = Qwen2ForCausalLM(cfg, rank, recompute=tc.recompute, compute_dtype=dtype,
-                             vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
-    load_weights(model, model_dir, rank)
-    params = model.trainable_params()
-    model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
-    shard = recipe.parallel.shard_optimizer
-    opt = build_optimizer(params, tc, rank, shard=shard)
-    scaler = LossScaler(tc.loss_scale, enabled=dtype == ms.float16)
-    n_params = sum(int(np.prod(p.shape)) for p in params)
-    say(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
-        f"({loader.steps_per_epoch} per epoch), global batch "
-        f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
-
-    # --- resume
-    root = checkpoint_root(out)
-    step, tokens_seen, elapsed_before = 0, 0, 0.0
-    latest = None if tc.resume == "never" else (Path(tc.resume) if tc.resume != "auto" else find_latest(root))
-    if latest is not None:
-        state, optim_state = load_checkpoint(latest, params, rank)
-        opt.load_state_dict(optim_state)
-        loader.load_state_dict(state.loader)
-        scaler.load_state_dict(state.scaler)
-        step, tokens_seen, elapsed_before = state.step, state.tokens_seen, state.elapsed_s
-        say(f"[train] resumed from {latest} at step {step}")
-    metrics = MetricsWriter(out / "metrics.jsonl", step) if rank.is_main else None
-
-    def save() -> None:
-        state = TrainerState(step=step, loader=loader.state_dict(), scaler=scaler.state_dict(), seed=tc.seed,
-                             tokens_seen=tokens_seen, elapsed_s=elapsed_before + time.time() - t_loop)
-        path = save_checkpoint(root, state, params, opt.state_dict(), rank, tc.keep_checkpoints,
-                               owns_model=rank.dp_rank == 0, owns_optim=shard or rank.dp_rank == 0)
-        say(f"[train] checkpoint {path}")
-
-    def loss_fn(input_ids, labels, position_ids, segment_ids, scale):
-        return model(input_ids, labels, position_ids, segment_ids) * scale
-
-    grad_fn = ms.value_and_grad(loss_fn, None, params)
-    stop = _StopFlag()
-
-    # --- the loop
-    t_loop, t_last, tokens_last = time.time(), time.time(), tokens_seen
-    for batch in loader:
-        if step >= total_steps:
-            break
-        lr = lr_at(step, tc, total_steps)
-        scale = ms.Tensor(scaler.scale / batch.global_label_tokens, ms.float32)
-        grads, loss_local, tokens_local = None, 0.0, 0
-        for mb in batch.micro_batches:
-            tensors = [ms.Tensor(mb[k], ms.int32) for k in ("input_ids", "labels", "position_ids", "segment_ids")]
-            loss, g = grad_fn(*tensors, scale)
-            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
-            loss_local += float(loss.asnumpy())
-            tokens_local += int((mb["segment_ids"] > 0).sum())
-        used_scale = scaler.scale
-        grad_norm, applied = opt.step(grads, lr, grad_scale=used_scale)
-        scaler.update(applied)
-        loss_sum, tokens = _dp_sum([loss_local, float(tokens_local)], rank)
-        step += 1
-        tokens_seen += int(tokens)
+def train_loop(t: Trainer, stop: _StopFlag) -> int:
+    """Run the steps from ``t.step`` to ``t.total_steps``; returns the exit code (0: all steps done)."""
+    tc, rank = t.recipe.train, t.rank
+    metrics = MetricsWriter(t.out / "metrics.jsonl", t.step) if rank.is_main else None
+    grad_fn = ms.value_and_grad(t.scaled_loss, None, t.params)
+    batches = iter(t.loader)  # positioned at step t.step; pulled only for a step that runs
+    pending_tokens, bad_steps = 0, 0
+    last_log = (time.time(), t.tokens_seen)
+    while t.step < t.total_steps:
+        batch = next(batches)
+        lr = lr_at(t.step, tc, t.total_steps)
+        loss_scale = t.scaler.scale
+        grads, loss = accumulate(grad_fn, batch.micro_batches, ms.Tensor(loss_scale / batch.global_label_tokens,
+                                                                         ms.float32))
+        grad_norm, applied = t.opt.step(grads, lr, grad_scale=loss_scale)
+        t.scaler.update(applied)
+        t.step += 1
+        pending_tokens += sum(int((mb["segment_ids"] > 0).sum()) for mb in batch.micro_batches)
+        bad_steps = 0 if applied else bad_steps + 1
         if not applied:
-            say(f"[train] step {step}: non-finite gradients (loss scale {scaler.scale:g} after backoff), step skipped")
-        if step % tc.log_every == 0 or step == total_steps:
+            rank.log(f"[train] step {t.step}: non-finite gradients (loss scale {loss_scale:g}), step skipped")
+            if bad_steps >= tc.max_bad_steps:
+                rank.log(diverged_message(t.step, bad_steps, loss_scale, t.scaler.enabled))
+                return EXIT_DIVERGED
+        logged = t.step % tc.log_every == 0 or t.step == t.total_steps
+        saving = tc.save_every and t.step % tc.save_every == 0 and t.step < t.total_steps
+        if not (logged or saving or t.step == t.total_steps):
+            continue
+        loss_sum, tokens, stopping = sync(loss, pending_tokens, stop.set, rank)  # the step's only sync point
+        t.tokens_seen += tokens
+        pending_tokens = 0
+        if logged:
             now = time.time()
-            record = {"step": step, "loss": loss_sum / used_scale,
-                      "lr": lr, "grad_norm": grad_norm, "tokens_per_s": (tokens_seen - tokens_last) / max(now - t_last, 1e-9),
-                      "elapsed_s": round(elapsed_before + now - t_loop, 3), "loss_scale": used_scale}
-            t_last, tokens_last = now, tokens_seen
+            record = {"step": t.step, "loss": loss_sum / loss_scale, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": (t.tokens_seen - last_log[1]) / max(now - last_log[0], 1e-9),
+                      "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale}
+            last_log = (now, t.tokens_seen)
             if metrics is not None:
                 metrics.write(record)
-                say(progress_line(record, total_steps))
-        if tc.save_every and step % tc.save_every == 0 and step < total_steps:
-            save()
-        if _world_any(stop.set, rank):
-            say(f"[train] stop requested: saving a checkpoint at step {step} and exiting")
-            save()
-            return 143
+                rank.log(progress_line(record, t.total_steps))
+        if saving or stopping:
+            t.save()
+        if stopping:
+            rank.log(f"[train] stop requested: checkpoint at step {t.step} written, exiting")
+            return EXIT_STOPPED
+    return 0
 
-    # --- the end: checkpoint, Hugging Face export, summary
-    save()
+
+def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool) -> str:
+    """Why the run stopped and what usually causes it."""
+    causes = "a learning rate too high for this model (train.lr), too little warmup (train.warmup_steps), " \
+             "corrupt data (check the prepared samples)"
+    if scaled:
+        causes += ", fp16 overflow that loss scaling cannot absorb (train.precision=bf16 on Ascend)"
+    return (f"[train] error: {bad} consecutive steps with non-finite gradients, the last at step {step} (loss "
+            f"scale {loss_scale:g}); stopping without a checkpoint or export (the last checkpoint holds finite "
+            f"weights). Likely causes: {causes}. Raise train.max_bad_steps to tolerate longer runs of bad steps.")
+
+
+def finish(t: Trainer) -> int:
+    """The end of a complete run: final checkpoint, Hugging Face export, summary; the exit code."""
+    rank, out, recipe = t.rank, t.out, t.recipe
+    bad = [p.name for p in t.params if not bool(ops.isfinite(p).all())]
+    if int(all_reduce_sum(ms.Tensor(np.array([len(bad)], np.int32)), rank.world_group).asnumpy()[0]):
+        rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
+                 "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
+        return EXIT_DIVERGED
+    t.save()
     if recipe.export.enabled:
         from finetune.config import parse_size
+        from finetune.hf_io import export_hf
 
         hf_dir = out / "hf"
-        export_hf(model, model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
-        say(f"[train] Hugging Face model written to {hf_dir}")
+        export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
+        rank.log(f"[train] Hugging Face model written to {hf_dir}")
     barrier(rank)
-    if metrics is not None:
-        summary = summarize(metrics.records, out, tokens_seen, elapsed_before + time.time() - t_loop)
+    if rank.is_main:
+        summary = summarize(read_metrics(out / "metrics.jsonl"), out, t.tokens_seen, t.elapsed_s())
         drop = (1 - summary["last_loss"] / summary["first_loss"]) * 100 if summary["first_loss"] else 0.0
-        say(f"[train] done: {summary['steps']} steps, {summary['tokens']:,} tokens, loss "
-            f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
-            f"{summary['wall_time_s']:.0f}s; metrics in {out / 'metrics.jsonl'}, curve in {out / 'loss.png'}")
+        rank.log(f"[train] done: {summary['steps']} steps, {summary['tokens']:,} tokens, loss "
+                 f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
+                 f"{summary['wall_time_s']:.0f}s; metrics in {out / 'metrics.jsonl'}, curve in {out / 'loss.png'}")
     return 0

@@ -1,32 +1,6 @@
 """ascend-finetune launcher: environment -> recipe -> plan -> preflight -> msrun -> supervise.
 
 Runs once per node, host side; never imports mindspore. Precedence: CLI ``key=value`` > environment
-variable             recipe key               meaning
-==================== ======================== ===============================================================
-RECIPE               (recipe)                 name in recipes/ or a YAML path; default qwen2.5-7b-full when
-                                              NPUs are present and MODEL_DIR and DATA are set, else tiny-cpu
-MODEL_DIR            model.dir                Hugging Face model dir (config.json, safetensors, tokenizer.json)
-DATA                 data.paths               files or dirs, comma-separated (JSON, JSONL, Parquet)
-DATA_FORMAT          data.format              auto | alpaca | sharegpt
-OUTPUT_DIR           output_dir               checkpoints, logs, plan.json, hf/ export
-NNODES               launch.nnodes            number of nodes (else detected, see below)
-NODE_RANK            launch.node_rank         this node's index, 0 = master
-MASTER_ADDR          launch.master_addr       node 0's address (msrun scheduler)
-MASTER_PORT          launch.master_port       msrun scheduler port (default 8118), same on every node
-NPROC_PER_NODE       launch.nproc_per_node    workers per node; default: visible NPU count (CPU: 1)
-HOSTFILE             launch.hostfile          file of ``host slots=N`` lines; this node found by name/address
-TP / PP / DP         parallel.tp/.pp/.dp      layout; world = TP x DP x PP; DP=0 derives it
-OVERRIDES            (any)                    space-separated key=value, e.g. "train.lr=1e-5 train.epochs=1"
-NUMA_BIND            launch.numa_bind         auto | numactl | affinity | off
-MAX_RESTARTS         launch.max_restarts      relaunches after a failure, each resuming from the last checkpoint
-DRY_RUN              launch.dry_run           1: print the plan, start nothing
-HCCL_CONNECT_TIMEOUT (worker env)             defaulted to 1200 s when unset
-HCCL_EXEC_TIMEOUT    (worker env)             defaulted to 1836 s (CANN's A2 default) when unset
-HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE passed through to workers unchanged
-ASCEND_VISIBLE_DEVICES                        physical NPU ids (0-3, 0,2,4); read, not set
-ASCEND_RT_VISIBLE_DEVICES                     logical NPU ids; read; set for workers when a subset is used
-==================== ======================== ===============================================================
-=======
 > recipe > schema defaults (finetune/config.py). The CLI also takes the variable names
 (``train TP=2 RECIPE=tiny-cpu``). Empty variables count as unset. All bad settings are reported at
 once, each naming the variable or key and an example fix. The environment contract is the table
@@ -59,10 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, launch, npu_monitor, numa, preflight, settings
+from launcher import ascendjob, launch, lock, npu_monitor, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -177,21 +152,24 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
     cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
-    device = devs.worker_device(recipe.launch.device, scheduler=clus.role == "scheduler")
+    wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
+    device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
     nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
     world = recipe.launch.nnodes * nproc
+    problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
     try:
-        problems = (_needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
-                    + devs.missing(device, recipe.name, scheduler=clus.role == "scheduler"))
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
-        problems += e.items
+        if device == "npu" and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
+            devs.notes.append("no NPU visible, so the layout is not resolved: " + "; ".join(e.problems))
+        else:
+            problems += e.items
     if problems:
         raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
-    log_dir, plan_path = out / "logs", out / "plan.json"
+    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
@@ -302,22 +280,34 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    if not run_preflight(job, host):
+    if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
-    ensure_model(job.recipe)
-    if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
-        rc = prepare_data(job.recipe)
-        if rc:
-            return rc
-    launch.write_plan(job.plan_path, job.plan)
-    print_plan(job)
-    log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-    with npu_monitor.running(job.devices, job.plan_path.parent, job.recipe.launch.node_rank,
-                             job.recipe.launch.npu_monitor_s, host.npu_smi, log):
-        return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                                cwd=job.plan_path.parent, signal_workers_only=job.world > 1,
-                                tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None)
+    try:  # one job per OUTPUT_DIR, held until every process of this job is gone
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
+    except lock.Locked as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 1
+    try:
+        ensure_model(job.recipe)
+        if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+            rc = prepare_data(job.recipe)
+            if rc:
+                return rc
+        launch.write_plan(job.plan_path, job.plan)
+        print_plan(job)
+        log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
+        t = job.plan["topology"]
+        with npu_monitor.running(job.devices, job.plan_path.parent, t["node_rank"],
+                                 job.recipe.launch.npu_monitor_s, host.npu_smi, log):
+            return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                    cwd=job.plan_path.parent, log=log,
+                                    tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+                                    under_msrun=job.world > 1, lock_fd=lock_fd,
+                                    ranks=range(t["node_rank"] * t["nproc_per_node"],
+                                                (t["node_rank"] + 1) * t["nproc_per_node"]))
+    finally:
+        lock.release(lock_fd)
 
 
 def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:

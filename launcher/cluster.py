@@ -86,6 +86,12 @@ def from_explicit(env: Mapping[str, str], hostfile: str | None = None) -> Cluste
     if not (env_value(env, "NNODES") or env_value(env, "NODE_RANK")
             or (env_value(env, "MASTER_ADDR") and not torch_vars)):
         return None
+    nnodes = env_value(env, "NNODES") or "1"
+    rank_from = ("NODE_RANK", "RANK", "PET_NODE_RANK", "VC_TASK_INDEX", "HOSTFILE")
+    if nnodes.isdigit() and int(nnodes) > 1 and env_value(env, "MASTER_ADDR") \
+            and not any(env_value(env, v) for v in rank_from):
+        raise ClusterError(f"NODE_RANK: NNODES={nnodes} with MASTER_ADDR needs this node's rank: set NODE_RANK="
+                           f"<0..{int(nnodes) - 1}> (docker: -e NODE_RANK=1), 0 on the MASTER_ADDR node")
     set_vars = [v for v in ("NNODES", "NODE_RANK", "MASTER_ADDR") if env_value(env, v)]
     # The values themselves reach the recipe through the env contract (and are validated there).
     return Cluster("env", f"explicit {', '.join(set_vars)} in the environment")

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config import Problem
 from launcher.npu_smi import NpuProcess, NpuSmi, parse_info, parse_processes, run_npu_smi
 
 MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")
@@ -121,19 +120,6 @@ class Devices:
         flags = [f"--device=/dev/{d}" for d in self.missing_mgmt]
         flags += [f"-v {m}:{m}:ro" for m in self.missing_mounts]
         return " ".join(flags)
-
-    def worker_device(self, launch_device: str, scheduler: bool = False) -> str:
-        """'npu' | 'cpu' for the workers: launch.device, or with 'auto' NPUs when present (an AscendJob
-        Scheduler pod has none but resolves the recipe of its Worker pods)."""
-        if launch_device in ("npu", "cpu"):
-            return launch_device
-        return "npu" if self.has_npu or scheduler else "cpu"
-
-    def missing(self, device: str, recipe: str, scheduler: bool = False) -> list[Problem]:
-        """The recipe runs on NPUs and this host has none: said as it is (not as a precision problem)."""
-        if device != "npu" or self.has_npu or scheduler:
-            return []
-        return [Problem("launch.device", self.summary("npu", recipe))]
 
     def summary(self, launch_device: str = "auto", recipe: str = "") -> str:
         """What was found and, without NPUs, what the recipe will really do (``launch.device``)."""

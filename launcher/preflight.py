@@ -20,6 +20,7 @@ from pathlib import Path
 from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
 from finetune.memory import MemoryEstimate, estimate_memory
+from finetune import native as nativelib
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -47,6 +48,7 @@ class Context:
     memory_estimator: Callable[..., MemoryEstimate] = estimate_memory
     connect: Callable[[str, int, float], None] = lambda host, port, t: socket.create_connection((host, port), t).close()
     port_free: Callable[[int], bool] = field(default=None)  # type: ignore[assignment]
+    native_check: Callable[[], nativelib.NativeCheck] = nativelib.check_mindspore
 
     @property
     def world(self) -> int:
@@ -138,6 +140,12 @@ def check_versions(c: Context) -> list[Check]:
     return out
 
 
+def check_mindspore(c: Context) -> list[Check]:
+    """MindSpore's native libraries are built for this machine (PyPI's wheel is x86-64 whatever the host)."""
+    n = c.native_check()
+    return [Check("mindspore", n.status, n.detail, n.fix)]
+
+
 def check_shm(c: Context) -> list[Check]:
     try:
         st = os.statvfs(c.shm)
@@ -191,7 +199,9 @@ def _weights_problem(path: Path) -> str | None:
 def check_model(c: Context) -> list[Check]:
     mdir = resolved_model_dir(c.recipe)
     if not mdir:
-        return [Check("model", "fail", "no model directory", "set MODEL_DIR=/path/to/Qwen2.5-7B-Instruct (HF layout)")]
+        return [Check("model", "fail", "no model directory",
+                      "set MODEL_DIR to a Hugging Face model dir (docker: -e MODEL_DIR=/models/Qwen2.5-7B-Instruct "
+                      "-v /data/models:/models:ro)")]
     d = Path(mdir)
     if creates_tiny_model(c.recipe) and not (d / "config.json").exists():
         return [Check("model", "ok", f"{d}: tiny model is created there before training (model.init)")]
@@ -244,7 +254,8 @@ def check_resume(c: Context) -> list[Check]:
 
 def check_data(c: Context) -> list[Check]:
     if not c.recipe.data.paths:
-        return [Check("data", "fail", "no data", "set DATA=/path/to/train.jsonl (files or dirs, comma-separated)")]
+        return [Check("data", "fail", "no data", "set DATA to files or dirs, comma-separated (docker: "
+                      "-e DATA=/data/train.jsonl -v /data:/data:ro)")]
     missing = [p for p in c.recipe.data.paths if not Path(p).exists()]
     if missing:
         return [Check("data", "fail", f"not found: {', '.join(missing)}", "fix DATA (files or dirs, comma-separated)")]
@@ -294,15 +305,16 @@ def check_network(c: Context) -> list[Check]:
     L = c.recipe.launch
     if L.nnodes == 1:
         return [Check("network", "ok", "single node")]
+    if L.master_addr in ("127.0.0.1", "localhost", "::1"):
+        return [Check("network", "fail", f"node {L.node_rank} of {L.nnodes} but MASTER_ADDR is {L.master_addr}",
+                      f"set MASTER_ADDR to node 0's address, the same on every node, and NODE_RANK "
+                      f"(docker: -e MASTER_ADDR=<node-0 IP> -e NODE_RANK=<0..{L.nnodes - 1}>), or HOSTFILE")]
     if L.node_rank == 0:
         free = (c.port_free or _port_free)(L.master_port)
         if not free:
             return [Check("network", "fail", f"master port {L.master_port} is in use on this node",
                           "set MASTER_PORT to a free port (the same on every node)")]
         return [Check("network", "ok", f"master: port {L.master_port} free")]
-    if L.master_addr in ("127.0.0.1", "localhost", "::1"):
-        return [Check("network", "fail", f"node {L.node_rank} of {L.nnodes} but MASTER_ADDR is {L.master_addr}",
-                      "set MASTER_ADDR to node 0's address (the same on every node)")]
     try:
         c.connect(L.master_addr, L.master_port, 3.0)
     except socket.gaierror as e:
@@ -333,9 +345,8 @@ def check_world(c: Context) -> list[Check]:
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
 
 
-CHECKS = (check_devices, check_versions, check_shm, check_disk, check_model, check_resume, check_data,
-          check_memory,
-          check_network, check_world)
+CHECKS = (check_devices, check_versions, check_mindspore, check_shm, check_disk, check_model, check_resume,
+          check_data, check_memory, check_network, check_world)
 
 
 def run_checks(c: Context) -> list[Check]:

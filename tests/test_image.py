@@ -53,3 +53,41 @@ def test_check_train_falls_back_to_log_lines(tmp_path: Path) -> None:
     log = tmp_path / "train.log"
     log.write_text("step 5/60 | loss 11.7383 | lr 3.00e-03\nstep 60/60 | loss=4.25e+00 |\n")
     assert ct.losses(tmp_path, [log]) == [11.7383, 4.25]
+
+
+def _build(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """tools/image/build.sh with a fake `buildah` that records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "buildah").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    (bin_dir / "buildah").chmod(0o755)
+    args_file = tmp_path / "args"
+    args_file.unlink(missing_ok=True)
+    r = subprocess.run([str(REPO / "tools" / "image" / "build.sh")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin", "ARGS_FILE": str(args_file), "ENGINE": "buildah",
+                            **env})
+    return r, args_file.read_text().splitlines() if args_file.exists() else []
+
+
+def test_build_takes_the_mindspore_wheel_per_architecture(tmp_path: Path) -> None:
+    wheel = tmp_path / "mindspore-2.10.0-cp311-cp311-linux_aarch64.whl"
+    wheel.write_bytes(b"PK")
+    r, args = _build(tmp_path, MINDSPORE_WHEEL=str(wheel))
+    assert r.returncode == 0, r.stderr
+    assert f"{wheel}:/run/mindspore/{wheel.name}:ro" in args
+    assert f"MINDSPORE_WHEEL=/run/mindspore/{wheel.name}" in args
+    url = "https://example.org/2.10.0/mindspore-2.10.0-cp311-cp311-linux_aarch64.whl"
+    r, args = _build(tmp_path, MINDSPORE_WHEEL=url)
+    assert r.returncode == 0 and f"MINDSPORE_WHEEL={url}" in args and not any("/run/mindspore" in a for a in args)
+    r, args = _build(tmp_path, MINDSPORE_WHEEL=str(tmp_path / "missing.whl"))
+    assert r.returncode == 2 and "no such file" in r.stdout and not args
+    r, args = _build(tmp_path, MINDSPORE_WHEEL=str(wheel), ENGINE="docker")
+    assert r.returncode == 2 and "give its URL, or ENGINE=buildah" in r.stdout
+
+
+def test_dockerfile_extends_the_base_path() -> None:
+    """CANN images reach Python only through PATH: the Dockerfile may prepend to it, never replace it."""
+    text = (REPO / "Dockerfile").read_text()
+    path_lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("PATH=")]
+    assert path_lines == ["PATH=/opt/venv/bin:${PATH} \\"]
+    assert "python -m finetune.native" in text and '${MINDSPORE_WHEEL:+"$MINDSPORE_WHEEL"}' in text

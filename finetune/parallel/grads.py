@@ -63,8 +63,6 @@ def sum_grads_over_dp(grads: tuple | list, rank: RankInfo, bucket_bytes: int = B
     return out
 
 
-reduce_grads = sum_grads_over_dp  # the trainer's name for it (a SUM, see the module docstring)
-
 
 def is_tp_partitioned(param) -> bool:
     """True when ``param`` holds this TP rank's slice (the model sets ``param.tp_axis``)."""

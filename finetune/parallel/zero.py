@@ -20,7 +20,6 @@ equivalents give the same numbers; the choice is logged once.
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import mindspore as ms
@@ -30,10 +29,8 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
-from finetune.optim import clip_by_norm
+from finetune.optim import clip_by_norm, kernel_scalars
 from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
-
-log = logging.getLogger(__name__)
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
@@ -70,10 +67,9 @@ class ShardedAdamW:
         self._update = ops.AdamWeightDecay()  # in place on (chunk, m, v)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
-        if rank.is_main:
-            log.info("sharded optimizer over dp=%d: %d bucket(s); reduce-scatter %s, all-gather %s", dp,
-                     len(self.buckets), "native" if self.native_rs else "via AllReduce",
-                     "native" if self.native_ag else "via AllReduce")
+        rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
+                 f"{'native' if self.native_rs else 'via AllReduce'}, all-gather "
+                 f"{'native' if self.native_ag else 'via AllReduce'}")
 
     # ---------------------------------------------------------------- layout helpers
     def _own_chunk(self, k: int) -> ms.Tensor:
@@ -127,13 +123,11 @@ class ShardedAdamW:
             return norm, False
         shards = clip_by_norm(shards, norm, self.cfg.clip_grad)
         self.t += 1
-        b1, b2 = self.cfg.betas
-        bc1, bc2 = 1.0 - b1 ** self.t, math.sqrt(1.0 - b2 ** self.t)
-        # In-place AdamWeightDecay kernel with torch's bias correction folded in (see optim.AdamW);
-        # the decoupled decay p *= 1 - lr*wd is applied first, to the ranges that decay.
-        f32 = lambda x: ms.Tensor(x, ms.float32)  # noqa: E731
-        lr_t, b1_t, b2_t, eps_t, no_wd = f32(lr * bc2 / bc1), f32(b1), f32(b2), f32(self.cfg.eps * bc2), f32(0.0)
-        wd_t = f32(self.cfg.weight_decay * bc1 / bc2)  # for chunks that decay throughout
+        # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.kernel_scalars);
+        # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
+        ks = kernel_scalars(self.cfg, lr, self.t)
+        no_wd = ms.Tensor(0.0, ms.float32)
+        wd_t = ms.Tensor(self.cfg.weight_decay * ks.decay_factor, ms.float32)  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
         pending: dict[int, list] = {}
         for k, g in enumerate(shards):
@@ -142,7 +136,7 @@ class ShardedAdamW:
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
                 w = self._decayed(w, k, keep)
-            self._update(w, self.m[k], self.v[k], lr_t, b1_t, b2_t, eps_t, wd, g)
+            self._update(w, self.m[k], self.v[k], ks.lr, ks.beta1, ks.beta2, ks.eps, wd, g)
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w, pending)

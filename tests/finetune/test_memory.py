@@ -94,7 +94,7 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
     from finetune.config import TrainConfig
     from finetune.dist import RankInfo
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
-    from finetune.optim import build_optimizer
+    from finetune.trainer import build_optimizer
     from finetune.tiny import TINY_DEFAULTS
 
     cfg = dict(TINY_DEFAULTS, vocab_size=1024, tie_word_embeddings=False)  # small vocab: fast, untied head

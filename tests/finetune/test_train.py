@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from finetune.config import load_recipe
+from finetune.config import load_recipe, resolved_model_dir
+from finetune.tiny import ensure_tiny_model
 from finetune.train import run
 
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
@@ -14,7 +15,10 @@ FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1",
 
 
 def _recipe(out, **extra):
-    return load_recipe("tiny-cpu", {"output_dir": str(out), **FAST, **extra})
+    """The tiny-cpu recipe with its tiny model created as the launcher does (the worker does not)."""
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(out), **FAST, **extra})
+    ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
+    return recipe
 
 
 def _losses(out):

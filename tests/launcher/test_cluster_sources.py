@@ -115,6 +115,13 @@ def test_shipped_hostfiles():
     assert (one.nnodes, one.node_rank, one.nproc_per_node) == (1, 0, 8)
 
 
+def test_explicit_multi_node_needs_this_nodes_rank():
+    """Without NODE_RANK every node would plan itself node 0: refused, with the flag that fixes it."""
+    with pytest.raises(cluster.ClusterError, match=r"-e NODE_RANK=1"):
+        cluster.detect({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, me=ME)
+    assert cluster.detect({"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"}, me=ME).source == "env"
+
+
 def test_ascendjob_roles():
     sched = dict(CASES[3][1], MS_ROLE="MS_SCHED", MS_NODE_RANK="0", MS_SCHED_HOST="10.244.3.15")
     assert cluster.detect(sched, me=ME).role == "scheduler"

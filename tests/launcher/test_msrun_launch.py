@@ -135,17 +135,20 @@ def test_bad_settings_exit_2_listing_all(tmp_path, capsys):
 
 
 STUB = textwrap.dedent("""
-    import json, os, pathlib, sys
+    import os, pathlib, sys
+    from finetune.lifecycle import run_rank
     state = pathlib.Path(sys.argv[1])
     logs = pathlib.Path(sys.argv[2])
     n = int(state.read_text()) if state.exists() else 0
     state.write_text(str(n + 1))
-    logs.mkdir(parents=True, exist_ok=True)
-    (logs / "worker_0.log").write_text("step 1 loss 2.0\\n")
-    if n == 0:
-        (logs / "worker_1.log").write_text("step 1\\nTraceback (most recent call last):\\nValueError: boom\\n")
-        sys.exit(3)
-    print("resumed", os.environ.get("AF_BIND_MODE"))
+
+    def main():
+        print("step 1 loss 2.0", flush=True)
+        if n == 0:
+            raise ValueError("boom")
+        print("resumed", os.environ.get("AF_BIND_MODE"))
+
+    sys.exit(run_rank(logs, 0, main))
 """)
 
 
@@ -160,13 +163,13 @@ def test_restart_after_a_failing_worker(tmp_path):
                           restart_delay_s=0)
     assert rc == 0 and (tmp_path / "state").read_text() == "2"
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom" in text and "restart 1/1" in text
+    assert "first failing: rank 0: ValueError: boom" in text and "restart 1/1" in text
 
 
 def test_no_restarts_left_returns_the_job_exit_code(tmp_path):
     lines: list[str] = []
     rc = launch.supervise(stub(tmp_path), dict(os.environ), tmp_path / "logs", max_restarts=0, log=lines.append)
-    assert rc == 3 and (tmp_path / "state").read_text() == "1"
+    assert rc == 1 and (tmp_path / "state").read_text() == "1"
 
 
 def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys, monkeypatch):
@@ -184,7 +187,7 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
-    assert "first failing rank: 1" in out.out and "ValueError: boom" in out.out
+    assert "first failing: rank 0: ValueError: boom" in out.out
     assert "resumed numactl" in out.out or "resumed affinity" in out.out
 
 
@@ -205,7 +208,7 @@ def sigterm_launcher(tmp_path: Path, argv: list[str], workers_only: bool) -> int
     mark = tmp_path / "mark"
     code = (f"import os, sys; from launcher.launch import supervise; "
             f"sys.exit(supervise({argv!r}, dict(os.environ), __import__('pathlib').Path({str(tmp_path)!r}), "
-            f"max_restarts=3, signal_workers_only={workers_only}))")
+            f"max_restarts=3, under_msrun={workers_only}))")
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     deadline = time.time() + 20
     while not (mark.exists() and mark.read_text() == "ready") and time.time() < deadline:
@@ -252,10 +255,16 @@ def test_worker_applies_its_binding(tmp_path, mode):
 
 
 MS_STUB = textwrap.dedent("""
-    import os, sys
-    print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
-    if os.environ.get("RANK_ID") == "1":
-        raise ValueError("boom from rank 1")
+    import os, pathlib, sys
+    from finetune.lifecycle import run_rank
+
+    def main():
+        print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
+        if os.environ.get("RANK_ID") == "1":
+            raise ValueError("boom from rank 1")
+
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        sys.exit(run_rank(pathlib.Path(sys.argv[0]).parent / "logs", int(os.environ["RANK_ID"]), main))
 """)
 
 
@@ -271,10 +280,11 @@ def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
     argv = launch.msrun_argv(r, 2, tmp_path / "plan.json", tmp_path / "logs", worker_script=tmp_path / "w.py")
     lines: list[str] = []
     env = launch.worker_env(os.environ, {})
-    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append)
-    assert rc != 0
+    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append,
+                          under_msrun=True, ranks=[0, 1])
+    assert rc == 1
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom from rank 1" in text
+    assert "first failing: rank 1: ValueError: boom from rank 1" in text
     assert "local 0" in (tmp_path / "logs/worker_0.log").read_text()
 
 

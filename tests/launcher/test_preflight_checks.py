@@ -155,7 +155,7 @@ def test_memory_over_budget_suggests_layout(atlas):
 
 
 def test_network_master_port_busy(tmp_path):
-    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2"})
+    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.master_addr": "10.0.0.1"})
     c.port_free = lambda port: False
     assert "MASTER_PORT" in fails(c, "network")[0].fix
 
@@ -175,9 +175,10 @@ def test_network_real_port_probe(tmp_path):
         s.bind(("0.0.0.0", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.master_port": str(port)})
+        c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.master_addr": "10.0.0.1",
+                                         "launch.master_port": str(port)})
         c.port_free = None
-        assert fails(c, "network")
+        assert "in use" in fails(c, "network")[0].detail
         c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1",
                                          "launch.master_addr": socket.gethostname(), "launch.master_port": str(port)})
         assert [r.status for r in rows(c, "network")] == ["ok"]
@@ -204,7 +205,7 @@ def test_table_shows_fixes_and_exit_status(tmp_path):
     c.recipe.data.paths = []
     out = preflight.run_checks(c)
     assert preflight.failed(out)
-    assert "fix: set DATA=" in preflight.table(out)
+    assert "fix: set DATA to files or dirs, comma-separated (docker: -e DATA=" in preflight.table(out)
 
 
 def test_a_crashing_check_does_not_hide_the_others(tmp_path, monkeypatch):
@@ -216,6 +217,8 @@ def test_a_crashing_check_does_not_hide_the_others(tmp_path, monkeypatch):
     assert os.environ  # environment untouched
 
 
-def test_network_worker_node_pointing_at_loopback(tmp_path):
-    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": "1"})
-    assert "MASTER_ADDR" in fails(c, "network")[0].fix
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_network_multi_node_master_at_loopback(tmp_path, rank):
+    """The default 127.0.0.1 cannot be reached from the other nodes: every node fails, with the docker flags."""
+    c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": rank})
+    assert "-e MASTER_ADDR=<node-0 IP> -e NODE_RANK=<0..1>" in fails(c, "network")[0].fix

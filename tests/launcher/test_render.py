@@ -98,7 +98,7 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     assert c["resources"] == {"requests": {"cpu": "96", "memory": "512Gi", "huawei.com/Ascend910": 8},
                               "limits": {"memory": "512Gi", "huawei.com/Ascend910": 8}}
     assert env_of(c) == {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",
-                         "DATA": "/data/sft/train.jsonl", "DATA_FORMAT": "auto",
+                         "DATA": "/data/sft/train.jsonl",
                          "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft", "NPROC_PER_NODE": "8", "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}

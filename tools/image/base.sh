@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Build (once) a local Debian bookworm + Python 3.11 base image with debootstrap and import it
-# (buildah from scratch + add + commit) into buildah's vfs storage as $BASE_TAG. Stand-in for the CANN image where no NPU/registry is at
-# hand. The rootfs tarball is cached in $CACHE_DIR so a second run only re-imports it (seconds).
+# Build (once) a local CANN-shaped base image and import it into buildah's vfs storage as $BASE_TAG:
+# the stand-in for the CANN image (Ascend/cann-container-image, cann/9.1.0-beta.3-910b-ubuntu22.04-
+# py3.11/Dockerfile) where no NPU/registry is at hand. Shaped as that image is where our Dockerfile
+# and entrypoint depend on it:
+#   - Python only under /usr/local/python3.11.<patch>/bin, reached through PATH (image ENV); no
+#     /usr/bin/python3; its lib/ on LD_LIBRARY_PATH; ATB_CXX_ABI=1 in the environment;
+#   - no iproute2 / numactl (the Dockerfile installs them), libgomp present (gcc is installed there);
+#   - /usr/local/Ascend/ascend-toolkit/set_env.sh, the AscendNPU IR script under ASCEND_TOOLKIT_HOME
+#     and /usr/local/Ascend/nnal/atb/set_env.sh as stubs that set variables; like ATB's own script,
+#     the ATB stub fails without --cxx_abi=<0|1>.
+# Debian bookworm comes from debootstrap (cached as a tarball in $CACHE_DIR; a second run only
+# re-imports it); its Python 3.11 is moved under /usr/local (CPython finds its prefix from the
+# executable's location).
 #   tools/image/base.sh            # env: CACHE_DIR, DEBIAN_MIRROR
-#   tools/image/base.sh --tag      # print the tag only (it changes with the package list)
+#   tools/image/base.sh --tag      # print the tag only (it changes with this script)
 set -Eeuo pipefail
 
 CACHE_DIR="${CACHE_DIR:-/var/tmp/ascend-finetune-image}"
 DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-# What the CANN image provides and the project needs: Python 3.11 + venv, iproute2 (msrun's
-# `ip -j addr`), numactl, libgomp1 (MindSpore's CPU kernels), CA certificates.
-PACKAGES="python3,python3-venv,python3-pip,iproute2,numactl,libgomp1,ca-certificates,procps"
-KEY="$(printf '%s' "$PACKAGES" | sha256sum | cut -c1-8)"
-BASE_TAG="localhost/ascend-finetune-base:bookworm-py311-$KEY"
+PACKAGES="python3,python3-venv,libgomp1,ca-certificates,procps"
+DEB_KEY="$(printf '%s' "$PACKAGES" | sha256sum | cut -c1-8)"
+BASE_TAG="localhost/ascend-finetune-base:cann-shaped-$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-8)"
 STORAGE=(--storage-driver vfs)
 if [[ "${1:-}" == --tag ]]; then
     echo "$BASE_TAG"
@@ -21,7 +29,41 @@ fi
 
 log() { printf '[base-image %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-tarball="$CACHE_DIR/bookworm-py311-$KEY.tar"
+# Run inside the imported rootfs: move Python, write the CANN stubs. $1: the Python prefix.
+# shellcheck disable=SC2016  # the stubs' $VARS expand when they are sourced, not here
+SHAPE='set -eu
+prefix="$1"
+mkdir -p "$prefix/bin" "$prefix/lib"
+mv /usr/lib/python3.11 "$prefix/lib/python3.11"
+mv /usr/bin/python3.11 "$prefix/bin/python3.11"
+ln -s python3.11 "$prefix/bin/python3"
+ln -s python3 "$prefix/bin/python"
+rm -f /usr/bin/python3 /usr/bin/python
+home=/usr/local/Ascend/cann-9.1.0-stub
+mkdir -p /usr/local/Ascend/ascend-toolkit "$home/bin" "$home/lib64" "$home/share/info/ascendnpu-ir/bin" \
+    /usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_0/lib /usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_1/lib
+ln -s "$home" /usr/local/Ascend/ascend-toolkit/latest
+cat > /usr/local/Ascend/ascend-toolkit/set_env.sh <<EOF
+export ASCEND_TOOLKIT_HOME=$home
+export ASCEND_HOME_PATH=$home
+export ASCEND_OPP_PATH=$home/opp
+export LD_LIBRARY_PATH=$home/lib64:\${LD_LIBRARY_PATH}
+export PATH=$home/bin:\$PATH
+EOF
+cat > "$home/share/info/ascendnpu-ir/bin/set_env.sh" <<EOF
+export BISHENG_IR_STUB=1
+EOF
+cat > /usr/local/Ascend/nnal/atb/set_env.sh <<"EOF"
+case "${1:-}" in
+    --cxx_abi=0|--cxx_abi=1) abi="${1#--cxx_abi=}" ;;
+    *) echo "nnal/atb/set_env.sh (stub): pass --cxx_abi=0|1 (the real script would probe torch)" >&2; return 1 ;;
+esac
+export ATB_HOME_PATH=/usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_$abi
+export LD_LIBRARY_PATH=$ATB_HOME_PATH/lib:${LD_LIBRARY_PATH}
+EOF
+'
+
+tarball="$CACHE_DIR/bookworm-$DEB_KEY.tar"
 if buildah "${STORAGE[@]}" inspect --type image "$BASE_TAG" >/dev/null 2>&1; then
     log "$BASE_TAG already in buildah storage"
     exit 0
@@ -39,12 +81,17 @@ if [[ ! -s "$tarball" ]]; then
     mv "$tarball.tmp" "$tarball"
     rm -rf "$root"
 fi
-log "buildah: $tarball -> $BASE_TAG"
+log "buildah: $tarball -> $BASE_TAG (CANN-shaped)"
 ctr=$(buildah "${STORAGE[@]}" from scratch)
 trap 'buildah "${STORAGE[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT
 buildah "${STORAGE[@]}" add --quiet "$ctr" "$tarball" / >/dev/null
+pyver=$(buildah "${STORAGE[@]}" run --isolation chroot "$ctr" -- /usr/bin/python3 -c \
+    'import platform; print(platform.python_version())')
+prefix="/usr/local/python$pyver"
+buildah "${STORAGE[@]}" run --isolation chroot "$ctr" -- /bin/sh -c "$SHAPE" shape "$prefix"
 buildah "${STORAGE[@]}" config \
-    --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --env PATH="$prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    --env LD_LIBRARY_PATH="$prefix/lib" --env ATB_CXX_ABI=1 \
     --env LANG=C.UTF-8 --cmd /bin/bash "$ctr"
 buildah "${STORAGE[@]}" commit --quiet "$ctr" "$BASE_TAG" >/dev/null
-log "done"
+log "done: Python $pyver in $prefix"

@@ -3,6 +3,8 @@
 # (chroot isolation, vfs storage: what works in unprivileged CI containers).
 #   tools/image/build.sh      # env: IMAGE, BASE_IMAGE, ENGINE (auto|docker|buildah),
 #                             #      PIP_CA (host CA bundle mounted for pip), WHEEL_DIR (offline wheels),
+#                             #      MINDSPORE_WHEEL (the target architecture's wheel: a URL, or with
+#                             #      buildah also a local file, mounted read-only),
 #                             #      LAYERS (buildah: true keeps a cached layer per step; with vfs storage
 #                             #      each is a full copy, so one-shot CI builds use LAYERS=false)
 set -Eeuo pipefail
@@ -14,6 +16,7 @@ ENGINE="${ENGINE:-auto}"
 PIP_CA="${PIP_CA:-}"
 WHEEL_DIR="${WHEEL_DIR:-}"
 LAYERS="${LAYERS:-true}"
+MINDSPORE_WHEEL="${MINDSPORE_WHEEL:-}"
 
 log() { printf '[image %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -22,10 +25,21 @@ if [[ "$ENGINE" == auto ]]; then
 fi
 args=(--tag "$IMAGE" --file Dockerfile)
 [[ -n "$BASE_IMAGE" ]] && args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+ms_file=""
+if [[ "$MINDSPORE_WHEEL" == *://* ]]; then
+    args+=(--build-arg "MINDSPORE_WHEEL=$MINDSPORE_WHEEL")
+elif [[ -n "$MINDSPORE_WHEEL" ]]; then
+    [[ -f "$MINDSPORE_WHEEL" ]] || { log "MINDSPORE_WHEEL=$MINDSPORE_WHEEL: no such file (a .whl path or a URL)"; exit 2; }
+    ms_file="$(realpath "$MINDSPORE_WHEEL")"
+fi
 
 case "$ENGINE" in
     docker)
-        # docker build cannot mount host paths: PIP_CA/WHEEL_DIR are for buildah builds only.
+        # docker build cannot mount host paths: PIP_CA/WHEEL_DIR/a wheel file are for buildah builds only.
+        if [[ -n "$ms_file" ]]; then
+            log "docker cannot mount MINDSPORE_WHEEL=$MINDSPORE_WHEEL: give its URL, or ENGINE=buildah"
+            exit 2
+        fi
         log "docker build $IMAGE ${BASE_IMAGE:+(BASE_IMAGE=$BASE_IMAGE)}"
         exec docker build "${args[@]}" .
         ;;
@@ -37,6 +51,10 @@ case "$ENGINE" in
         if [[ -n "$WHEEL_DIR" ]]; then
             args+=(--volume "$(realpath "$WHEEL_DIR"):/run/wheels:ro"
                    --build-arg PIP_FIND_LINKS=/run/wheels --build-arg PIP_NO_INDEX=1)
+        fi
+        if [[ -n "$ms_file" ]]; then  # pip needs the wheel's own file name (it carries the platform tag)
+            args+=(--volume "$ms_file:/run/mindspore/${ms_file##*/}:ro"
+                   --build-arg "MINDSPORE_WHEEL=/run/mindspore/${ms_file##*/}")
         fi
         log "buildah bud $IMAGE ${BASE_IMAGE:+(BASE_IMAGE=$BASE_IMAGE)}"
         exec buildah --storage-driver vfs bud --isolation chroot --layers="$LAYERS" --force-rm "${args[@]}" .

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `make image-test`: build the image on a local Debian bookworm + Python 3.11 base (debootstrap,
-# buildah with chroot isolation and vfs storage: no Docker engine, no cgroups needed), then run the
-# entrypoint inside it for `bash`, `plan` and the embedded default training end to end.
+# `make image-test`: build the image on a local CANN-shaped base (tools/image/base.sh: Python only
+# under /usr/local/python3.11.x on PATH, stub CANN set_env.sh scripts; debootstrap, buildah with
+# chroot isolation and vfs storage: no Docker engine, no cgroups needed), then run the entrypoint
+# inside it: the environment it gives programs, `plan`, and the embedded default training end to end.
 #   tools/image/test.sh [PYTHON]     # env: CACHE_DIR (debootstrap cache), TRAIN_TIMEOUT (seconds)
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -47,9 +48,19 @@ in_image() {  # in_image <host output dir> <timeout> <entrypoint args...>
         /opt/ascend-finetune/entrypoint.sh "$@"
 }
 
-log "4/5 entrypoint: bash, then plan"
-[[ "$(in_image "$OUT/plan" 120 bash -c 'echo hi from $(python --version)')" == "hi from Python 3.11"* ]] \
-    || fail "entrypoint bash -c did not run"
+log "4/5 entrypoint: the CANN environment and PATH, then plan"
+# shellcheck disable=SC2016  # expanded inside the image
+probe='set -u; printf "%s\n" "$(python --version)" "$(command -v python)" "$PATH" "$ASCEND_TOOLKIT_HOME" \
+    "$ATB_HOME_PATH" "${BISHENG_IR_STUB:-}"; test ! -e /usr/bin/python3 && echo no-usr-bin-python3'
+mapfile -t seen < <(in_image "$OUT/plan" 120 bash -c "$probe") || fail "entrypoint bash -c did not run"
+printf '  %s\n' "${seen[@]}"
+[[ "${seen[0]:-}" == "Python 3.11"* && "${seen[1]:-}" == /opt/venv/bin/python ]] || fail "python is not the venv's"
+[[ ":${seen[2]:-}:" == *:/usr/local/python3.11.*/bin:* && ":${seen[2]:-}:" == *":${seen[3]:-?}/bin:"* ]] \
+    || fail "PATH lost the base's Python or the toolkit's bin: ${seen[2]:-}"
+[[ "${seen[4]:-}" == */cxx_abi_1 && "${seen[5]:-}" == 1 ]] \
+    || fail "entrypoint did not source nnal/atb/set_env.sh --cxx_abi=1 and the AscendNPU IR script"
+[[ "${seen[6]:-}" == no-usr-bin-python3 ]] || fail "the base has /usr/bin/python3: not CANN-shaped"
+in_image "$OUT/plan" 120 python -m finetune.native || fail "MindSpore's native code does not match this machine"
 in_image "$OUT/plan" 300 plan 2>&1 | tee "$OUT/plan.log" || fail "entrypoint plan exited non-zero (see $OUT/plan.log)"
 [[ -s "$OUT/plan.log" ]] || fail "plan printed nothing"
 

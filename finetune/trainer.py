@@ -1,0 +1,146 @@
+"""Training setup: the model, optimizer, data and resume, gathered into one :class:`Trainer`.
+
+``setup`` builds everything the loop in ``finetune/train.py`` reads and changes; ``Trainer.save``
+and ``Trainer.restore`` write and read all of it as one object (weights, optimizer, data position,
+loss scale and counters together).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+
+from finetune.checkpoint import TrainerState, checkpoint_root, find_latest, load_checkpoint, save_checkpoint
+from finetune.config import Recipe, TrainConfig, resolved_model_dir
+from finetune.data.batching import BatchLoader
+from finetune.dist import RankInfo
+from finetune.optim import AdamW, LossScaler
+
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+
+
+@dataclass
+class Trainer:
+    """Everything the loop reads and changes; saved and resumed as one object."""
+
+    recipe: Recipe
+    rank: RankInfo
+    model: Any  # Qwen2ForCausalLM
+    model_dir: Path
+    params: list
+    opt: Any  # AdamW or ShardedAdamW
+    scaler: LossScaler
+    loader: BatchLoader
+    total_steps: int
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_before_s: float = 0.0  # training time of earlier runs this one resumed
+    started: float = field(default_factory=time.time)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.recipe.output_dir)
+
+    def elapsed_s(self) -> float:
+        """Training wall time over this run and the runs it resumed."""
+        return self.elapsed_before_s + time.time() - self.started
+
+    def scaled_loss(self, input_ids, labels, position_ids, segment_ids, scale):
+        """The summed token loss times ``scale`` (loss scale / label tokens of the global batch)."""
+        return self.model(input_ids, labels, position_ids, segment_ids) * scale
+
+    def save(self) -> Path:
+        """Checkpoint every part at the current step (collective: every rank calls it)."""
+        state = TrainerState(step=self.step, loader=self.loader.state_dict(), scaler=self.scaler.state_dict(),
+                             seed=self.recipe.train.seed, tokens_seen=self.tokens_seen,
+                             elapsed_s=self.elapsed_s())
+        sharded = not isinstance(self.opt, AdamW)
+        path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
+                               self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
+                               owns_optim=sharded or self.rank.dp_rank == 0)
+        self.rank.log(f"[train] checkpoint {path}")
+        return path
+
+    def restore(self, path: Path) -> None:
+        """Continue from the checkpoint at ``path``: weights, optimizer, data position, loss scale, counters."""
+        state, optim_state = load_checkpoint(path, self.params, self.rank)
+        self.opt.load_state_dict(optim_state)
+        self.loader.load_state_dict(state.loader)
+        self.scaler.load_state_dict(state.scaler)
+        self.step, self.tokens_seen, self.elapsed_before_s = state.step, state.tokens_seen, state.elapsed_s
+        self.started = time.time()
+        self.rank.log(f"[train] resumed from {path} at step {self.step}")
+
+
+def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
+    """Model, optimizer, loss scaler and data for this rank, resumed when a checkpoint says so."""
+    tc = recipe.train
+    model_dir = Path(resolved_model_dir(recipe))
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
+                                "model directory, or start through the launcher, which creates the tiny default "
+                                "model (model.init)")
+    loader = build_loader(recipe, rank, model_dir)
+    total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
+    if total_steps == 0:
+        raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
+                         "sequences: lower train.micro_batch_size / train.grad_accum or add data")
+    model, params = build_model(recipe, rank, model_dir, dtype)
+    shard = recipe.parallel.shard_optimizer
+    trainer = Trainer(recipe, rank, model, model_dir, params, build_optimizer(params, tc, rank, shard),
+                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, total_steps)
+    n_params = sum(int(np.prod(p.shape)) for p in params)
+    rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
+             f"({loader.steps_per_epoch} per epoch), global batch "
+             f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
+    latest = resume_path(tc, trainer.out)
+    if latest is not None:
+        trainer.restore(latest)
+    return trainer
+
+
+def resume_path(tc: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint train.resume names: auto (the newest complete one, if any), never, or a path."""
+    if tc.resume == "never":
+        return None
+    return find_latest(checkpoint_root(out)) if tc.resume == "auto" else Path(tc.resume)
+
+
+def build_loader(recipe: Recipe, rank: RankInfo, model_dir: Path) -> BatchLoader:
+    """This DP rank's deterministic batches from the token cache (prepared once per node or job)."""
+    from finetune.data.prepare import ensure_cache
+
+    tc = recipe.train
+    cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main).dir
+    return BatchLoader(cache_dir, recipe.data.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp, rank.dp_rank,
+                       tc.seed, packing=recipe.data.packing, max_tokens_per_batch=recipe.data.max_tokens_per_batch,
+                       epochs=tc.epochs)
+
+
+def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple[Any, list]:
+    """This rank's slice of the model with the Hugging Face weights loaded; (model, trainable params)."""
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+
+    tc = recipe.train
+    ms.set_seed(tc.seed)
+    cfg = Qwen2Config.from_dict(load_hf_config(model_dir))
+    model = Qwen2ForCausalLM(cfg, rank, recompute=tc.recompute, compute_dtype=dtype,
+                             vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
+    load_weights(model, model_dir, rank)
+    params = model.trainable_params()
+    model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
+    return model, params
+
+
+def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool):
+    """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
+    if shard and rank.dp > 1:
+        from finetune.parallel.zero import ShardedAdamW
+
+        return ShardedAdamW(params, cfg, rank)
+    return AdamW(params, cfg, rank)
