@@ -74,6 +74,18 @@ def env_of(c: dict) -> dict:
     return {e["name"]: e["value"] for e in c["env"]}
 
 
+def planned(host: lm.Host, capsys, *args: str) -> dict:
+    """`plan` on the host; the plan JSON it prints."""
+    assert lm.main(["plan", *args], host) == 0
+    text = capsys.readouterr().out
+    return json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+
+
+def msrun_options(plan: dict) -> dict[str, str]:
+    argv = plan["msrun_argv"]
+    return {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
+
+
 def errors(job: dict, crd: str) -> list[str]:
     return [f"{list(e.absolute_path)}: {e.message}" for e in crd_validator(crd).iter_errors(job)]
 
@@ -120,13 +132,11 @@ def test_pod_one_of_the_rendered_job_plans_itself_node_one(tmp_path: Path, atlas
     host = lm.Host(env=pod_env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys",
                    npu_smi=recorded_npu_smi, identities={f"{name}-worker-1", "10.244.1.7"})
     # output_dir: plan may write plan.json, and /data is the pods' volume, not this machine's
-    assert lm.main(["plan", f"output_dir={tmp_path}/o"], host) == 0
-    text = capsys.readouterr().out
-    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+    plan = planned(host, capsys, f"output_dir={tmp_path}/o")
     t = plan["topology"]
     assert (t["nnodes"], t["node_rank"], t["master_addr"], t["world_size"]) == (2, 1, hosts[0], 16)
     assert plan["sources"]["cluster"].startswith("volcano:")
-    assert plan["msrun_argv"][plan["msrun_argv"].index("--node_rank") + 1] == "1"
+    assert msrun_options(plan)["--node_rank"] == "1"
 
 
 def test_overrides_given_to_render_reach_the_manifest(tmp_path: Path) -> None:
@@ -255,11 +265,8 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
     host = lm.Host(env=operator_pod_env("Scheduler", "scheduler.json"), dev_dir=tmp_path / "dev", root=tmp_path,
                    sys_root=tmp_path / "sys", npu_smi=None, identities={"10.244.3.15"}, command=stub)
     out_dir = tmp_path / "o"
-    assert lm.main(["plan", f"output_dir={out_dir}"], host) == 0
-    text = capsys.readouterr().out
-    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
-    argv = plan["msrun_argv"]
-    opt = {argv[i]: argv[i + 1] for i in range(1, 15, 2)}
+    plan = planned(host, capsys, f"output_dir={out_dir}")
+    argv, opt = plan["msrun_argv"], msrun_options(plan)
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--master_port"]) == \
         ("16", "0", "10.244.3.15", "8118")
     assert argv[-1] == str(out_dir / "plan-scheduler.json") and plan["ranks"] == []
@@ -280,11 +287,8 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
 def test_ascendjob_worker_pod_is_node_of_its_index(tmp_path: Path, atlas: Path, capsys) -> None:
     host = lm.Host(env=operator_pod_env("Worker", "worker-1.json"), dev_dir=atlas / "dev", root=atlas,
                    sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities={"10.244.5.9"})
-    assert lm.main(["plan", f"output_dir={tmp_path}/o"], host) == 0
-    text = capsys.readouterr().out
-    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
-    argv = plan["msrun_argv"]
-    opt = {argv[i]: argv[i + 1] for i in range(1, 15, 2)}
+    plan = planned(host, capsys, f"output_dir={tmp_path}/o")
+    opt = msrun_options(plan)
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--node_rank"]) == \
         ("16", "8", "10.96.41.7", "1")  # the Service IP is not this pod: msrun starts no scheduler here
     assert [r["device"] for r in plan["ranks"]] == list(range(8))  # ASCEND_VISIBLE_DEVICES=Ascend910-0,...
