@@ -284,7 +284,9 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
-        lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
+        # an AscendJob Scheduler pod (nproc 0) shares node 0's rank with Worker pod 0: its own lock, .lock.node-1
+        node = job.recipe.launch.node_rank if job.nproc else -1
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), node, job.recipe.launch.nnodes, log)
     except lock.Locked as e:
         print(f"[launcher] {e}", file=sys.stderr)
         return 1

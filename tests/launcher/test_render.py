@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import launcher.__main__ as lm
-from launcher import render
+from launcher import lock, render
 from launcher_fakes import recorded_npu_smi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -278,7 +278,9 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
     rows = capsys.readouterr().out
     checks = [line.split()[1] for line in rows.splitlines()[1:] if line.split()[0] in ("ok", "warn", "fail")]
     assert checks == ["role", "network", "layout"] and "fail" not in rows
+    worker0 = lock.acquire(out_dir, 0, 2)  # Worker pod 0 runs on the same shared OUTPUT_DIR
     assert lm.main(["train", f"output_dir={out_dir}", port], host) == 0
+    lock.release(worker0)
     assert json.loads(seen.read_text())[1:] == ["--config", str(out_dir / "plan-scheduler.json")]
     assert json.loads((out_dir / "plan-scheduler.json").read_text())["topology"]["nproc_per_node"] == 0
     assert not (out_dir / "data").exists() and not (out_dir / "plan.json").exists()
