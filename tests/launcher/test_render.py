@@ -122,21 +122,22 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     assert vols[mounts["/data"]["name"]]["hostPath"]["path"] == "/data"
 
 
-def test_pod_one_of_the_rendered_job_plans_itself_node_one(tmp_path: Path, atlas: Path, capsys) -> None:
-    """The rendered env plus what Volcano's env and svc plugins add on pod 1 (VC_TASK_INDEX=1, hosts)."""
+@pytest.mark.parametrize("pod", [0, 1])
+def test_each_pod_of_the_rendered_job_plans_its_own_node(tmp_path: Path, atlas: Path, capsys, pod: int) -> None:
+    """The rendered env plus what Volcano's env and svc plugins add on pod i (VC_TASK_INDEX=i, the hosts)."""
     job = rendered(tmp_path, 2)
     name = job["metadata"]["name"]
     hosts = [f"{name}-worker-{i}.{name}" for i in range(2)]
-    pod_env = {**env_of(container(job)), "VC_TASK_INDEX": "1", "VK_TASK_INDEX": "1",
+    pod_env = {**env_of(container(job)), "VC_TASK_INDEX": str(pod), "VK_TASK_INDEX": str(pod),
                "VC_WORKER_HOSTS": ",".join(hosts), "VC_WORKER_NUM": "2"}
     host = lm.Host(env=pod_env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys",
-                   npu_smi=recorded_npu_smi, identities={f"{name}-worker-1", "10.244.1.7"})
+                   npu_smi=recorded_npu_smi, identities={f"{name}-worker-{pod}", f"10.244.{pod}.7"})
     # output_dir: plan may write plan.json, and /data is the pods' volume, not this machine's
     plan = planned(host, capsys, f"output_dir={tmp_path}/o")
     t = plan["topology"]
-    assert (t["nnodes"], t["node_rank"], t["master_addr"], t["world_size"]) == (2, 1, hosts[0], 16)
+    assert (t["nnodes"], t["node_rank"], t["master_addr"], t["world_size"]) == (2, pod, hosts[0], 16)
     assert plan["sources"]["cluster"].startswith("volcano:")
-    assert msrun_options(plan)["--node_rank"] == "1"
+    assert msrun_options(plan)["--node_rank"] == str(pod)
 
 
 def test_overrides_given_to_render_reach_the_manifest(tmp_path: Path) -> None:
