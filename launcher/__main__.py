@@ -335,7 +335,7 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
              False),
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
-    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job) for this job", True),
+    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
     "generate": (cmd_generate, "answer a prompt with the fine-tuned (else the base) model", True),
 }
 
