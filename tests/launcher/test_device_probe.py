@@ -41,6 +41,17 @@ def test_wide_table_with_the_container_pid_column():
                                                                 memory_mb=5175, pid_in_container=None)]
 
 
+def test_one_busy_npu_among_free_ones(atlas):
+    one = "info-procs-25.2.0-910b3-one-busy.txt"  # vllm-ascend#6271: NPU 4 held, its rows between "No running"
+    assert npu_smi.parse_processes((FIXTURES / "npu-smi" / one).read_text()) == [
+        npu_smi.NpuProcess(npu=4, pid=1601114, name="python", memory_mb=18429)]
+    d = devices.probe(atlas / "dev", atlas, {}, npu_smi_with_info(one))
+    ((detail, fix),) = d.busy_rows()
+    assert detail == "NPU 4 is already in use by pid 1601114 python (18429 MB)"
+    assert "ASCEND_VISIBLE_DEVICES=0-3,5-7" in fix
+    assert devices.probe(atlas / "dev", atlas, {"ASCEND_VISIBLE_DEVICES": "0-3"}, npu_smi_with_info(one)).busy == []
+
+
 def test_busy_npus_fail_preflight_naming_the_holder(atlas):
     d = devices.probe(atlas / "dev", atlas, {}, npu_smi_with_info(BUSY_26))
     assert not d.problems and [p.pid for p in d.busy] == [485946]
