@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from finetune.dist import RankInfo, barrier
+from finetune.dist import BUCKET_BYTES, RankInfo, barrier
 
 MANIFEST = "manifest.json"
 
@@ -92,19 +92,36 @@ def find_latest(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, model_params: list, rank: RankInfo) -> tuple[TrainerState, dict[str, np.ndarray]]:
+def load_checkpoint(path: Path, model_params: list, rank: RankInfo,
+                    shard: bool | None = None) -> tuple[TrainerState, dict[str, np.ndarray]]:
     """Restore this rank's parameters in place; return the trainer state and optimizer state.
 
-    The layout must match the one that wrote it (same tp and world size).
+    A checkpoint of another layout (tp, dp, vocab-parallel) is gathered and re-split for this one
+    when the parameters are a model's (they carry ``hf_shape`` and ``tp_slice``, see
+    ``finetune/reshard.py``); ``shard``: whether this run's optimizer is sharded over DP (None: when
+    dp > 1, the default), which decides the format of the returned optimizer state.
     """
     import mindspore as ms
 
     manifest = json.loads((path / MANIFEST).read_text())
-    if manifest["layout"]["tp"] != rank.tp or manifest["layout"]["world_size"] != rank.world_size:
+    state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    same = manifest["layout"]["tp"] == rank.tp and manifest["layout"]["world_size"] == rank.world_size
+    model_file = _owner_file(path, "model", rank) if same else None
+    weights = load_file(str(model_file)) if same else {}
+    fits = same and all(p.name in weights and tuple(weights[p.name].shape) == tuple(p.shape) for p in model_params)
+    if not fits and all(hasattr(p, "hf_shape") for p in model_params):
+        from finetune.reshard import SavedState, local_state
+
+        saved = SavedState(path, [p.name for p in model_params], {p.name: p.hf_shape for p in model_params},
+                           BUCKET_BYTES)
+        weights, optim_state = local_state(saved, [(p.name, p.tp_slice, p.dtype == ms.float32) for p in model_params],
+                                           rank.dp, rank.dp_rank, rank.dp > 1 if shard is None else shard)
+        for p in model_params:
+            p.set_data(ms.Tensor(weights[p.name]).astype(p.dtype))
+        return state, optim_state
+    if not same:
         raise ValueError(f"{path}: written with layout {manifest['layout']}, this run has {layout(rank)}; "
                          "resume with the same parallel.tp and worker count, or set train.resume=never")
-    model_file = _owner_file(path, "model", rank)
-    weights = load_file(str(model_file))
     missing = [p.name for p in model_params if p.name not in weights]
     if missing:
         raise ValueError(f"{model_file}: missing parameters {missing[:5]}; the checkpoint does not match "
@@ -118,7 +135,6 @@ def load_checkpoint(path: Path, model_params: list, rank: RankInfo) -> tuple[Tra
     for p in model_params:
         p.set_data(ms.Tensor(weights[p.name]).astype(p.dtype))
     optim_file = _owner_file(path, "optim", rank)
-    state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
     return state, load_file(str(optim_file))
 
 

@@ -67,7 +67,7 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Continue from the checkpoint at ``path``: weights, optimizer, data position, loss scale, counters."""
-        state, optim_state = load_checkpoint(path, self.params, self.rank)
+        state, optim_state = load_checkpoint(path, self.params, self.rank, shard=not isinstance(self.opt, AdamW))
         self.opt.load_state_dict(optim_state)
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)

@@ -319,14 +319,22 @@ def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
-    rest = args.rest
-    if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model
-        hf = Path(job.recipe.output_dir) / "hf"
-        rest = ["--model-dir", str(hf if (hf / "config.json").exists() else resolved_model_dir(job.recipe)), *rest]
-    return subprocess.call([sys.executable, str(GENERATE), *rest], env=job.env)
+    r = job.recipe  # default: the export; the base model only with --base
+    ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
+                                            ["--finetuned", str(Path(r.output_dir) / "hf"),
+                                             "--base-model", resolved_model_dir(r)])
+    return subprocess.call([sys.executable, str(GENERATE), *ours, *args.rest], env=job.env)
+
+
+def cmd_export(job: Job, args: argparse.Namespace, host: Host) -> int:
+    r = job.recipe  # the tool's own options come last and win (--dtype fp32)
+    return subprocess.call([sys.executable, str(TOOLS["export"]), "--output-dir", r.output_dir, "--model-dir",
+                            resolved_model_dir(r), "--dtype", r.export.dtype, "--shard-size", r.export.shard_size,
+                            *args.rest], env=job.env)
 
 
 GENERATE = REPO_ROOT / "finetune" / "generate.py"
+TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py"}
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
     "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
@@ -336,7 +344,8 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
     "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
-    "generate": (cmd_generate, "answer a prompt with the fine-tuned (else the base) model", True),
+    "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
+    "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
 }
 
 
@@ -395,7 +404,7 @@ def help_of_tool(command: str) -> int:
             render.parse_args(["--help"])
         except SystemExit as e:
             return int(e.code or 0)
-    return subprocess.call([sys.executable, str(GENERATE), "--help"])
+    return subprocess.call([sys.executable, str(TOOLS[command]), "--help"])
 
 
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:

@@ -21,6 +21,7 @@ from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
 from finetune.memory import MemoryEstimate, estimate_memory
 from finetune import native as nativelib
+from finetune.tiny import TINY_DEFAULTS
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -333,15 +334,12 @@ def check_world(c: Context) -> list[Check]:
     if c.nproc % tp:
         out.append(Check("layout", "fail", f"TP={tp} does not divide NPROC_PER_NODE={c.nproc} (TP stays in a node)",
                          "e.g. TP=2 with 8 NPUs per node"))
-    cfg = model_config(r) or (r.model.init or {})
-    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if n and n % tp:
-            out.append(Check("layout", "fail", f"TP={tp} does not divide {name}={n}", f"use a TP dividing {n}"))
-    vocab = cfg.get("vocab_size")
-    if r.parallel.vocab_parallel and vocab and vocab % tp:
-        out.append(Check("layout", "fail", f"TP={tp} does not divide vocab_size={vocab} (parallel.vocab_parallel)",
-                         "OVERRIDES='parallel.vocab_parallel=false' (replicated embedding/LM head) or another TP"))
+    cfg = model_config(r) or (r.model.init and {**TINY_DEFAULTS, **r.model.init})
+    try:
+        problems = qwen2_layout.tp_problems(cfg, tp, r.parallel.vocab_parallel) if cfg else []
+    except (KeyError, TypeError, ZeroDivisionError):
+        problems = []  # a config without sizes: check_model reports it
+    out += [Check("layout", "fail", msg, fix) for msg, fix in problems]
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
 
 

@@ -325,4 +325,12 @@ def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypat
     assert seen["render"] == (["--nodes", "2", "volcano"], ["train.lr=1e-4"], "tiny-cpu")
     assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
     assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
-    assert seen["generate"][2:4] == ["--model-dir", str(tmp_path / "base-model")]  # no export yet: the base model
+    # the export, the base model only when generate is given --base (it refuses a missing export); the
+    # recipe's device, and for export its dtype (tiny-cpu: fp32) unless the command line says otherwise
+    assert seen["generate"][1:8] == [str(lm.GENERATE), "--device", "cpu", "--finetuned", str(tmp_path / "hf"),
+                                     "--base-model", str(tmp_path / "base-model")]
+    del seen["generate"]
+    assert lm.main(["export", "--checkpoint", "step_4", "--dtype", "bf16"], lm.Host(**host)) == 0
+    assert seen["generate"][1:] == [str(lm.TOOLS["export"]), "--output-dir", str(tmp_path),
+                                    "--model-dir", str(tmp_path / "base-model"), "--dtype", "fp32", "--shard-size",
+                                    "2GB", "--checkpoint", "step_4", "--dtype", "bf16"]

@@ -186,11 +186,17 @@ def test_network_real_port_probe(tmp_path):
 
 @pytest.mark.parametrize("over,nproc,msg", [
     ({"parallel.tp": "4", "launch.nnodes": "2"}, 2, "TP=4 does not divide NPROC_PER_NODE=2"),
-    ({"parallel.tp": "8"}, 8, "TP=8 does not divide num_attention_heads=28"),
+    ({"parallel.tp": "8"}, 8, "parallel.tp=8 must divide num_attention_heads=28"),
 ])
 def test_world_layout(atlas, over, nproc, msg):
     c = ctx(atlas, nproc=nproc, nnodes=int(over.get("launch.nnodes", 1)), **over)
     assert any(msg in r.detail for r in fails(c, "layout")), preflight.table(rows(c, "layout"))
+
+
+def test_tp_beyond_the_kv_heads_is_a_valid_layout(tmp_path):
+    """TP=8 with 4 KV heads: each KV head is copied on two ranks (the model supports it)."""
+    assert not fails(ctx(tmp_path, cfg=dict(QWEN7B, num_attention_heads=32), nproc=8, **{"parallel.tp": "8"}),
+                     "layout")
 
 
 def test_vocab_parallel_needs_tp_dividing_the_vocab(tmp_path):
