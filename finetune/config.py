@@ -230,6 +230,7 @@ class LaunchConfig:
     max_restarts: int = 0
     cluster_time_out: int = 600
     dry_run: bool = False
+    npu_monitor_s: float = 30.0  # npu-smi sampling into OUTPUT_DIR/npu.jsonl while training; 0: off
 
 
 @dataclass

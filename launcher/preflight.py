@@ -21,6 +21,7 @@ from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
 from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
 from finetune import native as nativelib
+from finetune.tiny import TINY_DEFAULTS
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30

@@ -185,6 +185,7 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
                              sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"),
                              command=stub(tmp_path, tmp_path / "out/logs"))
     assert rc == 0, out.out + out.err
+    assert "NPU monitor: off (no NPU on this host)" in out.out
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
@@ -317,7 +318,7 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
-    monkeypatch.setattr("launcher.render.main", lambda args, overrides, recipe_arg:
+    monkeypatch.setattr("launcher.render.main", lambda args, env, overrides, recipe_arg:
                         seen.setdefault("render", (args, overrides, recipe_arg)) and 0)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()
