@@ -14,9 +14,11 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from finetune.checkpoint import TrainerState, checkpoint_root, find_latest, load_checkpoint, save_checkpoint
+from finetune.checkpoint import (TrainerState, checkpoint_root, load_checkpoint, load_latest, run_identity,
+                                 save_checkpoint)
 from finetune.config import Recipe, TrainConfig, resolved_model_dir
 from finetune.data.batching import BatchLoader
+from finetune.data.cache import cache_dir_for
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler
 
@@ -41,6 +43,7 @@ class Trainer:
     tokens_seen: int = 0
     elapsed_before_s: float = 0.0  # training time of earlier runs this one resumed
     started: float = field(default_factory=time.time)
+    identity: dict = field(default_factory=dict)  # the base model and token cache (checkpoint.run_identity)
 
     @property
     def out(self) -> Path:
@@ -58,7 +61,7 @@ class Trainer:
         """Checkpoint every part at the current step (collective: every rank calls it)."""
         state = TrainerState(step=self.step, loader=self.loader.state_dict(), scaler=self.scaler.state_dict(),
                              seed=self.recipe.train.seed, tokens_seen=self.tokens_seen,
-                             elapsed_s=self.elapsed_s())
+                             elapsed_s=self.elapsed_s(), identity=self.identity)
         sharded = not isinstance(self.opt, AdamW)
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
@@ -66,9 +69,17 @@ class Trainer:
         self.rank.log(f"[train] checkpoint {path}")
         return path
 
-    def restore(self, path: Path) -> None:
-        """Continue from the checkpoint at ``path``: weights, optimizer, data position, loss scale, counters."""
-        state, optim_state = load_checkpoint(path, self.params, self.rank, shard=not isinstance(self.opt, AdamW))
+    def restore(self, path: Path | None) -> None:
+        """Continue from the checkpoint at ``path`` (None: the newest one that verifies, if any): weights,
+        optimizer, data position, loss scale, counters."""
+        shard = not isinstance(self.opt, AdamW)
+        if path is None:
+            found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print, shard)
+            if found is None:
+                return
+            path, state, optim_state = found
+        else:
+            state, optim_state = load_checkpoint(path, self.params, self.rank, shard, self.identity)
         self.opt.load_state_dict(optim_state)
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
@@ -98,17 +109,10 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
              f"({loader.steps_per_epoch} per epoch), global batch "
              f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
-    latest = resume_path(tc, trainer.out)
-    if latest is not None:
-        trainer.restore(latest)
+    trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
+    if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
+        trainer.restore(None if tc.resume == "auto" else Path(tc.resume))
     return trainer
-
-
-def resume_path(tc: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint train.resume names: auto (the newest complete one, if any), never, or a path."""
-    if tc.resume == "never":
-        return None
-    return find_latest(checkpoint_root(out)) if tc.resume == "auto" else Path(tc.resume)
 
 
 def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:

@@ -147,6 +147,8 @@ class _Attempt:
         bad = []
         for rank, s in st.items():
             wlog = self.log_dir / f"worker_{rank}.log"
+            if s["state"] != "exited" and not procs.alive(s["pid"]):
+                s = st[rank] = lifecycle.read_statuses(self.log_dir, self.started - 1).get(rank, s)  # ended meanwhile?
             if s["state"] == "exited":
                 if not (s["exit_code"] == 0 or (stopping and s["exit_code"] in (130, 143))):
                     err = s.get("error")
@@ -154,12 +156,15 @@ class _Attempt:
                     bad.append((s["ended_at"], Failure(f"rank {rank}", s["exit_code"], why, wlog)))
             elif not procs.alive(s["pid"]):
                 code = self._exit_code(s["pid"])
-                if not (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
-                    bad.append((time.time(), Failure(f"rank {rank}", code if code is not None else -9,
-                                                     self._why_killed(s["pid"], code), wlog)))
+                if code == 0 or (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
+                    continue
+                bad.append((time.time(), Failure(f"rank {rank}", code if code is not None else -9,
+                                                 self._why_killed(s["pid"], code), wlog)))
         ended = all(s["state"] == "exited" or not procs.alive(s["pid"]) for s in st.values())
         if not bad and self.scheduler and not procs.alive(self.scheduler) and not (ended and len(st) == len(self.ranks)):
             code = procs.zombie_exit_code(self.scheduler)
+            if code == 0:  # it ends cleanly only after every worker did
+                return None
             why = self._why_killed(self.scheduler, code) if code is not None and code < 0 else \
                 f"exit code {code}" if code is not None else "it is gone"
             bad.append((time.time(), Failure(f"msrun's scheduler (pid {self.scheduler})", code or -9,

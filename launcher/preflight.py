@@ -160,10 +160,15 @@ def check_disk(c: Context) -> list[Check]:
     free = shutil.disk_usage(probe)[2]
     if cfg is None:
         return [Check("disk", "ok", f"{free / GIB:.1f} GiB free at {probe} (model size unknown yet)")]
-    n = param_count(cfg)
-    need = n * (2 + 12) * max(1, c.recipe.train.keep_checkpoints) + n * 4
-    detail = f"need ~{need / GIB:.1f} GiB ({n / 1e9:.2f} B params x 14 B x {c.recipe.train.keep_checkpoints} " \
-             f"checkpoints + export), {free / GIB:.1f} GiB free at {probe}"
+    n, keep = param_count(cfg), c.recipe.train.keep_checkpoints
+    ckpts = keep + 1 if keep > 0 else 2  # the one being written while `keep` older ones still exist
+    export = n * (4 if c.recipe.export.dtype == "fp32" else 2)
+    base = n * 4 if c.recipe.model.init is not None and not (Path(resolved_model_dir(c.recipe)) / "config.json").exists() \
+        else 0  # a tiny model still to be created under OUTPUT_DIR
+    need = n * 16 * ckpts + export + base  # checkpoint: fp32 weights + AdamW m, v and fp32 masters
+    detail = f"need ~{need / GIB:.1f} GiB ({n / 1e9:.2f} B params x 16 B x {ckpts} checkpoints (keep_checkpoints " \
+             f"{keep} + the one being written) + export{' + base model' if base else ''}), " \
+             f"{free / GIB:.1f} GiB free at {probe}"
     if free < need:
         return [Check("disk", "fail", detail, "point OUTPUT_DIR at a larger volume or lower train.keep_checkpoints")]
     return [Check("disk", "ok", detail)]

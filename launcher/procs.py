@@ -151,8 +151,9 @@ def kernel_oom_line(pid: int, kmsg: Path = Path("/dev/kmsg")) -> str | None:
                 continue
             if not rec:
                 break
-            if re.search(rf"(Killed process|oom-kill:.*pid=){pid}\b", rec):
-                found = rec.split(";", 1)[-1].strip()
+            for line in rec.splitlines():  # one record per read from /dev/kmsg, "prio,seq,usec,flags;message"
+                if re.search(rf"Killed process {pid}\b", line) or (not found and re.search(rf"oom-kill:.*pid={pid}\b", line)):
+                    found = line.split(";", 1)[-1].strip()
     finally:
         os.close(fd)
     return found

@@ -257,12 +257,15 @@ def test_worker_applies_its_binding(tmp_path, mode):
 
 
 MS_STUB = textwrap.dedent("""
-    import os, pathlib, sys
+    import os, pathlib, sys, time
     from finetune.lifecycle import run_rank
 
     def main():
         print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
         if os.environ.get("RANK_ID") == "1":
+            done = pathlib.Path(sys.argv[0]).parent / "logs/ranks/rank_00000.json"
+            while '"exited"' not in (done.read_text() if done.exists() else ""):  # rank 0 first: its log is checked
+                time.sleep(0.1)
             raise ValueError("boom from rank 1")
 
     if os.environ.get("MS_ROLE") == "MS_WORKER":

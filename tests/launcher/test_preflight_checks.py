@@ -117,6 +117,15 @@ def test_disk_too_small(tmp_path, monkeypatch):
     assert "OUTPUT_DIR" in r.fix
 
 
+def test_disk_counts_the_checkpoint_being_written_and_the_export(tmp_path, monkeypatch):
+    """7.6 B params, keep 2: three checkpoints of 16 B/param exist at the peak, plus the bf16 export (~355 GiB)."""
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 300 * 2**30))
+    (r,) = fails(ctx(tmp_path, npu=False, **{"train.keep_checkpoints": "2", "export.dtype": "bf16"}), "disk")
+    assert "x 3 checkpoints (keep_checkpoints 2 + the one being written) + export" in r.detail
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 400 * 2**30))
+    assert not fails(ctx(tmp_path, npu=False, **{"train.keep_checkpoints": "2", "export.dtype": "bf16"}), "disk")
+
+
 def test_param_count_qwen7b():
     assert 7.5e9 < preflight.param_count(QWEN7B) < 7.7e9
 

@@ -15,7 +15,6 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "tie_word_embeddings": True}
-STEPS = 6
 
 
 def free_port() -> int:
@@ -24,22 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def overrides(steps: int = STEPS) -> list[str]:
-    return [f"train.max_steps={steps}", "train.save_every=2", "train.keep_checkpoints=2", "data.max_samples=48",
-            "data.seq_len=64", "train.micro_batch_size=1", f"launch.master_port={free_port()}",
-            "launch.max_restarts=0", "launch.cluster_time_out=120"]
+def overrides(port: int) -> list[str]:
+    return ["train.save_every=2", "train.keep_checkpoints=2", "data.max_samples=48", "data.seq_len=64",
+            "train.micro_batch_size=1", f"launch.master_port={port}", "launch.max_restarts=0",
+            "launch.cluster_time_out=120"]
 
 
 class Job:
     """One `python -m launcher train` in its own session, output in <out>.console.log."""
 
-    def __init__(self, out: Path, model: Path, nproc: int = 2, extra: list[str] = ()):
-        self.out, self.console = out, out.parent / f"{out.name}.console.log"
+    def __init__(self, out: Path, model: Path, name: str = "run", nproc: int = 2, extra: list[str] = (),
+                 port: int | None = None):
+        self.out, self.console = out, out.parent / f"{out.name}.{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "MODEL_DIR": str(model), "OUTPUT_DIR": str(out),
                "NPROC_PER_NODE": str(nproc), "GLOG_v": "3",
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        with open(self.console, "ab") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "train", *overrides(), *extra], env=env,
+        with open(self.console, "wb") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "train", *overrides(port or free_port()), *extra], env=env,
                                          cwd=out.parent, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
     def text(self) -> str:
