@@ -152,14 +152,18 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
     cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
-    device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
+    wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
+    device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
     nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
     world = recipe.launch.nnodes * nproc
+    problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
     try:
-        problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
-        problems += e.items
+        if device == "npu" and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
+            devs.notes.append("no NPU visible, so the layout is not resolved: " + "; ".join(e.problems))
+        else:
+            problems += e.items
     if problems:
         raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
@@ -276,15 +280,15 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
+    if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
+        log("preflight failed: nothing started (fix the rows marked fail above)")
+        return 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
         lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
     except lock.Locked as e:
         print(f"[launcher] {e}", file=sys.stderr)
         return 1
     try:
-        if not run_preflight(job, host):
-            log("preflight failed: nothing started (fix the rows marked fail above)")
-            return 1
         ensure_model(job.recipe)
         if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
             rc = prepare_data(job.recipe)

@@ -107,6 +107,8 @@ def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], over
         s.recipe = settings.NPU_RECIPE  # what the pod picks: it has NPUs, and MODEL_DIR and DATA are given
     given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
                                                  ns.data_dir, ns.pvc, MASTER_PORT)
+    if given.get("data.format") == "auto" and s.origin.get("data.format") == s.origin.get("data.paths"):
+        del given["data.format"]  # derived from DATA by settings.collect: the pods derive it themselves
     for key, fix in CLUSTER_KEYS.items():
         if key in given:
             pod.problems.append(f"{VAR_OF.get(key, key)}={given.pop(key)}: the pods must not be given it; use {fix}")
