@@ -241,7 +241,14 @@ def check_model(c: Context) -> list[Check]:
                                                    f"{cfg.get('vocab_size')}"
         return [Check("model", "fail", f"{d / 'tokenizer.json'}: {what}",
                       "use the tokenizer that came with the model (same directory as its config.json)")]
-    return [Check("model", "ok", f"{d}: config, weights, tokenizer present")]
+    from finetune.data.chat_template import check_model_template
+
+    status, line = check_model_template(d, c.recipe.data.system_prompt)
+    template = Check("template", "warn" if status in ("differs", "unchecked") else "ok", line,
+                     "the data is written in Qwen2.5's chat template; serve the fine-tuned model with it (the export "
+                     "keeps the model's tokenizer_config.json) or fine-tune a model whose template matches"
+                     if status == "differs" else "")
+    return [Check("model", "ok", f"{d}: config, weights, tokenizer present"), template]
 
 
 def _max_token_id(path: Path) -> int | None:

@@ -206,28 +206,3 @@ class BatchLoader:
                              f"units={len(self.units)}, sequences per step={self.per_step}): the data, "
                              "seq_len, packing or global batch size changed since the checkpoint")
         self._epoch, self._index = int(d["epoch"]), int(d["index"])
-
-
-def validation_batches(cache_dir: str | Path, seq_len: int, micro_batch_size: int, dp_size: int, dp_rank: int,
-                       packing: bool = True) -> list[dict[str, np.ndarray]]:
-    """This dp rank's micro-batches of the validation set (``data.val_size`` / ``data.val_paths``).
-
-    Every sample once, in a fixed order (no shuffling), rows made like training's (``packing``:
-    packed ``seq_len`` rows, else one sample per row; ``max_tokens_per_batch`` is not used here).
-    Each dict is int32 [micro_batch_size, seq_len] ``input_ids``, ``labels``, ``position_ids``,
-    ``segment_ids``, as BatchLoader gives. Micro-batch j of rank r holds rows
-    [(j*dp_size + r)*mbs, ...+mbs); every rank gets the same number of micro-batches, the last
-    ones topped up with padding rows whose labels are all -100, so ranks can reduce in step.
-    Token-weighted eval loss over all ranks: sum(loss_sum) / sum(label_tokens), with label_tokens =
-    count(labels[:, 1:] != -100) of each micro-batch. [] when the cache has no validation set.
-    """
-    if not (Path(cache_dir) / "val_index.npy").exists():
-        return []
-    loader = BatchLoader(cache_dir, seq_len, micro_batch_size, 1, dp_size, dp_rank, seed=0, packing=packing,
-                         index_name="val_index.npy")
-    per = micro_batch_size * dp_size
-    out = []
-    for start in range(0, len(loader.units), per):
-        mine = loader.units[start + dp_rank * micro_batch_size:start + (dp_rank + 1) * micro_batch_size]
-        out.append(loader._rows(mine + [[]] * (micro_batch_size - len(mine)), seq_len))
-    return out

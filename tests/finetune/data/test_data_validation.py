@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from finetune.data import cache
-from finetune.data.batching import BatchLoader, validation_batches
+from finetune.data.batching import BatchLoader
 from finetune.data.files import DataError
 from finetune.data.prepare import prepare
 from finetune.data.template import IGNORE
@@ -50,18 +50,18 @@ def test_val_paths_are_prepared_beside_training_and_make_the_cache_stale(tmp_pat
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_validation_batches_cover_every_sample_once_in_step_on_every_rank(tmp_path, data, packing):
+def test_validation_batches_cover_every_sample_once_over_the_ranks(tmp_path, data, packing):
     info = prepare(recipe_for(tmp_path, [data], val_size="9"), TOKENIZER, progress=False)
     val = _val(info)
     labels = np.load(info.dir / "labels.npy")
     want = sum(int((labels[s + 1:s + n] != IGNORE).sum()) for s, n in val[:, :2].tolist())
     for dp in (1, 2, 3):
-        ranks = [validation_batches(info.dir, 128, 2, dp, r, packing=packing) for r in range(dp)]
-        assert len({len(b) for b in ranks}) == 1 and len(ranks[0]) >= 1
-        assert all(m["input_ids"].shape == (2, 128) and m["labels"].dtype == np.int32 for b in ranks for m in b)
+        ranks = [list(BatchLoader(info.dir, 128, 2, 1, dp, r, seed=0, packing=packing,
+                                  index_name=cache.VAL_INDEX).eval_micro_batches()) for r in range(dp)]
+        assert len(ranks[0]) >= 1
+        assert all(m["input_ids"].shape[1] == 128 and m["labels"].dtype == np.int32 for b in ranks for m in b)
         got = sum(int((m["labels"][:, 1:] != IGNORE).sum()) for b in ranks for m in b)
         assert got == want, dp  # a conversation starts with <|im_start|>, never a label: packing loses none
-    assert validation_batches(prepare(recipe_for(tmp_path / "n", [data]), TOKENIZER, progress=False).dir,
-                              128, 2, 1, 0) == []
+    assert not (prepare(recipe_for(tmp_path / "n", [data]), TOKENIZER, progress=False).dir / cache.VAL_INDEX).exists()
     train = BatchLoader(info.dir, 128, 2, 1, 1, 0, seed=1, packing=packing)
     assert sum(len(u) for u in train.units) == 31
