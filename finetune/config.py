@@ -158,6 +158,9 @@ class TrainConfig:
     # Stop after this many consecutive steps with a non-finite loss or gradients. fp16's dynamic loss
     # scale skips a step per backoff (65536 -> 1 takes 16); bf16/fp32 have no scale to lower.
     max_bad_steps: int = 20
+    eval_every: int = 0  # eval loss on the validation set (data.val_size / data.val_paths) every N steps; 0: at the end
+    early_stop_patience: int = 0  # stop after this many evaluations without a better eval loss; 0: never
+    profile_steps: list[int] = field(default_factory=list)  # [start, end]: profile these steps on rank 0
 
     def precision_on(self, device: str) -> str:
         """The concrete precision on ``device`` ('npu' | 'cpu'): auto is bf16 on NPU, fp32 on CPU."""
@@ -227,6 +230,7 @@ class LaunchConfig:
     max_restarts: int = 0
     cluster_time_out: int = 600
     dry_run: bool = False
+    npu_monitor_s: float = 30.0  # npu-smi sampling into OUTPUT_DIR/npu.jsonl while training; 0: off
 
 
 @dataclass
@@ -509,7 +513,11 @@ def validate(r: Recipe) -> list[Problem]:
               train__loss_chunk_tokens=t.loss_chunk_tokens, data__num_workers=r.data.num_workers,
               data__max_samples=r.data.max_samples, data__clean__min_tokens=c.min_tokens,
               data__clean__max_tokens=c.max_tokens, train__weight_decay=t.weight_decay, train__min_lr=t.min_lr,
-              train__clip_grad=t.clip_grad)
+              train__clip_grad=t.clip_grad, train__eval_every=t.eval_every,
+              train__early_stop_patience=t.early_stop_patience)
+    if t.profile_steps and not (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]):
+        p.append(Problem("train.profile_steps", "two steps [start, end], 1 <= start <= end", "3,5",
+                         repr(t.profile_steps)))
     for key, v, example in (("train.lr", t.lr, "2e-5"), ("train.eps", t.eps, "1e-6"),
                             ("train.loss_scale.initial", t.loss_scale.initial, "65536")):
         if not v > 0:

@@ -1,16 +1,45 @@
-"""The model's fused-kernel ops: each function runs the fused Ascend kernel when ``fused`` and the
-reference math (the tested one, and the one every other device runs) otherwise."""
+"""The model's fused-kernel ops: each function runs the fused Ascend kernel when ``fused`` (and the
+kernel's documented limits are met) and the reference math otherwise (the tested path, and the one
+every other device runs).
+
+Activations are BSND: ``[batch, seq, heads, head_dim]``. The fused attention takes packed causal
+sequences in the TND layout (``[tokens, heads, head_dim]``, cumulative sequence ends, ``sparse_mode=3``
+with the 2048x2048 causal mask) as MindSpore 2.10's ``flash_attention_score`` documents, so no
+``[batch, 1, seq, seq]`` mask exists on that path. ``tests/finetune/contracts`` holds the contract of
+every kernel called here and a CPU emulator of each that enforces it.
+"""
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import NamedTuple
+
 import mindspore as ms
-from mindspore import ops
+import numpy as np
+from mindspore import Tensor, ops
+
+CAUSAL_BLOCK = 2048  # the compressed causal mask of sparse_mode 2/3 is CAUSAL_BLOCK x CAUSAL_BLOCK
+MAX_SEQUENCES = 1024  # TND: at most this many sequences per call
+FLASH_MAX_HEADS = 256  # query heads per call
+FLASH_MAX_HEAD_DIM = 512  # head_dim: a multiple of 16 up to this
+ROPE_MAX_HEAD_DIM = 896  # head_dim < this and even
+ROPE_MAX_BN = 1000  # B and N < this (rotate_half)
+
+
+class Packed(NamedTuple):
+    """Fused attention spec: cumulative ends of each causal sequence over the flattened batch."""
+
+    ends: tuple[int, ...]
+    causal: Tensor  # [2048, 2048] uint8, 1 (masked) above the diagonal
 
 
 def rms_norm(x, weight, eps: float, fused: bool):
-    """``weight * x / sqrt(mean(x^2) + eps)`` computed in fp32, returned in ``x``'s dtype."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, the mean in fp32, returned in ``x``'s dtype.
+
+    The fused kernel gets ``x`` and ``weight`` in ``x``'s dtype (aclnnRmsNorm's dtype pairs and
+    MindSpore's same-dtype rule both allow that; fp32 ``x`` with bf16 weight is rejected)."""
     dtype = x.dtype
     if fused:
-        return ops.rms_norm(x.astype(ms.float32), weight, eps)[0].astype(dtype)
+        return ops.rms_norm(x, weight.astype(dtype), eps)[0]
     h = x.astype(ms.float32)
     h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + eps)
     return weight.astype(dtype) * h.astype(dtype)
@@ -21,26 +50,68 @@ def _rotate_half(x):
     return ops.cat((-x[..., half:], x[..., :half]), -1)
 
 
+def rope_fits(shape: tuple[int, ...]) -> bool:
+    """Whether rotary_position_embedding (rotate_half) takes BSND ``x`` of this shape."""
+    b, _, n, d = shape
+    return d % 2 == 0 and d < ROPE_MAX_HEAD_DIM and b < ROPE_MAX_BN and n < ROPE_MAX_BN
+
+
 def rope(x, cos, sin, fused: bool):
-    """Rotary position embedding (rotate-half form) of ``x`` ``[b, heads, s, head_dim]``."""
-    if fused:
+    """Rotary position embedding (rotate-half form) of BSND ``x`` with ``cos``/``sin`` ``[b, s, 1, d]``
+    in ``x``'s dtype; the fused kernel only within its documented size limits."""
+    if fused and rope_fits(x.shape):
         return ops.rotary_position_embedding(x, cos, sin, 0)
     return x * cos + _rotate_half(x) * sin
 
 
-def attention(q, k, v, heads: int, kv_heads: int, mask, scale: float, fused: bool):
-    """``softmax(q k^T * scale + mask) v`` over BNSD ``q`` ``[b, heads, s, d]`` and ``k``/``v``
-    ``[b, kv_heads, s_kv, d]`` (GQA); ``mask`` ``[b, 1, s, s_kv]`` fp32, large negative where masked."""
-    if fused:  # GQA native: key/value keep kv_heads; mask 1 = not attended
-        return ops.flash_attention_score(q, k, v, heads, attn_mask=(mask < 0).astype(ms.uint8),
-                                         scalar_value=scale, input_layout="BNSD")
+def flash_fits(dtype, head_dim: int, heads: int, kv_heads: int) -> bool:
+    """Whether flash_attention_score takes these heads (fp16/bf16 only)."""
+    return (dtype in (ms.float16, ms.bfloat16) and head_dim % 16 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
+            and heads <= FLASH_MAX_HEADS and heads % kv_heads == 0)
+
+
+@lru_cache(maxsize=1)
+def causal_block() -> Tensor:
+    """The 2048x2048 mask of sparse_mode 3: 1 (not attended) strictly above the diagonal."""
+    return Tensor(np.triu(np.ones((CAUSAL_BLOCK, CAUSAL_BLOCK), np.uint8), 1))
+
+
+def sequence_ends(segment_ids: np.ndarray) -> tuple[int, ...]:
+    """Cumulative ends of the runs of equal segment id in each row, rows laid end to end (padding,
+    segment 0, is a run of its own: its outputs carry no label)."""
+    b, s = segment_ids.shape
+    cut = np.ones((b, s), np.bool_)  # a run ends before a change of segment and at each row end
+    cut[:, :-1] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return tuple(int(i) + 1 for i in np.flatnonzero(cut))
+
+
+def packed(segment_ids: np.ndarray) -> Packed | None:
+    """The fused attention spec of a batch, or None when it has more sequences than one call takes."""
+    ends = sequence_ends(segment_ids)
+    return Packed(ends, causal_block()) if len(ends) <= MAX_SEQUENCES else None
+
+
+def attention(q, k, v, heads: int, kv_heads: int, mask, scale: float):
+    """``softmax(q k^T * scale + mask) v`` of BSND ``q`` ``[b, s, heads, d]`` and ``k``/``v``
+    ``[b, s_kv, kv_heads, d]`` (GQA), returned BSND.
+
+    ``mask``: a ``Packed`` spec (fused, s_kv == s) or the reference ``[b, 1, s, s_kv]`` fp32 mask,
+    large negative where masked."""
+    b, s, _, d = q.shape
+    if isinstance(mask, Packed):
+        out = ops.flash_attention_score(
+            q.reshape(b * s, heads, d), k.reshape(b * s, kv_heads, d), v.reshape(b * s, kv_heads, d), heads,
+            attn_mask=mask.causal, actual_seq_qlen=mask.ends, actual_seq_kvlen=mask.ends, scalar_value=scale,
+            next_tokens=0, input_layout="TND", sparse_mode=3)
+        return out.reshape(b, s, heads, d)
+    q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)  # BNSD
     rep = heads // kv_heads
     if rep > 1:
         k = ops.repeat_interleave(k, rep, 1)
         v = ops.repeat_interleave(v, rep, 1)
     scores = ops.matmul(q, k.swapaxes(-1, -2)).astype(ms.float32) * scale + mask
     probs = ops.softmax(scores, -1).astype(v.dtype)
-    return ops.matmul(probs, v)
+    return ops.matmul(probs, v).swapaxes(1, 2)
 
 
 def swiglu(gate, up, fused: bool):

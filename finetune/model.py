@@ -90,34 +90,28 @@ class Attention(nn.Cell):
         self.heads, self.kv_heads, self.head_dim = nh // tp, local_kv_heads(cfg.to_dict(), tp), hd
         self.scale = hd ** -0.5
         self.fused = fused
-        # the fused kernel takes fp16/bf16 only and head_dim a multiple of 16
-        self.fused_attn = fused and dtype in (ms.float16, ms.bfloat16) and hd % 16 == 0
         kv_out = self.kv_heads * hd
         self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
         self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
         self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
         self.o_proj = RowParallelLinear(nh * hd, h, False, rank, dtype)
 
-    def _split(self, x, heads):
-        b, s, _ = x.shape
-        return x.reshape(b, s, heads, self.head_dim).swapaxes(1, 2)  # [b, heads, s, hd]
-
     def construct(self, x, cos, sin, mask, cache=None):
-        """``cache`` (generation): a list holding this layer's [keys, values] of the earlier
+        """``mask``: the reference mask or the fused attention's ``kernels.Packed`` spec.
+        ``cache`` (generation): a list holding this layer's [keys, values] of the earlier
         positions (empty at first); the new ones are appended and attention covers all."""
         b, s, _ = x.shape
-        q = self._split(self.q_proj(x), self.heads)
-        k = self._split(self.k_proj(x), self.kv_heads)
-        v = self._split(self.v_proj(x), self.kv_heads)
+        q = self.q_proj(x).reshape(b, s, self.heads, self.head_dim)  # BSND
+        k = self.k_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
         cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
         q, k = kernels.rope(q, cos, sin, self.fused), kernels.rope(k, cos, sin, self.fused)
         if cache is not None:
             if cache:
-                k, v = ops.cat((cache[0], k), 2), ops.cat((cache[1], v), 2)
+                k, v = ops.cat((cache[0], k), 1), ops.cat((cache[1], v), 1)
             cache[:] = [k, v]
-        out = kernels.attention(q, k, v, self.heads, self.kv_heads, mask, self.scale,
-                                self.fused_attn and cache is None)
-        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, self.heads * self.head_dim))
+        out = kernels.attention(q, k, v, self.heads, self.kv_heads, mask, self.scale)
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
 
 
 class MLP(nn.Cell):
@@ -163,6 +157,8 @@ class Qwen2Model(nn.Cell):
                 layer.recompute()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         hd = cfg.head_dim
+        attn = self.layers[0].self_attn if cfg.num_hidden_layers else None
+        self.fused_attn = attn is not None and fused and kernels.flash_fits(dtype, hd, attn.heads, attn.kv_heads)
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         self.inv_freq = Tensor(inv_freq.astype(np.float32))
 
@@ -170,22 +166,31 @@ class Qwen2Model(nn.Cell):
         """Final hidden states. ``caches`` (generation, one segment per row): one list per layer
         with the keys/values of the ``past`` earlier positions, extended in place; ``keys``
         (bool ``[b, past + s]``, optional): which of them are tokens, not padding."""
-        s = input_ids.shape[1]
         freqs = position_ids.astype(ms.float32).expand_dims(-1) * self.inv_freq  # [b, s, hd/2]
-        emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # [b, 1, s, hd]
+        emb = ops.cat((freqs, freqs), -1).expand_dims(2)  # [b, s, 1, hd]
         cos, sin = ops.cos(emb), ops.sin(emb)
-        if caches is None:
+        mask = self._mask(segment_ids, past, caches is not None, keys)
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask) if caches is None else layer(x, cos, sin, mask, caches[i])
+        return self.norm(x)
+
+    def _mask(self, segment_ids, past: int, cached: bool, keys=None):
+        """The fused attention's spec of the sequences (same-segment causal; a prompt with an empty
+        cache is one sequence per row), else the reference ``[b, 1, s, past + s]`` fp32 mask
+        (``keys``: bool ``[b, past + s]``, False at left padding, which no query sees)."""
+        spec = kernels.packed(segment_ids.asnumpy()) if self.fused_attn and past == 0 and keys is None else None
+        if spec is not None:
+            return spec
+        s = segment_ids.shape[1]
+        if not cached:
             causal = Tensor(np.tril(np.ones((s, s), np.bool_)))
             allowed = ops.logical_and(segment_ids.expand_dims(2) == segment_ids.expand_dims(1), causal)
         else:  # query i (position past + i) sees keys 0 .. past + i
             allowed = Tensor(np.tril(np.ones((s, past + s), np.bool_), past)).expand_dims(0)
             if keys is not None:
                 allowed = ops.logical_and(allowed, keys.expand_dims(1))
-        mask = (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED  # [b, 1, s, past + s]
-        x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask) if caches is None else layer(x, cos, sin, mask, caches[i])
-        return self.norm(x)
+        return (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED
 
 
 class Qwen2ForCausalLM(nn.Cell):
@@ -292,7 +297,7 @@ class Qwen2ForCausalLM(nn.Cell):
         if caches is None:
             return self._project(self._hidden(input_ids)[:, -1])
         b, s = input_ids.shape
-        past = int(caches[0][0].shape[2]) if caches[0] else 0
+        past = int(caches[0][0].shape[1]) if caches[0] else 0  # keys are BSND
         pos = np.broadcast_to(np.arange(past, past + s, dtype=np.int32), (b, s))
         if pad is not None:
             pos = np.maximum(pos - np.asarray(pad, np.int32)[:, None], 0)

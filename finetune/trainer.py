@@ -37,6 +37,7 @@ class Trainer:
     opt: Any  # AdamW or ShardedAdamW
     scaler: LossScaler
     loader: BatchLoader
+    val_loader: BatchLoader | None  # the validation set (data.val_size / data.val_paths), if any
     total_steps: int
     step: int = 0
     tokens_seen: int = 0
@@ -95,7 +96,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    loader = build_loader(recipe, rank, model_dir)
+    loader, val_loader = build_loaders(recipe, rank, model_dir)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:
         raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
@@ -103,7 +104,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     model, params = build_model(recipe, rank, model_dir, dtype)
     shard = recipe.parallel.shard_optimizer
     trainer = Trainer(recipe, rank, model, model_dir, params, build_optimizer(params, tc, rank, shard),
-                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, total_steps)
+                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
     n_params = sum(int(np.prod(p.shape)) for p in params)
     rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
              f"({loader.steps_per_epoch} per epoch), global batch "
@@ -114,15 +115,21 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     return trainer
 
 
-def build_loader(recipe: Recipe, rank: RankInfo, model_dir: Path) -> BatchLoader:
-    """This DP rank's deterministic batches from the token cache (prepared once per node or job)."""
+def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
+    """This DP rank's deterministic training batches from the token cache (prepared once per node or
+    job), and its share of the validation set when the cache holds one."""
+    from finetune.data.cache import VAL_INDEX
     from finetune.data.prepare import ensure_cache
 
-    tc = recipe.train
-    cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main).dir
-    return BatchLoader(cache_dir, recipe.data.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp, rank.dp_rank,
-                       tc.seed, packing=recipe.data.packing, max_tokens_per_batch=recipe.data.max_tokens_per_batch,
-                       epochs=tc.epochs)
+    tc, d = recipe.train, recipe.data
+    cache = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main)
+
+    def loader(index_name: str) -> BatchLoader:
+        return BatchLoader(cache.dir, d.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp, rank.dp_rank, tc.seed,
+                           packing=d.packing, max_tokens_per_batch=d.max_tokens_per_batch, epochs=tc.epochs,
+                           index_name=index_name)
+
+    return loader("index.npy"), loader(VAL_INDEX) if cache.num_val else None
 
 
 def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple[Any, list]:

@@ -37,7 +37,7 @@ from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, launch, lock, numa, preflight, settings
+from launcher import ascendjob, launch, lock, npu_monitor, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -154,7 +154,9 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
     wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
     device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
-    nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
+    # NPU recipe, no NPU visible: planned for its smallest world (TP x PP); preflight stops it there
+    nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
+             or recipe.parallel.tp * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
     try:
@@ -258,13 +260,21 @@ def prepare_data(recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------ commands
 
 def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
-    """Write plan.json; print the plan (``--json``: the JSON alone, for jq)."""
-    launch.write_plan(job.plan_path, job.plan)
-    if getattr(args, "json", False):
-        print(json.dumps(job.plan, indent=2, default=str), flush=True)
-        return 0
-    print_plan(job)
-    log(f"plan written to {job.plan_path}")
+    """Write plan.json (not under a running job: its restarts read it); print the plan (``--json``: alone)."""
+    L = job.recipe.launch
+    try:
+        fd = lock.acquire(Path(job.recipe.output_dir), L.node_rank, L.nnodes, log=lambda msg: None)
+        try:
+            launch.write_plan(job.plan_path, job.plan)
+        finally:
+            lock.release(fd)
+        written = f"plan written to {job.plan_path}"
+    except lock.Locked as e:
+        written = f"plan.json not written: {e}"
+        print(f"[launcher] {written}", file=sys.stderr, flush=True)
+    if not getattr(args, "json", False):
+        print_plan(job)
+        log(written)
     print(json.dumps(job.plan, indent=2, default=str), flush=True)
     return 0
 
@@ -284,7 +294,9 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
-        lock_fd = lock.acquire(Path(job.recipe.output_dir), job.recipe.launch.node_rank, job.recipe.launch.nnodes, log)
+        # an AscendJob Scheduler pod (nproc 0) shares node 0's rank with Worker pod 0: its own lock, .lock.node-1
+        node = job.recipe.launch.node_rank if job.nproc else -1
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), node, job.recipe.launch.nnodes, log)
     except lock.Locked as e:
         print(f"[launcher] {e}", file=sys.stderr)
         return 1
@@ -298,20 +310,22 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         print_plan(job)
         log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
         t = job.plan["topology"]
-        return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                                cwd=job.plan_path.parent, log=log,
-                                tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
-                                under_msrun=job.world > 1, lock_fd=lock_fd,
-                                ranks=range(t["node_rank"] * t["nproc_per_node"],
-                                            (t["node_rank"] + 1) * t["nproc_per_node"]))
+        with npu_monitor.running(job.devices, job.plan_path.parent, t["node_rank"],
+                                 job.recipe.launch.npu_monitor_s, host.npu_smi, log):
+            return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                    cwd=job.plan_path.parent, log=log,
+                                    tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+                                    under_msrun=job.world > 1, lock_fd=lock_fd,
+                                    ranks=range(t["node_rank"] * t["nproc_per_node"],
+                                                (t["node_rank"] + 1) * t["nproc_per_node"]))
     finally:
         lock.release(lock_fd)
 
 
-def cmd_render(job: Job, args: argparse.Namespace, host: Host) -> int:
+def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
     from launcher import render
 
-    return int(render.main(args.rest, overrides=args.overrides, recipe_arg=args.recipe))
+    return int(render.main(args.rest, host.env, overrides=args.overrides, recipe_arg=args.recipe))
 
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
@@ -339,7 +353,7 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
              False),
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
-    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job) for this job", True),
+    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
     "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
     "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
 }
@@ -413,6 +427,8 @@ def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     args = parse(ap, argv)
     if COMMANDS[args.command][2] and any(a in ("-h", "--help") for a in args.rest):
         return help_of_tool(args.command)
+    if args.command == "render":  # a manifest for the cluster's pods: nothing of this host is resolved
+        return cmd_render(None, args, host)
     try:
         job = resolve(args, host)
     except (ConfigError, clusterlib.ClusterError) as e:

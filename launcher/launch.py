@@ -283,7 +283,7 @@ def _watch(job: _Attempt, stopping: dict, poll_s: float, finish_grace_s: float,
             job.kill()
             return (128 - failure.code if failure.code < 0 else failure.code), failure
         ended = [s for s in st.values() if s["state"] == "exited" or not procs.alive(s["pid"])]
-        all_ended = len(ended) == len(job.ranks)
+        all_ended = bool(job.ranks) and len(ended) == len(job.ranks)  # no ranks here: msrun's scheduler alone
         if rc is not None:
             job.out.thread.join(timeout=5)
             codes = [s.get("exit_code", 0) for s in ended]

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
-from finetune.memory import MemoryEstimate, estimate_memory
+from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
 from finetune import native as nativelib
+from finetune.tiny import TINY_DEFAULTS
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -62,15 +63,6 @@ def model_config(recipe: Recipe) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def memory_estimate(recipe: Recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory
-                    ) -> MemoryEstimate:
-    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json)."""
-    p, t = recipe.parallel, recipe.train
-    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
-                     precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
-                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)
 
 
 def param_count(cfg: dict) -> int:
@@ -243,7 +235,30 @@ def check_model(c: Context) -> list[Check]:
     bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
     if bad:
         return [Check("model", "fail", b, REDOWNLOAD) for b in bad]
-    return [Check("model", "ok", f"{d}: config, weights, tokenizer present")]
+    top = _max_token_id(d / "tokenizer.json")
+    if top is None or top >= cfg.get("vocab_size", 0):
+        what = "unreadable" if top is None else f"has token ids up to {top}, config.json's vocab_size is " \
+                                                   f"{cfg.get('vocab_size')}"
+        return [Check("model", "fail", f"{d / 'tokenizer.json'}: {what}",
+                      "use the tokenizer that came with the model (same directory as its config.json)")]
+    from finetune.data.chat_template import check_model_template
+
+    status, line = check_model_template(d, c.recipe.data.system_prompt)
+    template = Check("template", "warn" if status in ("differs", "unchecked") else "ok", line,
+                     "the data is written in Qwen2.5's chat template; serve the fine-tuned model with it (the export "
+                     "keeps the model's tokenizer_config.json) or fine-tune a model whose template matches"
+                     if status == "differs" else "")
+    return [Check("model", "ok", f"{d}: config, weights, tokenizer present"), template]
+
+
+def _max_token_id(path: Path) -> int | None:
+    """The largest id in a Hugging Face tokenizer.json (vocabulary and added tokens), None when unreadable."""
+    try:
+        tok = json.loads(path.read_text())
+        ids = [*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens", []))]
+        return max(int(i) for i in ids)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def check_resume(c: Context) -> list[Check]:

@@ -75,3 +75,10 @@ def test_no_import_circles_in_the_data_package():
     assert "finetune.data.cache" in graph["finetune.data.prepare"]
     assert _cycle(graph) == []
     assert _cycle({**graph, "finetune.data.cache": {"finetune.data.prepare"}})  # the circle there was
+
+
+def test_the_data_package_and_cpus_import_no_mindspore():
+    """The launcher runs prepare-data and the CPU count on the host, which has no mindspore to spare."""
+    files = sorted((REPO_ROOT / "finetune" / "data").rglob("*.py")) + [REPO_ROOT / "finetune" / "cpus.py"]
+    assert {str(f.relative_to(REPO_ROOT)) for f in files if any(n.split(".")[0] == "mindspore" for n in _imports(f))} \
+        == set()

@@ -51,7 +51,7 @@ def test_greedy_generate_follows_full_logits(ms_cpu, tied):
     model.last_logits(ms.Tensor(np.array([prompt + out[:3]], np.int32)), caches)
     step = model.last_logits(ms.Tensor(np.array([out[3:5]], np.int32)), caches).asnumpy()[0]  # 2 new at once
     np.testing.assert_allclose(step, logits[len(prompt) + 4], atol=1e-5)
-    assert caches[0][0].shape[2] == len(prompt) + 5
+    assert caches[0][0].shape[1] == len(prompt) + 5  # BSND keys
     stop = out[-1]
     assert generate(model, [prompt], {stop}, GREEDY) == [out[:out.index(stop)]]
 

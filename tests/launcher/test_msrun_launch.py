@@ -58,7 +58,9 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
     assert plan["worker_env"]["AF_CPU_BIND_7"] == "156-167" and plan["worker_env"]["AF_BIND_MODE"] == "affinity"
     assert "explicit NNODES, NODE_RANK, MASTER_ADDR" in plan["sources"]["cluster"]
     assert "rank 7 (NPU 7, NUMA node 6): CPU affinity 156-167" in out.out
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]  # plan writes the plan, nothing else
+    # the plan, nothing else: the job lock of node 1 is checked and released (left empty)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock.node1", "plan.json"]
+    assert (tmp_path / "out/.lock.node1").read_text() == ""
     assert json.loads((tmp_path / "out/plan.json").read_text()) == plan
 
 
@@ -183,6 +185,7 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
                              sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"),
                              command=stub(tmp_path, tmp_path / "out/logs"))
     assert rc == 0, out.out + out.err
+    assert "NPU monitor: off (no NPU on this host)" in out.out
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
@@ -312,12 +315,13 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
     rc, plan, out = run_main(["train"], capsys, env={"DRY_RUN": "1", "OUTPUT_DIR": str(tmp_path / "o")},
                              dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
     assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
-    assert not (tmp_path / "state").exists() and [p.name for p in (tmp_path / "o").iterdir()] == ["plan.json"]
+    assert not (tmp_path / "state").exists() and (tmp_path / "o/plan.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [".lock", "plan.json"]
 
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
-    monkeypatch.setattr("launcher.render.main", lambda args, overrides, recipe_arg:
+    monkeypatch.setattr("launcher.render.main", lambda args, env, overrides, recipe_arg:
                         seen.setdefault("render", (args, overrides, recipe_arg)) and 0)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()

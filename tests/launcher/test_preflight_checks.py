@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 from collections import namedtuple
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from launcher_fakes import make_dev, recorded_npu_smi
 
-from finetune.config import load_recipe
+from finetune.config import ASSETS_DIR, load_recipe
 from finetune.memory import MemoryEstimate
 from launcher import devices, preflight
 
@@ -24,7 +25,7 @@ def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors"
     d = root / "model"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    (d / "tokenizer.json").write_text("{}")
+    shutil.copyfile(ASSETS_DIR / "tokenizer/tokenizer.json", d / "tokenizer.json")  # the real Qwen2.5 tokenizer
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
     for s in (shards if present is None else present):
@@ -237,3 +238,18 @@ def test_network_multi_node_master_at_loopback(tmp_path, rank):
     """The default 127.0.0.1 cannot be reached from the other nodes: every node fails, with the docker flags."""
     c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": rank})
     assert "-e MASTER_ADDR=<node-0 IP> -e NODE_RANK=<0..1>" in fails(c, "network")[0].fix
+
+
+def test_model_template_row_names_a_changed_chat_template(tmp_path):
+    """A model dir whose own chat template writes tool results differently is named before training."""
+    c = ctx(tmp_path, npu=False)
+    d = Path(c.recipe.model.dir)
+    c.recipe.model.init = None
+    assert [r.status for r in rows(c, "template")] == ["ok"]  # no template of its own: nothing to compare
+    cfg = json.loads((ASSETS_DIR / "tokenizer" / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert [r.status for r in rows(c, "template")] == ["ok"]  # Qwen2.5-Instruct's own template
+    cfg["chat_template"] = cfg["chat_template"].replace("<tool_response>", "<observation>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (r,) = rows(c, "template")
+    assert r.status == "warn" and "<observation>" in r.detail and "template" in r.fix
