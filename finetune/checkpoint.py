@@ -108,11 +108,11 @@ def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
     if not current or not saved:
         return
     differ = [k for k in ("model", "data") if saved.get(k) != current.get(k)]
+    what = {"model": f"model dir {saved.get('model_dir')}", "data": "token cache"}
     if differ:
         raise CheckpointMismatch(
             f"{path} was written by another run: its " + " and ".join(
-                f"{k} is {saved.get(k)} ({'model dir ' + str(saved.get('model_dir')) if k == 'model' else 'token cache'})"
-                f" but this run's is {current.get(k)}" for k in differ) +
+                f"{k} is {saved.get(k)} ({what[k]}) but this run's is {current.get(k)}" for k in differ) +
             ". Use a new OUTPUT_DIR for a new run, or set train.resume=never to start over in this one")
 
 

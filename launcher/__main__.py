@@ -18,9 +18,9 @@ Variables the launcher sets for every worker: PATH (the venv's bin first: msrun 
 HCCL_EXEC_TIMEOUT (when unset), ASCEND_RT_VISIBLE_DEVICES (when only some NPUs are used), and the
 binding contract read by finetune/affinity.py: AF_BIND_MODE, AF_CPU_BIND_<local_rank>,
 AF_MEM_BIND_<local_rank>, AF_NUMACTL_<local_rank>; AF_LAUNCHER_PID (finetune/lifecycle.py).
-msrun itself adds MS_* variables, RANK_ID and DEVICE_ID (= local rank). prepare-data's tokenizer processes (not the workers) are started
-with LD_PRELOAD = the malloc of data.worker_malloc before any LD_PRELOAD already set, and
-TOKENIZERS_PARALLELISM=false.
+msrun itself adds MS_* variables, RANK_ID and DEVICE_ID (= local rank). prepare-data's tokenizer
+processes (not the workers) are started with LD_PRELOAD = the malloc of data.worker_malloc before
+any LD_PRELOAD already set, and TOKENIZERS_PARALLELISM=false.
 """
 from __future__ import annotations
 
