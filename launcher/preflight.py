@@ -20,6 +20,7 @@ from pathlib import Path
 from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
 from finetune.memory import MemoryEstimate, estimate_memory
+from finetune.tiny import TINY_DEFAULTS
 from finetune import native as nativelib
 from launcher.devices import Devices, format_id_list
 
