@@ -38,7 +38,7 @@ preflight: $(STAMP)
 prepare-data: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher prepare-data
 
-## make generate PROMPT="Hello" [ARGS="--max-new-tokens 64"]: the fine-tuned model (else the base model) answers.
+## make generate PROMPT="Hello" [ARGS="--max-new-tokens 64"]: the fine-tuned model answers (ARGS=--base: the base model).
 ## PROMPT and ARGS reach the launcher as variables of the shell, never as shell text.
 generate: $(STAMP)
 	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher generate $${PROMPT:+--prompt "$$PROMPT"} $$ARGS
