@@ -56,6 +56,12 @@ test-fast: $(STAMP)
 bench-data: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_data.py
 
+## Our training step vs transformers + torch eager (docs/speed.md); TORCH_PYTHON: an interpreter with both.
+TORCH_PYTHON ?= $(CURDIR)/$(PY)
+.PHONY: bench-train
+bench-train: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" $(BENCH_ARGS)
+
 clean:
 	rm -rf output build .pytest_cache
 
