@@ -266,14 +266,15 @@ def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restar
             signal.signal(s, h)
 
 
-def _watch(job: _Attempt, stopping: dict, poll_s: float, finish_grace_s: float) -> tuple[int, Failure | None]:
+def _watch(job: _Attempt, stopping: dict, poll_s: float, finish_grace_s: float,
+           stop_grace_s: float = 2.0) -> tuple[int, Failure | None]:
     """Until the job ends, a rank fails, or (stopping) every rank is gone; returns (exit code, failure)."""
     if not job.under_msrun:
         rc = job.proc.wait()
         job.out.thread.join(timeout=5)
         failure = job.direct_failure(rc) if stopping["sig"] is None else None
         return (128 - rc if rc < 0 else rc), failure
-    done_since = None
+    done_since = stopped_since = None
     while True:
         rc = job.proc.poll()
         st = job.statuses()
@@ -287,10 +288,12 @@ def _watch(job: _Attempt, stopping: dict, poll_s: float, finish_grace_s: float) 
             job.out.thread.join(timeout=5)
             codes = [s.get("exit_code", 0) for s in ended]
             return (max(codes) if all_ended and codes else rc), None
-        if all_ended and stopping["sig"] is not None:  # the scheduler would wait for its timeout
-            job.kill()
-            codes = [s.get("exit_code", 128 + stopping["sig"]) for s in ended]
-            return max(codes), None
+        if stopping["sig"] is not None and (all_ended or not any(procs.alive(p) for p in job.workers())):
+            stopped_since = stopped_since or time.monotonic()
+            if time.monotonic() - stopped_since > stop_grace_s:  # msrun would wait for its scheduler's timeout
+                job.kill()
+                codes = [s.get("exit_code", 128 + stopping["sig"]) for s in ended]
+                return max(codes, default=128 + stopping["sig"]), None
         if all_ended:  # every rank finished: give msrun and its scheduler a moment to exit by themselves
             done_since = done_since or time.monotonic()
             if time.monotonic() - done_since > finish_grace_s:
