@@ -263,11 +263,8 @@ def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
     """Write plan.json (not under a running job: its restarts read it); print the plan (``--json``: alone)."""
     L = job.recipe.launch
     try:
-        fd = lock.acquire(Path(job.recipe.output_dir), L.node_rank, L.nnodes, log=lambda msg: None)
-        try:
+        with lock.checked(Path(job.recipe.output_dir), L.node_rank, L.nnodes):
             launch.write_plan(job.plan_path, job.plan)
-        finally:
-            lock.release(fd)
         written = f"plan written to {job.plan_path}"
     except lock.Locked as e:
         written = f"plan.json not written: {e}"
