@@ -143,12 +143,11 @@ def tp_slice(spec: ParamSpec, config: dict, tp: int, tp_rank: int, vocab_paralle
     """This TP rank's slice of ``spec`` (None: the rank holds the whole tensor)."""
     if tp == 1 or spec.tp_axis is None or (spec.split_by == "vocab" and not vocab_parallel):
         return None
-    full = spec.shape[spec.tp_axis]
-    if spec.split_by == "kv_heads" and tp > Dims.of(config).kv_heads:
-        d = Dims.of(config)
+    d = Dims.of(config)
+    if spec.split_by == "kv_heads" and tp > d.kv_heads:
         group = tp // d.kv_heads  # ranks sharing one kv head
         return TPSlice(spec.tp_axis, (tp_rank // group) * d.head_dim, d.head_dim, owner=tp_rank % group == 0)
-    size = full // tp
+    size = spec.shape[spec.tp_axis] // tp
     return TPSlice(spec.tp_axis, tp_rank * size, size)
 
 

@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(recipe) -> int:
+    from finetune.native import mindspore_mismatch
+
+    mismatch = mindspore_mismatch()  # an x86-64 wheel on an aarch64 host fails in import, unexplained
+    if mismatch:
+        print(f"[worker] {mismatch}", file=sys.stderr)
+        return 2
     from finetune.train import run  # imports mindspore
 
     return run(recipe)

@@ -209,6 +209,17 @@ def test_tp_beyond_the_kv_heads_is_a_valid_layout(tmp_path):
                      "layout")
 
 
+def test_layout_of_the_tiny_model_before_it_is_created(tmp_path):
+    """No config.json yet: the sizes are the tiny defaults with the recipe's model.init on top."""
+    for tp, nproc, bad in ((3, 3, True), (2, 2, False)):
+        (tmp_path / str(tp)).mkdir()
+        c = ctx(tmp_path / str(tp), npu=False, nproc=nproc, **{"parallel.tp": str(tp)})
+        c.recipe.model.dir = str(tmp_path / "not-yet")
+        assert c.recipe.model.init and preflight.model_config(c.recipe) is None
+        got = [r.detail for r in fails(c, "layout")]
+        assert (["parallel.tp=3 must divide num_attention_heads=4"] == got[:1]) if bad else not got, got
+
+
 def test_vocab_parallel_needs_tp_dividing_the_vocab(tmp_path):
     odd = dict(QWEN7B, vocab_size=152065)
     bad = fails(ctx(tmp_path, cfg=odd, **{"parallel.tp": "2"}), "layout")
