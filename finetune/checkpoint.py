@@ -1,24 +1,41 @@
-"""Resumable training checkpoints, written atomically.
+"""Resumable training checkpoints: written atomically, verified before they are loaded.
 
 Layout: ``<output_dir>/checkpoints/step_00000030/`` holding, per rank that owns something,
 ``model_rank00000.safetensors`` (this rank's parameters, fp32) and ``optim_rank00000.safetensors``
 (its optimizer state), plus ``trainer_state.json`` (step, data position, loss scale, RNG seed,
-layout) and, written last, ``manifest.json``. Everything goes to ``step_N.tmp`` first and is renamed
-once every rank has finished, so a crash never leaves a checkpoint that looks complete.
+the model and data identity) and, written last, ``manifest.json`` listing every file with its size
+and sha256 (each rank hashes its own files). Everything goes to ``step_N.tmp`` first and is
+renamed once every rank has finished, so a crash never leaves a checkpoint that looks complete.
+Before a save, every rank checks that the file system has room for the whole checkpoint.
+On resume the newest checkpoint whose files verify and load on every rank is used; one that fails
+is skipped with the file and the reason. Pruning never deletes the newest verified checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from finetune.dist import RankInfo, barrier
+from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
+from finetune.fsutil import publish
 
 MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the checkpoint itself
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint belongs to another run (layout, model or data): refused, never skipped."""
+
+
+class InsufficientSpace(RuntimeError):
+    """Not enough free disk space for the next checkpoint; nothing was written."""
 
 
 @dataclass
@@ -31,6 +48,7 @@ class TrainerState:
     seed: int
     tokens_seen: int = 0
     elapsed_s: float = 0.0
+    identity: dict = field(default_factory=dict)  # {"model": ..., "data": ...}: see run_identity
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -45,34 +63,131 @@ def layout(rank: RankInfo) -> dict:
     return {"world_size": rank.world_size, "tp": rank.tp, "dp": rank.dp}
 
 
+# ------------------------------------------------------------------------------------------ identity
+
+def _sha256(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = limit
+        while chunk := f.read(1 << 22 if left is None else min(1 << 22, left)):
+            h.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+                if left <= 0:
+                    break
+    return h.hexdigest()
+
+
+def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
+    """The base model (config.json + a fingerprint of every weight file: size, first and last MiB) and
+    the token cache (its manifest) a run trains; stored in each checkpoint and compared on resume."""
+    model_dir, h = Path(model_dir), hashlib.sha256()
+    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read())
+    return {"model": h.hexdigest()[:16], "data": _data_id(Path(cache_dir)), "model_dir": str(model_dir)}
+
+
+def _data_id(cache_dir: Path) -> str:
+    """The token cache's settings, source contents and counts (not paths, mtimes or its build time)."""
+    try:
+        m = json.loads((cache_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return "none"
+    sources = [(s.get("sha256") or s.get("size"), s.get("weight")) for s in m.get("sources", [])]
+    key = [m.get("settings"), sources, m.get("num_samples"), m.get("num_tokens")]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
+    if not current or not saved:
+        return
+    differ = [k for k in ("model", "data") if saved.get(k) != current.get(k)]
+    what = {"model": f"model dir {saved.get('model_dir')}", "data": "token cache"}
+    if differ:
+        raise CheckpointMismatch(
+            f"{path} was written by another run: its " + " and ".join(
+                f"{k} is {saved.get(k)} ({what[k]}) but this run's is {current.get(k)}" for k in differ) +
+            ". Use a new OUTPUT_DIR for a new run, or set train.resume=never to start over in this one")
+
+
+# ---------------------------------------------------------------------------------------------- save
+
+def _entry(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _world_sum(values: list[float], rank: RankInfo) -> list[float]:
+    """Element-wise sum over every rank (identity in a single process)."""
+    if rank.world_size == 1:
+        return values
+    import mindspore as ms
+
+    return all_reduce_sum(ms.Tensor(np.array(values, np.float32)), rank.world_group).asnumpy().tolist()
+
+
+def _nbytes(arrays: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in arrays.values()) + 1024 + 200 * len(arrays)  # + safetensors header
+
+
+def _free_bytes(root: Path) -> int:
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
 def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_state: dict[str, np.ndarray],
                     rank: RankInfo, keep: int, owns_model: bool = True, owns_optim: bool = True) -> Path:
-    """Write this rank's share; rank 0 writes the manifest and publishes the directory.
+    """Write this rank's share; rank 0 writes the manifest, publishes the directory and prunes.
 
     ``owns_model`` / ``owns_optim``: whether this rank's copy must be stored (replicas across
     data-parallel ranks are stored once). Collective: every rank must call it at the same step.
+    Raises :class:`InsufficientSpace` (on every rank, nothing written) when the disk is too full.
     """
     final = _step_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
+    r = f"rank{rank.rank:05d}"
+    shares = {}
+    if owns_model:
+        shares[f"model_{r}.safetensors"] = {p.name: p.asnumpy().astype(np.float32) for p in model_params}
+    if owns_optim:
+        shares[f"optim_{r}.safetensors"] = {k: np.ascontiguousarray(v) for k, v in optim_state.items()}
+    need = _world_sum([float(sum(_nbytes(a) for a in shares.values()))], rank)[0] + SPACE_MARGIN
+    free = _free_bytes(root)
+    if _world_sum([1.0 if free < need else 0.0], rank)[0]:
+        raise InsufficientSpace(
+            f"not enough disk space for the checkpoint of step {state.step}: it needs {need / 2**20:.0f} MiB, "
+            f"{free / 2**20:.0f} MiB are free under {root}; free space there (or lower train.keep_checkpoints), "
+            f"then rerun to resume from the newest checkpoint (older checkpoints are untouched)")
     if rank.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(rank)
-    tmp.mkdir(parents=True, exist_ok=True)  # other nodes without shared storage
-    r = f"rank{rank.rank:05d}"
-    if owns_model:
-        save_file({p.name: p.asnumpy().astype(np.float32) for p in model_params}, str(tmp / f"model_{r}.safetensors"))
-    if owns_optim:
-        save_file({k: np.ascontiguousarray(v) for k, v in optim_state.items()}, str(tmp / f"optim_{r}.safetensors"))
-    barrier(rank)
+    error = None
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)  # other nodes without shared storage
+        entries = {}
+        for name, arrays in shares.items():
+            save_file(arrays, str(tmp / name))
+            entries[name] = _entry(tmp / name)
+        (tmp / f".files_{r}.json").write_text(json.dumps(entries))
+    except OSError as e:  # e.g. ENOSPC although the estimate fitted: no rank publishes
+        error = e
+    if _world_sum([1.0 if error else 0.0], rank)[0]:
+        if rank.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise InsufficientSpace(f"writing the checkpoint of step {state.step} under {root} failed "
+                                f"({error or 'on another rank'}); nothing was published, older checkpoints "
+                                "are untouched") from error
     if rank.is_main:
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=1))
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "layout": layout(rank), "files": files},
-                                               indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        _write_manifest(tmp, state, rank)
+        publish(tmp, final)
         _prune(root, keep)
     barrier(rank)
     if rank.local_rank == 0 and tmp.exists() and not final.exists():  # node-local storage
@@ -80,46 +195,162 @@ def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_s
     return final
 
 
+def _write_manifest(tmp: Path, state: TrainerState, rank: RankInfo) -> None:
+    """trainer_state.json, then the manifest of every file (the ranks' hashes merged), written last."""
+    (tmp / STATE).write_text(json.dumps(state.__dict__, indent=1))
+    files = {STATE: _entry(tmp / STATE)}
+    for part in sorted(tmp.glob(".files_rank*.json")):
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "layout": layout(rank), "files": files}, indent=1))
+
+
+def _complete(root: Path) -> list[Path]:
+    """Published checkpoints (a manifest present), oldest first."""
+    return sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / MANIFEST).is_file())
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
-    for old in done[:-keep] if keep > 0 else []:
+    """Keep the ``keep`` newest checkpoints whose files match their manifest's sizes (never fewer than
+    one: the newest of them is never deleted); older ones go, damaged ones are left for inspection."""
+    good = [p for p in _complete(root) if verify(p, hashes=False) is None]
+    for old in good[:-max(keep, 1)] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# -------------------------------------------------------------------------------------- verify, load
+
+def verify(path: Path, names: list[str] | None = None, hashes: bool = True) -> str | None:
+    """None when ``names`` (default: every file in the manifest) match the manifest, else the problem
+    naming the file. ``hashes=False`` checks presence and sizes only."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path / MANIFEST}: unreadable ({type(e).__name__}: {e})"
+    entries = {n: None for n in files} if isinstance(files, list) else files  # a list: older manifests, names only
+    for name in names if names is not None else list(entries):
+        f = path / name
+        if name not in entries:
+            return f"{f}: not listed in the manifest"
+        if not f.is_file():
+            return f"{f}: missing"
+        want = entries[name]
+        if want is None:
+            continue
+        if f.stat().st_size != want["size"]:
+            return f"{f}: {f.stat().st_size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if hashes and _sha256(f) != want["sha256"]:
+            return f"{f}: contents differ from the manifest's sha256 (corrupted)"
+    return None
+
+
 def find_latest(root: Path) -> Path | None:
-    """Newest complete checkpoint (one with a manifest), or None."""
-    done = sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / MANIFEST).is_file())
+    """Newest published checkpoint (one with a manifest), or None; not yet verified."""
+    done = _complete(root)
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, model_params: list, rank: RankInfo) -> tuple[TrainerState, dict[str, np.ndarray]]:
-    """Restore this rank's parameters in place; return the trainer state and optimizer state.
+def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict | None = None, log=print,
+                shard: bool | None = None) -> tuple[Path, TrainerState, dict[str, np.ndarray]] | None:
+    """Restore the newest checkpoint that verifies and loads on every rank; None when there is none.
 
-    The layout must match the one that wrote it (same tp and world size).
+    A damaged one is skipped with a line naming the file and the reason. A checkpoint of another
+    model or data, or one that cannot be resharded to this layout, raises :class:`CheckpointMismatch`.
+    ``shard``: as for :func:`load_checkpoint`. Collective.
     """
+    candidates = _complete(root)
+    for path in reversed(candidates):
+        problem, loaded = None, None
+        try:
+            loaded = _read(path, model_params, rank, shard)
+        except CheckpointMismatch:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            problem = str(e) if str(path) in str(e) else f"{path}: {type(e).__name__}: {e}"
+        if not _world_sum([1.0 if problem else 0.0], rank)[0]:
+            state, weights, optim = loaded
+            _check_identity(path, state.identity, identity)
+            _apply(model_params, weights)
+            return path, state, optim
+        if problem or rank.is_main:
+            log(f"[checkpoint] skipping {path}: {problem or 'another rank could not verify or load its files'}; "
+                "trying the previous checkpoint")
+    others = sorted(p.name for p in root.glob("step_*") if p not in candidates)
+    if rank.is_main and (candidates or others):
+        log(f"[checkpoint] no usable checkpoint in {root} ({len(candidates)} damaged, {len(others)} without a "
+            f"manifest: {', '.join(others[:5])}): starting from step 0")
+    return None
+
+
+def load_checkpoint(path: Path, model_params: list, rank: RankInfo, shard: bool | None = None,
+                    identity: dict | None = None) -> tuple[TrainerState, dict[str, np.ndarray]]:
+    """Verify and restore one given checkpoint in place; return the trainer state and optimizer state.
+
+    Any problem raises naming the file (train.resume=<path>). A checkpoint of another layout (tp, dp,
+    vocab-parallel) is gathered and re-split for this one when the parameters are a model's (they
+    carry ``hf_shape`` and ``tp_slice``, see ``finetune/reshard.py``); ``shard``: whether this run's
+    optimizer is sharded over DP (None: when dp > 1, the default), which decides the format of the
+    returned optimizer state.
+    """
+    state, weights, optim = _read(path, model_params, rank, shard)
+    _check_identity(path, state.identity, identity)
+    _apply(model_params, weights)
+    return state, optim
+
+
+def _verified(path: Path, names: list[str] | None = None) -> None:
+    problem = verify(path, names)
+    if problem:
+        raise ValueError(problem)
+
+
+def _read(path: Path, model_params: list, rank: RankInfo,
+          shard: bool | None) -> tuple[TrainerState, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Verify the files this rank reads, then read them: (state, weights, optimizer state); nothing applied."""
     import mindspore as ms
 
+    _verified(path, [STATE])  # and the manifest itself
     manifest = json.loads((path / MANIFEST).read_text())
-    if manifest["layout"]["tp"] != rank.tp or manifest["layout"]["world_size"] != rank.world_size:
-        raise ValueError(f"{path}: written with layout {manifest['layout']}, this run has {layout(rank)}; "
-                         "resume with the same parallel.tp and worker count, or set train.resume=never")
-    model_file = _owner_file(path, "model", rank)
-    weights = load_file(str(model_file))
+    state = TrainerState(**json.loads((path / STATE).read_text()))
+    same = manifest["layout"]["tp"] == rank.tp and manifest["layout"]["world_size"] == rank.world_size
+    model_file = _owner_file(path, "model", rank) if same else None
+    if model_file is not None:
+        _verified(path, [model_file.name])
+    weights = load_file(str(model_file)) if same else {}
+    fits = same and all(p.name in weights and tuple(weights[p.name].shape) == tuple(p.shape) for p in model_params)
+    if not fits and all(hasattr(p, "hf_shape") for p in model_params):
+        from finetune.reshard import SavedState, local_state
+
+        _verified(path)  # resharding reads every rank's files
+        saved = SavedState(path, [p.name for p in model_params], {p.name: p.hf_shape for p in model_params},
+                           BUCKET_BYTES)
+        weights, optim_state = local_state(saved, [(p.name, p.tp_slice, p.dtype == ms.float32) for p in model_params],
+                                           rank.dp, rank.dp_rank, rank.dp > 1 if shard is None else shard)
+        return state, weights, optim_state
+    if not same:
+        raise CheckpointMismatch(f"{path}: written with layout {manifest['layout']}, this run has {layout(rank)}; "
+                                 "resume with the same parallel.tp and worker count, or set train.resume=never")
     missing = [p.name for p in model_params if p.name not in weights]
     if missing:
-        raise ValueError(f"{model_file}: missing parameters {missing[:5]}; the checkpoint does not match "
-                         "this model — point train.resume at another checkpoint or set train.resume=never")
+        raise CheckpointMismatch(f"{model_file}: missing parameters {missing[:5]}; the checkpoint does not match "
+                                 "this model — point train.resume at another checkpoint or set train.resume=never")
     wrong = [f"{p.name} {list(weights[p.name].shape)} vs {list(p.shape)}" for p in model_params
              if tuple(weights[p.name].shape) != tuple(p.shape)]
     if wrong:
-        raise ValueError(f"{model_file}: parameter shapes differ from this model's ({'; '.join(wrong[:3])}); "
-                         "it was written with another layout (parallel.vocab_parallel?) — resume with the "
-                         "settings that wrote it, or set train.resume=never")
+        raise CheckpointMismatch(f"{model_file}: parameter shapes differ from this model's ({'; '.join(wrong[:3])}); "
+                                 "it was written with another layout (parallel.vocab_parallel?) — resume with the "
+                                 "settings that wrote it, or set train.resume=never")
+    optim_file = _owner_file(path, "optim", rank)
+    _verified(path, [optim_file.name])
+    return state, weights, load_file(str(optim_file))
+
+
+def _apply(model_params: list, weights: dict[str, np.ndarray]) -> None:
+    import mindspore as ms
+
     for p in model_params:
         p.set_data(ms.Tensor(weights[p.name]).astype(p.dtype))
-    optim_file = _owner_file(path, "optim", rank)
-    state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
-    return state, load_file(str(optim_file))
 
 
 def _owner_file(path: Path, kind: str, rank: RankInfo) -> Path:

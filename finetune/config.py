@@ -4,22 +4,21 @@ Pure Python (no mindspore import) so the launcher can validate recipes in millis
 A recipe is YAML whose sections mirror these dataclasses; ``key=value`` overrides use
 dotted paths (``train.lr=1e-5``). Unknown keys and bad values are collected, never
 asserted, and reported all at once by :class:`ConfigError`, each naming the key and a fix.
+Reading YAML and overrides and coercing values to these types: ``finetune/recipe_parse.py``.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
-import json
-import math
-import re
-import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+# ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
+from finetune.recipe_parse import (ConfigError, Problem, build, merge, nest, overridden, parse_overrides,
+                                   parse_size, read_recipe)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -27,45 +26,6 @@ ASSETS_DIR = REPO_ROOT / "assets"
 # data.columns keys: the fields the data formats read (message fields: role, content)
 DATA_COLUMNS = ("instruction", "input", "output", "system", "history", "conversations", "messages", "tools",
                 "text", "role", "content")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One config problem: the dotted ``key``, what is wrong, a value that works, where the value came from.
-
-    ``key`` is empty for problems that belong to no key (a malformed override, an unknown recipe).
-    ``value`` is the offending value as written (``repr``), ``where`` a recipe line (``recipes/x.yaml:12``).
-    """
-
-    key: str
-    message: str
-    example: str = ""
-    value: str | None = None
-    where: str = ""
-
-    def text(self, via: str = "", raw: str | None = None) -> str:
-        """One line naming the key, or the variable ``via`` it was set with (``raw``: the text it held)."""
-        if not self.key:
-            return f"{self.where}: {self.message}" if self.where else self.message
-        if via:
-            fix = f" (e.g. {via}={self.example})" if self.example else ""
-            return f"{via}={raw!r} ({self.key}): {self.message}{fix}"
-        head = self.key if self.value is None else f"{self.key}={self.value}"
-        fix = f" (e.g. {self.key}={self.example})" if self.example else ""
-        return f"{self.where + ': ' if self.where else ''}{head}: {self.message}{fix}"
-
-
-class ConfigError(ValueError):
-    """Every problem found in a recipe, each line naming the key and a fix.
-
-    ``items`` are the structured :class:`Problem` s; ``problems`` their lines as rendered by ``render``
-    (the launcher passes one that names the environment variable a key came from).
-    """
-
-    def __init__(self, problems: list[Problem | str], render: Callable[[Problem], str] = Problem.text):
-        self.items = [p if isinstance(p, Problem) else Problem("", p) for p in problems]
-        self.problems = [render(p) for p in self.items]
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 @dataclass
@@ -158,6 +118,9 @@ class TrainConfig:
     # Stop after this many consecutive steps with a non-finite loss or gradients. fp16's dynamic loss
     # scale skips a step per backoff (65536 -> 1 takes 16); bf16/fp32 have no scale to lower.
     max_bad_steps: int = 20
+    eval_every: int = 0  # eval loss on the validation set (data.val_size / data.val_paths) every N steps; 0: at the end
+    early_stop_patience: int = 0  # stop after this many evaluations without a better eval loss; 0: never
+    profile_steps: list[int] = field(default_factory=list)  # [start, end]: profile these steps on rank 0
 
     def precision_on(self, device: str) -> str:
         """The concrete precision on ``device`` ('npu' | 'cpu'): auto is bf16 on NPU, fp32 on CPU."""
@@ -208,6 +171,8 @@ class ExportConfig:
     enabled: bool = True
     dtype: str = "bf16"  # bf16 | fp16 | fp32
     shard_size: str = "2GB"
+    check_prompts: str = "assets/prompts/check.jsonl"  # answered after export into <output_dir>/samples.jsonl; "": no check
+    check_max_new_tokens: int = 64
 
 
 @dataclass
@@ -225,6 +190,7 @@ class LaunchConfig:
     max_restarts: int = 0
     cluster_time_out: int = 600
     dry_run: bool = False
+    npu_monitor_s: float = 30.0  # npu-smi sampling into OUTPUT_DIR/npu.jsonl while training; 0: off
 
 
 @dataclass
@@ -256,128 +222,6 @@ class Recipe:
         return r
 
 
-# ---------------------------------------------------------------------------- parsing
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-
-def _example(tp: Any) -> str:
-    return {int: "8", float: "2e-5", bool: "true", str: "text"}.get(tp, "[...]")
-
-
-def _coerce(value: Any, tp: Any, key: str, problems: list[Problem]) -> Any:
-    """Convert a YAML value or an override string to the annotated type."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        inner = [a for a in args if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in {"", "null", "none", "auto"}):
-            return None
-        return _coerce(value, inner[0], key, problems)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            problems.append(Problem(key, "expected a mapping of settings", value=repr(value)))
-            return tp()
-        return _build(tp, value, key + ".", problems)
-    if tp is dict or origin is dict:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(value, dict):
-            problems.append(Problem(key, "expected a mapping", "'{\"hidden_size\": 64}'", repr(value)))
-            return None
-        return value
-    if origin is list:
-        if isinstance(value, str):
-            value = [v for v in (value.split(",") if value else [])]
-        if not isinstance(value, (list, tuple)):
-            problems.append(Problem(key, "expected a list", "a,b", repr(value)))
-            return []
-        return [_coerce(v, args[0] if args else str, key, problems) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).strip().lower() in _TRUE:
-            return True
-        if str(value).strip().lower() in _FALSE:
-            return False
-        problems.append(Problem(key, "expected true or false", "true", repr(value)))
-        return False
-    if tp in (int, float):
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            f = float(value)
-            if not math.isfinite(f) or (tp is int and f != int(f)):
-                raise ValueError
-            return int(f) if tp is int else f
-        except (TypeError, ValueError):
-            what = "an integer" if tp is int else "a finite number"
-            problems.append(Problem(key, f"expected {what}", _example(tp), repr(value)))
-            return tp()
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            problems.append(Problem(key, "expected text", value=repr(value)))
-            return ""
-        return "" if value is None else str(value)
-    return value
-
-
-def _build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for k, v in raw.items():
-        if k not in hints:
-            close = difflib.get_close_matches(str(k), names, n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
-            problems.append(Problem(f"{prefix}{k}", f"unknown key; {hint}"))
-            continue
-        kwargs[k] = _coerce(v, hints[k], prefix + k, problems)
-    return cls(**kwargs)
-
-
-def _nest(flat: dict[str, Any]) -> dict:
-    out: dict = {}
-    for dotted, v in flat.items():
-        d = out
-        parts = dotted.split(".")
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-            if not isinstance(d, dict):
-                break
-        else:
-            d[parts[-1]] = v
-    return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "init":
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_overrides(items: list[str]) -> tuple[dict[str, str], list[Problem]]:
-    """``["train.lr=1e-5", ...]`` -> ``{"train.lr": "1e-5"}`` plus problems for malformed items."""
-    flat, problems = {}, []
-    for item in items:
-        key = item.split("=", 1)[0].strip()
-        if "=" not in item or not _KEY.fullmatch(key):
-            problems.append(Problem("", f"override {item!r}: expected key=value with a dotted recipe key "
-                                        "(e.g. train.lr=1e-5)"))
-            continue
-        flat[key] = item.split("=", 1)[1]
-    return flat, problems
-
-
 def resolve_recipe_path(name_or_path: str) -> Path:
     """A recipe name in recipes/ (with or without .yaml) or a path to a YAML file."""
     p = Path(name_or_path)
@@ -390,45 +234,11 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     raise ConfigError([f"RECIPE={name_or_path!r}: no such recipe; use one of: {known}, or a path to a YAML file"])
 
 
-def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
-    """Dotted key -> 1-based line of its value in a composed YAML mapping."""
-    out: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = f"{prefix}{k.value}"
-            out[key] = k.start_mark.line + 1
-            out.update(_key_lines(v, key + "."))
-    return out
-
-
-def _read_recipe(path: Path) -> tuple[dict, dict[str, int]]:
-    """The recipe's mapping and the line of each key (``recipes/x.yaml:12`` in problems)."""
-    try:
-        text = path.read_text()
-        data = yaml.safe_load(text) or {}
-        lines = _key_lines(yaml.compose(text))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"{path}: unreadable ({e}); RECIPE names a recipe in recipes/ or a YAML file"]) from None
-    except yaml.YAMLError as e:
-        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"{path}: a recipe is a mapping of sections (model:, data:, train:, ...)"])
-    return data, lines
-
-
 def _shown(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(path)
-
-
-def overridden(key: str, keys: Iterable[str]) -> str | None:
-    """The override among ``keys`` that set ``key`` (itself, a parent or a child), or None."""
-    for k in keys:
-        if k == key or key.startswith(k + ".") or k.startswith(key + "."):
-            return k
-    return None
 
 
 def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | None = None,
@@ -446,11 +256,11 @@ def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | Non
         data = raw
     elif name_or_path:
         path = resolve_recipe_path(name_or_path)
-        data, lines = _read_recipe(path)
+        data, lines = read_recipe(path)
         data.setdefault("name", path.stem)
         where = _shown(path)
-    data = _merge(data, _nest(overrides or {}))
-    recipe = _build(Recipe, data, "", problems)
+    data = merge(data, nest(overrides or {}))
+    recipe = build(Recipe, data, "", problems)
     bad = {p.key for p in problems}
     problems += [p for p in validate(recipe) if p.key not in bad]  # a value that failed to parse fails no range
     if problems:
@@ -459,17 +269,6 @@ def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | Non
                     if p.key in lines and not overridden(p.key, over) else p for p in problems]
         raise ConfigError(problems, render)
     return recipe
-
-
-def parse_size(text: str) -> int:
-    """'2GB' / '500MB' / '1024' -> bytes (decimal units, like Hugging Face's max_shard_size)."""
-    t = str(text).strip().upper().replace(" ", "")
-    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "TIB": 2**40, "GIB": 2**30,
-             "MIB": 2**20, "KIB": 2**10, "B": 1}
-    for u, m in units.items():
-        if t.endswith(u) and t[: -len(u)]:
-            return int(float(t[: -len(u)]) * m)
-    return int(t)
 
 
 def _choice(p: list[Problem], key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -507,7 +306,11 @@ def validate(r: Recipe) -> list[Problem]:
               train__loss_chunk_tokens=t.loss_chunk_tokens, data__num_workers=r.data.num_workers,
               data__max_samples=r.data.max_samples, data__clean__min_tokens=c.min_tokens,
               data__clean__max_tokens=c.max_tokens, train__weight_decay=t.weight_decay, train__min_lr=t.min_lr,
-              train__clip_grad=t.clip_grad)
+              train__clip_grad=t.clip_grad, train__eval_every=t.eval_every,
+              train__early_stop_patience=t.early_stop_patience)
+    if t.profile_steps and not (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]):
+        p.append(Problem("train.profile_steps", "two steps [start, end], 1 <= start <= end", "3,5",
+                         repr(t.profile_steps)))
     for key, v, example in (("train.lr", t.lr, "2e-5"), ("train.eps", t.eps, "1e-6"),
                             ("train.loss_scale.initial", t.loss_scale.initial, "65536")):
         if not v > 0:

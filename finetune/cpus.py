@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 def parse_cpulist(text: str, where: str) -> list[int]:
-    """``0-3,8`` -> [0, 1, 2, 3, 8]; ValueError naming ``where`` for anything else."""
+    """``0-3,8`` -> [0, 1, 2, 3, 8] (CPU lists, and the launcher's NPU id lists); ValueError naming
+    ``where`` (a file or variable) and an example for anything else."""
     ids: list[int] = []
     for part in text.replace(" ", "").split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)

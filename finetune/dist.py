@@ -205,3 +205,19 @@ def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native
     n = chunk.shape[0]
     parts = [ops.zeros((index * n,), chunk.dtype), chunk, ops.zeros(((size - index - 1) * n,), chunk.dtype)]
     return all_reduce_sum(ops.cat([p for p in parts if p.shape[0]]), group)
+
+
+def dp_totals(loss: Any, count: int, flag: bool, rank: RankInfo) -> tuple[float, int, bool]:
+    """(``loss`` summed over DP, ``count`` summed over DP, ``flag`` set on any rank) in one fp32 all-reduce
+    over the world (TP ranks hold equal copies of loss and count). The count travels as two base-4096
+    digits, each sum exact in fp32 (the CPU backend reduces only floats). The one host read of a sync point."""
+    if rank.world_size == 1:
+        return float(loss.asnumpy()), count, flag
+    import mindspore as ms
+    import numpy as np
+    from mindspore import ops
+
+    digits = ms.Tensor(np.array([count // 4096, count % 4096, float(flag)], np.float32))
+    total = all_reduce_sum(ops.cat([loss.astype(ms.float32).reshape(1), digits]), rank.world_group)
+    loss_sum, hi, lo, flags = total.asnumpy().tolist()
+    return loss_sum / rank.tp, (int(hi) * 4096 + int(lo)) // rank.tp, flags > 0

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -102,6 +103,28 @@ def read_tensor(path: Path, name: str, part: tuple[int, int, int] | None = None)
     return bf16_to_fp32(a) if meta["dtype"] == "BF16" else a.astype(np.float32)
 
 
+def check_weights(model_dir: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+    """Tensor name -> file, once the weight files hold every tensor of ``shapes`` in that shape.
+
+    Reads only the safetensors headers, so a model can be checked before it is built; every
+    missing tensor and shape mismatch is reported at once.
+    """
+    files = weight_files(model_dir)
+    headers = {p: read_header(p)[0] for p in set(files.values())}
+    problems = []
+    for name, shape in shapes.items():
+        if name not in files:
+            problems.append(f"{name}: missing from {model_dir} (expected shape {list(shape)})")
+            continue
+        found = headers[files[name]][name]["shape"]
+        if tuple(found) != tuple(shape):
+            problems.append(f"{files[name]}: tensor {name} has shape {found}, config.json expects "
+                            f"{list(shape)}; use the config.json that belongs to these weights")
+    if problems:
+        raise HFModelError("weights do not match the model config:\n" + "\n".join(f"  - {p}" for p in problems))
+    return files
+
+
 def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = None) -> None:
     """Fill ``model``'s parameters from the HF directory; each rank reads only its TP slices.
 
@@ -112,21 +135,8 @@ def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = No
 
     if rank is not None and rank != model.rank:
         raise ValueError(f"load_weights: rank {rank} differs from the model's {model.rank}; build the model with it")
-
-    files = weight_files(model_dir)
     shapes = model.hf_shapes()
-    headers = {p: read_header(p)[0] for p in set(files.values())}
-    problems = []
-    for name in model.hf_state():
-        if name not in files:
-            problems.append(f"{name}: missing from {model_dir} (expected shape {list(shapes[name])})")
-            continue
-        found = headers[files[name]][name]["shape"]
-        if tuple(found) != shapes[name]:
-            problems.append(f"{files[name]}: tensor {name} has shape {found}, config.json expects "
-                            f"{list(shapes[name])}; use the config.json that belongs to these weights")
-    if problems:
-        raise HFModelError("weights do not match the model config:\n" + "\n".join(f"  - {p}" for p in problems))
+    files = check_weights(model_dir, {name: shapes[name] for name in model.hf_state()})
     layout = model.tp_layout
     for name, param in model.hf_state().items():
         part = layout.get(name)
@@ -199,29 +209,25 @@ def _write_configs(src: Path, tmp: Path, dtype: str) -> None:
             shutil.copyfile(src / f, tmp / f)
 
 
-def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bf16",
-              shard_size_bytes: int = 2 * 10**9, rank: RankInfo | None = None) -> Path | None:
-    """Write ``model`` as a Hugging Face directory like ``save_pretrained``; returns the path on rank 0.
+def write_hf_dir(out_dir: str | os.PathLike | None, src_model_dir: str | os.PathLike,
+                 shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], np.ndarray], dtype: str = "bf16",
+                 shard_size_bytes: int = 2 * 10**9) -> Path | None:
+    """Write the tensors ``fetch(name)`` (fp32, full ``shapes``, in order) as a Hugging Face directory
+    like ``save_pretrained``, with the configs and tokenizer of ``src_model_dir``.
 
-    Every rank must call it (TP slices are gathered collectively); only rank 0 writes. The
-    directory is readable by others (0755, files 0644), e.g. by a non-root serving container.
+    ``out_dir`` None: only fetch, in the same order (a rank taking part in collective gathers).
+    Readable by others (directory 0755, files 0644), e.g. by a non-root serving container.
     """
-    rank = rank or model.rank
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export.dtype={dtype!r}: must be one of {', '.join(EXPORT_DTYPES)} (e.g. export.dtype=bf16)")
-    if rank.tp == 1 and not rank.is_main:
-        return None
     st_dtype, itemsize = EXPORT_DTYPES[dtype]
-    shapes = model.hf_shapes()
-    state = model.hf_state()
-    sizes = [(n, int(np.prod(shapes[n])) * itemsize) for n in state]
+    sizes = [(n, int(np.prod(shape)) * itemsize) for n, shape in shapes.items()]
     shards = plan_shards(sizes, shard_size_bytes)
     names = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    out = Path(out_dir)
-    with atomic_dir(out) if rank.is_main else nullcontext(None) as tmp:
+    with atomic_dir(out_dir) if out_dir is not None else nullcontext(None) as tmp:
         for file, members in zip(names, shards):
-            tensors = {n: _convert(gather_full(model, n, state[n], rank), dtype) for n in members}
+            tensors = {n: _convert(fetch(n), dtype) for n in members}
             if tmp is not None:
                 _write_shard(tmp / file, tensors, st_dtype)
         if tmp is None:
@@ -235,4 +241,20 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-    return out
+    return Path(out_dir)
+
+
+def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bf16",
+              shard_size_bytes: int = 2 * 10**9, rank: RankInfo | None = None) -> Path | None:
+    """Write ``model`` as a Hugging Face directory (:func:`write_hf_dir`); returns the path on rank 0.
+
+    Every rank must call it (TP slices are gathered collectively); only rank 0 writes.
+    """
+    rank = rank or model.rank
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export.dtype={dtype!r}: must be one of {', '.join(EXPORT_DTYPES)} (e.g. export.dtype=bf16)")
+    if rank.tp == 1 and not rank.is_main:
+        return None
+    state, full = model.hf_state(), model.hf_shapes()
+    return write_hf_dir(out_dir if rank.is_main else None, src_model_dir, {n: full[n] for n in state},
+                        lambda n: gather_full(model, n, state[n], rank), dtype, shard_size_bytes)

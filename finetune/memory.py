@@ -15,6 +15,7 @@ the same bucket partition as the sharded optimizer). Activations and workspace a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from finetune.dist import BUCKET_BYTES
@@ -80,3 +81,12 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
     acts += head_tokens * (vocab // tp if vocab_parallel else vocab) * (3 * 4 + nbytes)
     return MemoryEstimate(weights=n * nbytes, grads=n * nbytes, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=WORKSPACE_BYTES)
+
+
+def memory_estimate(recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
+    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json);
+    preflight prints it, the trainer compares it with the measured peak at step 1."""
+    p, t = recipe.parallel, recipe.train
+    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
+                     precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
+                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 
@@ -10,13 +12,27 @@ def log(msg: str) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step; on resume drops entries past the resumed step."""
+    """Appends one JSON object per logged step.
 
-    def __init__(self, path: Path, resume_step: int):
+    On resume at ``resume_step`` it keeps exactly the records up to that step (a partial line left by
+    a crash or a full disk, and records past the checkpoint, are dropped). Starting at step 0 over
+    an existing history moves that history aside (``metrics.<time>.jsonl``) and says so.
+    """
+
+    def __init__(self, path: Path, resume_step: int, say=log):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(path) if r["step"] <= resume_step] if resume_step else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        old = read_metrics(path)
+        if resume_step == 0 and old:
+            kept_as = path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+            os.replace(path, kept_as)
+            say(f"[train] starting at step 0 over {len(old)} earlier metrics records (to step {old[-1]['step']}): "
+                f"they are kept in {kept_as}")
+            old = []
+        kept = sorted({r["step"]: r for r in old if r["step"] <= resume_step}.values(), key=lambda r: r["step"])
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
         self.records = kept
 
     def write(self, record: dict) -> None:
@@ -26,9 +42,18 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The complete records of a metrics.jsonl (an unparsable line, e.g. a partial last one, is left out)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and "step" in r:
+            out.append(r)
+    return out
 
 
 def progress_line(r: dict, total_steps: int) -> str:

@@ -163,13 +163,14 @@ class Qwen2Model(nn.Cell):
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         self.inv_freq = Tensor(inv_freq.astype(np.float32))
 
-    def construct(self, input_ids, position_ids, segment_ids, caches=None, past: int = 0):
+    def construct(self, input_ids, position_ids, segment_ids, caches=None, past: int = 0, keys=None):
         """Final hidden states. ``caches`` (generation, one segment per row): one list per layer
-        with the keys/values of the ``past`` earlier positions, extended in place."""
+        with the keys/values of the ``past`` earlier positions, extended in place; ``keys``
+        (bool ``[b, past + s]``, optional): which of them are tokens, not padding."""
         freqs = position_ids.astype(ms.float32).expand_dims(-1) * self.inv_freq  # [b, s, hd/2]
         emb = ops.cat((freqs, freqs), -1).expand_dims(2)  # [b, s, 1, hd]
         cos, sin = ops.cos(emb), ops.sin(emb)
-        mask = self._mask(segment_ids, past, caches is not None)
+        mask = self._mask(segment_ids, past, caches is not None, keys)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             if caches is not None:
@@ -184,10 +185,11 @@ class Qwen2Model(nn.Cell):
         each new input shape. Not for the fused path (its attention spec is host data) or recompute."""
         self.graphs = [ms.jit(layer.construct) for layer in self.layers]
 
-    def _mask(self, segment_ids, past: int, cached: bool):
+    def _mask(self, segment_ids, past: int, cached: bool, keys=None):
         """The fused attention's spec of the sequences (same-segment causal; a prompt with an empty
-        cache is one sequence per row), else the reference ``[b, 1, s, past + s]`` fp32 mask."""
-        spec = kernels.packed(segment_ids.asnumpy()) if self.fused_attn and past == 0 else None
+        cache is one sequence per row), else the reference ``[b, 1, s, past + s]`` fp32 mask
+        (``keys``: bool ``[b, past + s]``, False at left padding, which no query sees)."""
+        spec = kernels.packed(segment_ids.asnumpy()) if self.fused_attn and past == 0 and keys is None else None
         if spec is not None:
             return spec
         s = segment_ids.shape[1]
@@ -196,6 +198,8 @@ class Qwen2Model(nn.Cell):
             allowed = ops.logical_and(segment_ids.expand_dims(2) == segment_ids.expand_dims(1), causal)
         else:  # query i (position past + i) sees keys 0 .. past + i
             allowed = Tensor(np.tril(np.ones((s, past + s), np.bool_), past)).expand_dims(0)
+            if keys is not None:
+                allowed = ops.logical_and(allowed, keys.expand_dims(1))
         return (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED
 
 
@@ -223,9 +227,11 @@ class Qwen2ForCausalLM(nn.Cell):
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,
                                           loss_chunk_tokens)
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
-        for name, p in self.hf_state().items():  # for the TP-aware grad norm (finetune/parallel/grads.py)
-            if name in self.tp_layout:
-                p.tp_axis, p.tp_owner = self.tp_layout[name].axis, self.tp_layout[name].owner
+        shapes = self.hf_shapes()
+        for name, p in self.hf_state().items():  # for resharding checkpoints (finetune/reshard.py) and
+            p.hf_shape, p.tp_slice = shapes[name], self.tp_layout.get(name)  # the TP-aware grad norm (grads.py)
+            if p.tp_slice is not None:
+                p.tp_axis, p.tp_owner = p.tp_slice.axis, p.tp_slice.owner
 
     # ------------------------------------------------------------------ names and TP layout
     def hf_state(self) -> dict[str, Parameter]:
@@ -289,16 +295,24 @@ class Qwen2ForCausalLM(nn.Cell):
         """``[b, s, vocab]`` fp32 logits; default positions 0..s-1 and one segment per row."""
         return self._project(self._hidden(input_ids, position_ids, segment_ids))
 
-    def last_logits(self, input_ids, caches: list | None = None):
+    def last_logits(self, input_ids, caches: list | None = None, pad: np.ndarray | None = None,
+                    keys: np.ndarray | None = None):
         """``[b, vocab]`` fp32 logits of the last position only (for generation). With ``caches``
         (``new_caches()``, then kept between calls) ``input_ids`` are only the positions after
-        the cached ones, whose keys and values are reused."""
+        the cached ones, whose keys and values are reused.
+
+        Batched prompts of different lengths are left-padded: ``pad`` ``[b]`` pad tokens per row
+        (positions start after them) and ``keys`` bool ``[b, past + s]`` the non-pad tokens so far.
+        """
         if caches is None:
             return self._project(self._hidden(input_ids)[:, -1])
         b, s = input_ids.shape
         past = int(caches[0][0].shape[1]) if caches[0] else 0  # keys are BSND
-        pos = Tensor(np.broadcast_to(np.arange(past, past + s, dtype=np.int32), (b, s)).copy())
-        h = self.model(input_ids, pos, ops.ones((b, s), ms.int32), caches, past)
+        pos = np.broadcast_to(np.arange(past, past + s, dtype=np.int32), (b, s))
+        if pad is not None:
+            pos = np.maximum(pos - np.asarray(pad, np.int32)[:, None], 0)
+        h = self.model(input_ids, Tensor(pos.copy()), ops.ones((b, s), ms.int32), caches, past,
+                       None if keys is None else Tensor(np.asarray(keys, np.bool_)))
         return self._project(h[:, -1])
 
     def new_caches(self) -> list:

@@ -6,6 +6,7 @@ reduce over data-parallel ranks, unscale, global-norm clip, skip on overflow, up
 from __future__ import annotations
 
 import math
+import time
 from typing import NamedTuple
 
 import mindspore as ms
@@ -85,7 +86,18 @@ class LossScaler:
         self.scale, self.good_steps = float(d["scale"]), int(d["good_steps"])
 
 
-class AdamW:
+class CommClock:
+    """``comm_s``: host seconds an optimizer spent reducing gradients over DP (on Ascend: launch time)."""
+
+    comm_s = 0.0
+
+    def take_comm_s(self) -> float:
+        """The seconds since the last call."""
+        spent, self.comm_s = self.comm_s, 0.0
+        return spent
+
+
+class AdamW(CommClock):
     """torch.optim.AdamW semantics (decoupled weight decay), gradients clipped by global norm.
 
     Parameters that are not fp32 (bf16 on Ascend) get an fp32 master copy; fp32 parameters are
@@ -108,8 +120,9 @@ class AdamW:
 
     def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied)."""
-        grads = sum_grads_over_dp(grads, self.rank)
-        grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
+        t0 = time.perf_counter()
+        grads = sum_grads_over_dp(grads, self.rank)  # fp32
+        self.comm_s += time.perf_counter() - t0
         if grad_scale != 1.0:
             grads = [g / grad_scale for g in grads]
         norm = float(global_grad_norm(grads, self.params, self.rank).asnumpy())

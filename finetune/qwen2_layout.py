@@ -101,12 +101,12 @@ def param_count(config: dict) -> int:
     return total
 
 
-def tp_problems(config: dict, tp: int, vocab_parallel: bool = False) -> list[str]:
-    """Why ``parallel.tp`` cannot split this model (empty when it can); each names the sizes and a fix."""
+def tp_problems(config: dict, tp: int, vocab_parallel: bool = False) -> list[tuple[str, str]]:
+    """(problem, fix) for each reason ``parallel.tp`` cannot split this model; empty when it can."""
     d = Dims.of(config)
-    out = []
     if tp < 1:
-        return [f"parallel.tp={tp} must be >= 1"]
+        return [(f"parallel.tp={tp} must be >= 1", "e.g. parallel.tp=1")]
+    out = []
     if d.heads % tp:
         out.append(f"parallel.tp={tp} must divide num_attention_heads={d.heads}")
     if d.inter % tp:
@@ -117,18 +117,20 @@ def tp_problems(config: dict, tp: int, vocab_parallel: bool = False) -> list[str
         out.append(f"parallel.tp={tp} must divide num_key_value_heads={d.kv_heads} (or be a multiple of it)")
     elif tp > d.kv_heads and tp % d.kv_heads:
         out.append(f"parallel.tp={tp} must be a multiple of num_key_value_heads={d.kv_heads} when larger")
+    fits = [t for t in range(tp, 0, -1) if not (d.heads % t or d.inter % t or (d.kv_heads % t if t <= d.kv_heads
+                                                                                 else t % d.kv_heads))]
+    problems = [(msg, f"e.g. parallel.tp={fits[0] if fits else 1}") for msg in out]
     if vocab_parallel and d.vocab % tp:
-        out.append(f"parallel.tp={tp} must divide vocab_size={d.vocab} when vocab-parallel; set "
-                   "parallel.vocab_parallel=false (embedding and LM head replicated)")
-    return out
+        problems.append((f"parallel.tp={tp} must divide vocab_size={d.vocab} when vocab-parallel",
+                         "parallel.vocab_parallel=false (embedding and LM head replicated), or a tp dividing it"))
+    return problems
 
 
 def check_tp(config: dict, tp: int, vocab_parallel: bool = False) -> None:
-    """Raise ValueError listing every :func:`tp_problems` at once."""
+    """Raise ValueError naming every :func:`tp_problems` at once, each with its fix."""
     problems = tp_problems(config, tp, vocab_parallel)
     if problems:
-        divisors = [t for t in range(1, tp + 1) if not tp_problems(config, t, vocab_parallel)]
-        raise ValueError("; ".join(problems) + f"; e.g. parallel.tp={max(divisors)}")
+        raise ValueError("; ".join(f"{msg} ({fix})" for msg, fix in problems))
 
 
 def local_kv_heads(config: dict, tp: int) -> int:
@@ -141,12 +143,11 @@ def tp_slice(spec: ParamSpec, config: dict, tp: int, tp_rank: int, vocab_paralle
     """This TP rank's slice of ``spec`` (None: the rank holds the whole tensor)."""
     if tp == 1 or spec.tp_axis is None or (spec.split_by == "vocab" and not vocab_parallel):
         return None
-    full = spec.shape[spec.tp_axis]
-    if spec.split_by == "kv_heads" and tp > Dims.of(config).kv_heads:
-        d = Dims.of(config)
+    d = Dims.of(config)
+    if spec.split_by == "kv_heads" and tp > d.kv_heads:
         group = tp // d.kv_heads  # ranks sharing one kv head
         return TPSlice(spec.tp_axis, (tp_rank // group) * d.head_dim, d.head_dim, owner=tp_rank % group == 0)
-    size = full // tp
+    size = spec.shape[spec.tp_axis] // tp
     return TPSlice(spec.tp_axis, tp_rank * size, size)
 
 

@@ -5,27 +5,29 @@ setup (model, optimizer, data, resume) is ``finetune/trainer.py``; this module r
 
 Host syncs: a step copies nothing from the device except the gradient norm the optimizer needs to
 clip and to skip non-finite steps. The loss, token counts and the stop request cross the ranks and
-reach the host only at a *sync point*: a logged step, a checkpoint step and the last step.
+reach the host only at a *sync point*: a logged, checkpoint, eval or last step (so a SIGTERM is
+acted on at the next sync point, at most train.log_every steps later).
 """
 from __future__ import annotations
 
 import glob
+import math
 import signal
-import time
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
 from finetune.config import Recipe
-from finetune.dist import RankInfo, all_reduce_sum, barrier, init_distributed, launched_world
-from finetune.metrics import MetricsWriter, progress_line, read_metrics
-from finetune.report import summarize
+from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, launched_world
 from finetune.optim import lr_at
+from finetune.perf import StepProfiler
+from finetune.progress import Reporter, evaluate
 from finetune.trainer import BATCH_KEYS, Trainer, setup
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
+EVAL_MIN_GAIN = 1e-4  # an eval loss counts as better (train.early_stop_patience) when 0.01% lower
 
 
 def device_target(recipe: Recipe) -> str:
@@ -42,7 +44,7 @@ def compute_dtype(recipe: Recipe):
     return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[recipe.train.precision]
 
 
-class _StopFlag:
+class StopFlag:
     """Set by SIGTERM/SIGINT; the loop checkpoints and exits at the next step boundary."""
 
     def __init__(self):
@@ -66,17 +68,6 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
     return grads, loss_sum
 
 
-def sync(loss: ms.Tensor, tokens: int, stop: bool, rank: RankInfo) -> tuple[float, int, bool]:
-    """(loss summed over DP, tokens summed over DP, stop requested on any rank): one float and one
-    integer all-reduce over the world (TP ranks hold equal copies of loss and tokens)."""
-    if rank.world_size == 1:
-        return float(loss.asnumpy()), tokens, stop
-    both = all_reduce_sum(ops.stack([loss.astype(ms.float32), ms.Tensor(float(stop), ms.float32)]), rank.world_group)
-    count = all_reduce_sum(ms.Tensor(np.array([tokens], np.int32)), rank.world_group)
-    loss_sum, stops = both.asnumpy().tolist()
-    return loss_sum / rank.tp, int(count.asnumpy()[0]) // rank.tp, stops > 0
-
-
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
     device = device_target(recipe)
@@ -89,27 +80,33 @@ def run(recipe: Recipe) -> int:
     rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
              f"{head}), compute dtype {dtype}, output {recipe.output_dir}")
     trainer = setup(recipe, rank, dtype)
-    code = train_loop(trainer, _StopFlag())
-    return finish(trainer) if code == 0 else code
+    reporter = Reporter(trainer)
+    code = train_loop(trainer, reporter, StopFlag())
+    return finish(trainer, reporter) if code == 0 else code
 
 
-def train_loop(t: Trainer, stop: _StopFlag) -> int:
-    """Run the steps from ``t.step`` to ``t.total_steps``; returns the exit code (0: all steps done)."""
+def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
+    """Run the steps from ``t.step`` to ``t.total_steps`` (or an early stop); the exit code (0: finish)."""
     tc, rank = t.recipe.train, t.rank
-    metrics = MetricsWriter(t.out / "metrics.jsonl", t.step) if rank.is_main else None
     grad_fn = ms.value_and_grad(t.scaled_loss, None, t.params)
     batches = iter(t.loader)  # positioned at step t.step; pulled only for a step that runs
-    pending_tokens, bad_steps = 0, 0
-    last_log = (time.time(), t.tokens_seen)
+    profiler = StepProfiler(tc.profile_steps, rank, t.out)
+    timer = reporter.timer
+    pending_tokens, bad_steps, best_eval, evals_without_gain = 0, 0, math.inf, 0
     while t.step < t.total_steps:
+        profiler.before(t.step + 1)
+        timer.start()
         batch = next(batches)
-        lr = lr_at(t.step, tc, t.total_steps)
-        loss_scale = t.scaler.scale
+        timer.mark("data")
+        lr, loss_scale = lr_at(t.step, tc, t.total_steps), t.scaler.scale
         grads, loss = accumulate(grad_fn, batch.micro_batches, ms.Tensor(loss_scale / batch.global_label_tokens,
                                                                          ms.float32))
+        timer.mark("fwd_bwd")
         grad_norm, applied = t.opt.step(grads, lr, grad_scale=loss_scale)
+        timer.mark("optimizer")
         t.scaler.update(applied)
         t.step += 1
+        profiler.after(t.step)
         pending_tokens += sum(int((mb["segment_ids"] > 0).sum()) for mb in batch.micro_batches)
         bad_steps = 0 if applied else bad_steps + 1
         if not applied:
@@ -117,22 +114,27 @@ def train_loop(t: Trainer, stop: _StopFlag) -> int:
             if bad_steps >= tc.max_bad_steps:
                 rank.log(diverged_message(t.step, bad_steps, loss_scale, t.scaler.enabled))
                 return EXIT_DIVERGED
-        logged = t.step % tc.log_every == 0 or t.step == t.total_steps
-        saving = tc.save_every and t.step % tc.save_every == 0 and t.step < t.total_steps
-        if not (logged or saving or t.step == t.total_steps):
+
+        last = t.step == t.total_steps
+        logged = t.step % tc.log_every == 0 or last
+        saving = tc.save_every and t.step % tc.save_every == 0 and not last
+        evaluating = t.val_loader is not None and ((tc.eval_every and t.step % tc.eval_every == 0) or last)
+        if not (logged or saving or evaluating or last):
             continue
-        loss_sum, tokens, stopping = sync(loss, pending_tokens, stop.set, rank)  # the step's only sync point
+        loss_sum, tokens, stopping = dp_totals(loss, pending_tokens, stop.set, rank)  # the step's one sync point
         t.tokens_seen += tokens
         pending_tokens = 0
-        if logged:
-            now = time.time()
-            record = {"step": t.step, "loss": loss_sum / loss_scale, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": (t.tokens_seen - last_log[1]) / max(now - last_log[0], 1e-9),
-                      "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale}
-            last_log = (now, t.tokens_seen)
-            if metrics is not None:
-                metrics.write(record)
-                rank.log(progress_line(record, t.total_steps))
+        record = reporter.step_record(t, loss_sum / loss_scale, lr, grad_norm, loss_scale) if logged else \
+            {"step": t.step}
+        if evaluating:
+            record.update(evaluate(t))
+            better = record["eval_loss"] < best_eval * (1 - EVAL_MIN_GAIN)
+            best_eval, evals_without_gain = (record["eval_loss"], 0) if better else (best_eval, evals_without_gain + 1)
+        reporter.write(record, t.total_steps)
+        if tc.early_stop_patience and evals_without_gain >= tc.early_stop_patience:
+            rank.log(f"[train] early stop at step {t.step}: no better eval loss than {best_eval:.4f} in "
+                     f"{evals_without_gain} evaluations (train.early_stop_patience)")
+            return 0
         if saving or stopping:
             t.save()
         if stopping:
@@ -152,25 +154,25 @@ def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool) -> st
             f"weights). Likely causes: {causes}. Raise train.max_bad_steps to tolerate longer runs of bad steps.")
 
 
-def finish(t: Trainer) -> int:
+def finish(t: Trainer, reporter: Reporter) -> int:
     """The end of a complete run: final checkpoint, Hugging Face export, summary; the exit code."""
     rank, out, recipe = t.rank, t.out, t.recipe
     bad = [p.name for p in t.params if not bool(ops.isfinite(p).all())]
-    if int(all_reduce_sum(ms.Tensor(np.array([len(bad)], np.int32)), rank.world_group).asnumpy()[0]):
+    if all_reduce_sum(ms.Tensor(np.array([len(bad)], np.float32)), rank.world_group).asnumpy()[0] > 0:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED
-    t.save()
+    checkpoint = t.save()
+    hf_dir = out / "hf"
     if recipe.export.enabled:
         from finetune.config import parse_size
         from finetune.hf_io import export_hf
 
-        hf_dir = out / "hf"
         export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
         rank.log(f"[train] Hugging Face model written to {hf_dir}")
     barrier(rank)
-    if rank.is_main:
-        summary = summarize(read_metrics(out / "metrics.jsonl"), out, t.tokens_seen, t.elapsed_s())
+    summary = reporter.close(t, str(checkpoint), str(hf_dir) if recipe.export.enabled else None)
+    if summary is not None:
         drop = (1 - summary["last_loss"] / summary["first_loss"]) * 100 if summary["first_loss"] else 0.0
         rank.log(f"[train] done: {summary['steps']} steps, {summary['tokens']:,} tokens, loss "
                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "

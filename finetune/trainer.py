@@ -14,9 +14,11 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from finetune.checkpoint import TrainerState, checkpoint_root, find_latest, load_checkpoint, save_checkpoint
+from finetune.checkpoint import (TrainerState, checkpoint_root, load_checkpoint, load_latest, run_identity,
+                                 save_checkpoint)
 from finetune.config import Recipe, TrainConfig, resolved_model_dir
 from finetune.data.batching import BatchLoader
+from finetune.data.cache import cache_dir_for
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler
 
@@ -35,11 +37,13 @@ class Trainer:
     opt: Any  # AdamW or ShardedAdamW
     scaler: LossScaler
     loader: BatchLoader
+    val_loader: BatchLoader | None  # the validation set (data.val_size / data.val_paths), if any
     total_steps: int
     step: int = 0
     tokens_seen: int = 0
     elapsed_before_s: float = 0.0  # training time of earlier runs this one resumed
     started: float = field(default_factory=time.time)
+    identity: dict = field(default_factory=dict)  # the base model and token cache (checkpoint.run_identity)
 
     @property
     def out(self) -> Path:
@@ -57,7 +61,7 @@ class Trainer:
         """Checkpoint every part at the current step (collective: every rank calls it)."""
         state = TrainerState(step=self.step, loader=self.loader.state_dict(), scaler=self.scaler.state_dict(),
                              seed=self.recipe.train.seed, tokens_seen=self.tokens_seen,
-                             elapsed_s=self.elapsed_s())
+                             elapsed_s=self.elapsed_s(), identity=self.identity)
         sharded = not isinstance(self.opt, AdamW)
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
@@ -65,9 +69,17 @@ class Trainer:
         self.rank.log(f"[train] checkpoint {path}")
         return path
 
-    def restore(self, path: Path) -> None:
-        """Continue from the checkpoint at ``path``: weights, optimizer, data position, loss scale, counters."""
-        state, optim_state = load_checkpoint(path, self.params, self.rank)
+    def restore(self, path: Path | None) -> None:
+        """Continue from the checkpoint at ``path`` (None: the newest one that verifies, if any): weights,
+        optimizer, data position, loss scale, counters."""
+        shard = not isinstance(self.opt, AdamW)
+        if path is None:
+            found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print, shard)
+            if found is None:
+                return
+            path, state, optim_state = found
+        else:
+            state, optim_state = load_checkpoint(path, self.params, self.rank, shard, self.identity)
         self.opt.load_state_dict(optim_state)
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
@@ -84,7 +96,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    loader = build_loader(recipe, rank, model_dir)
+    loader, val_loader = build_loaders(recipe, rank, model_dir)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:
         raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
@@ -92,33 +104,32 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     model, params = build_model(recipe, rank, model_dir, dtype)
     shard = recipe.parallel.shard_optimizer
     trainer = Trainer(recipe, rank, model, model_dir, params, build_optimizer(params, tc, rank, shard),
-                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, total_steps)
+                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
     n_params = sum(int(np.prod(p.shape)) for p in params)
     rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
              f"({loader.steps_per_epoch} per epoch), global batch "
              f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
-    latest = resume_path(tc, trainer.out)
-    if latest is not None:
-        trainer.restore(latest)
+    trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
+    if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
+        trainer.restore(None if tc.resume == "auto" else Path(tc.resume))
     return trainer
 
 
-def resume_path(tc: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint train.resume names: auto (the newest complete one, if any), never, or a path."""
-    if tc.resume == "never":
-        return None
-    return find_latest(checkpoint_root(out)) if tc.resume == "auto" else Path(tc.resume)
-
-
-def build_loader(recipe: Recipe, rank: RankInfo, model_dir: Path) -> BatchLoader:
-    """This DP rank's deterministic batches from the token cache (prepared once per node or job)."""
+def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
+    """This DP rank's deterministic training batches from the token cache (prepared once per node or
+    job), and its share of the validation set when the cache holds one."""
+    from finetune.data.cache import VAL_INDEX
     from finetune.data.prepare import ensure_cache
 
-    tc = recipe.train
-    cache_dir = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main).dir
-    return BatchLoader(cache_dir, recipe.data.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp, rank.dp_rank,
-                       tc.seed, packing=recipe.data.packing, max_tokens_per_batch=recipe.data.max_tokens_per_batch,
-                       epochs=tc.epochs)
+    tc, d = recipe.train, recipe.data
+    cache = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main)
+
+    def loader(index_name: str) -> BatchLoader:
+        return BatchLoader(cache.dir, d.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp, rank.dp_rank, tc.seed,
+                           packing=d.packing, max_tokens_per_batch=d.max_tokens_per_batch, epochs=tc.epochs,
+                           index_name=index_name)
+
+    return loader("index.npy"), loader(VAL_INDEX) if cache.num_val else None
 
 
 def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple[Any, list]:

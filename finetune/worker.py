@@ -1,13 +1,16 @@
-"""Worker entry point: what msrun starts in every rank.
+"""Worker entry point: what msrun starts in every rank (and, with MS_ROLE=MS_SCHED, as its scheduler).
 
     python finetune/worker.py --config <plan.json | recipe.json>
 
 Reads only its config (the resolved recipe, under "recipe" in plan.json) and the rank environment.
+Dies with its parent (msrun or the launcher); a training rank records its start and end in
+``<output_dir>/logs/ranks/`` (finetune/lifecycle.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,9 +19,11 @@ if __package__ in (None, ""):  # started as a script by msrun
 
 from finetune.affinity import apply_binding  # noqa: E402
 from finetune.config import ConfigError, load_recipe  # noqa: E402
+from finetune.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     apply_binding()  # the launcher's per-rank CPU/NUMA plan (may re-exec under numactl)
     ap = argparse.ArgumentParser(prog="finetune.worker")
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe JSON")
@@ -28,6 +33,18 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(raw=raw.get("recipe", raw))
     except ConfigError as e:
         print(e, file=sys.stderr)
+        return 2
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return _train(recipe)
+    return run_rank(log_dir(recipe.output_dir), int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe))
+
+
+def _train(recipe) -> int:
+    from finetune.native import mindspore_mismatch
+
+    mismatch = mindspore_mismatch()  # an x86-64 wheel on an aarch64 host fails in import, unexplained
+    if mismatch:
+        print(f"[worker] {mismatch}", file=sys.stderr)
         return 2
     from finetune.train import run  # imports mindspore
 

@@ -17,10 +17,10 @@ Variables the launcher sets for every worker: PATH (the venv's bin first: msrun 
 ``python``), PYTHONPATH (repo root first), PYTHONUNBUFFERED=1, HCCL_CONNECT_TIMEOUT and
 HCCL_EXEC_TIMEOUT (when unset), ASCEND_RT_VISIBLE_DEVICES (when only some NPUs are used), and the
 binding contract read by finetune/affinity.py: AF_BIND_MODE, AF_CPU_BIND_<local_rank>,
-AF_MEM_BIND_<local_rank>, AF_NUMACTL_<local_rank>. msrun itself adds MS_* variables, RANK_ID and
-DEVICE_ID (= local rank). prepare-data's tokenizer processes (not the workers) are started
-with LD_PRELOAD = the malloc of data.worker_malloc before any LD_PRELOAD already set, and
-TOKENIZERS_PARALLELISM=false.
+AF_MEM_BIND_<local_rank>, AF_NUMACTL_<local_rank>; AF_LAUNCHER_PID (finetune/lifecycle.py).
+msrun itself adds MS_* variables, RANK_ID and DEVICE_ID (= local rank). prepare-data's tokenizer
+processes (not the workers) are started with LD_PRELOAD = the malloc of data.worker_malloc before
+any LD_PRELOAD already set, and TOKENIZERS_PARALLELISM=false.
 """
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, launch, numa, preflight, settings
+from launcher import ascendjob, cli, launch, lock, npu_monitor, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -151,20 +152,26 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     clus = clusterlib.detect(host.env, first.launch.hostfile, host.identities, host.volcano_dir)
     cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
-    device = "npu" if devs.has_npu and recipe.launch.device != "cpu" else "cpu"
-    nproc = recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1) or 1
+    wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
+    device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
+    # NPU recipe, no NPU visible: planned for its smallest world (TP x PP); preflight stops it there
+    nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
+             or recipe.parallel.tp * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
+    problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
     try:
-        problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
-        problems += e.items
+        if device == "npu" and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
+            devs.notes.append("no NPU visible, so the layout is not resolved: " + "; ".join(e.problems))
+        else:
+            problems += e.items
     if problems:
         raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
-    log_dir, plan_path = out / "logs", out / "plan.json"
+    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
@@ -253,13 +260,18 @@ def prepare_data(recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------ commands
 
 def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
-    """Write plan.json; print the plan (``--json``: the JSON alone, for jq)."""
-    launch.write_plan(job.plan_path, job.plan)
-    if getattr(args, "json", False):
-        print(json.dumps(job.plan, indent=2, default=str), flush=True)
-        return 0
-    print_plan(job)
-    log(f"plan written to {job.plan_path}")
+    """Write plan.json (not under a running job: its restarts read it); print the plan (``--json``: alone)."""
+    L = job.recipe.launch
+    try:
+        with lock.checked(Path(job.recipe.output_dir), L.node_rank, L.nnodes):
+            launch.write_plan(job.plan_path, job.plan)
+        written = f"plan written to {job.plan_path}"
+    except lock.Locked as e:
+        written = f"plan.json not written: {e}"
+        print(f"[launcher] {written}", file=sys.stderr, flush=True)
+    if not getattr(args, "json", False):
+        print_plan(job)
+        log(written)
     print(json.dumps(job.plan, indent=2, default=str), flush=True)
     return 0
 
@@ -275,37 +287,61 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    if not run_preflight(job, host):
+    if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
-    ensure_model(job.recipe)
-    if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
-        rc = prepare_data(job.recipe)
-        if rc:
-            return rc
-    launch.write_plan(job.plan_path, job.plan)
-    print_plan(job)
-    log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-    return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                            cwd=job.plan_path.parent, tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
-                            signal_workers_only=job.world > 1)
+    try:  # one job per OUTPUT_DIR, held until every process of this job is gone
+        # an AscendJob Scheduler pod (nproc 0) shares node 0's rank with Worker pod 0: its own lock, .lock.node-1
+        node = job.recipe.launch.node_rank if job.nproc else -1
+        lock_fd = lock.acquire(Path(job.recipe.output_dir), node, job.recipe.launch.nnodes, log)
+    except lock.Locked as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 1
+    try:
+        ensure_model(job.recipe)
+        if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+            rc = prepare_data(job.recipe)
+            if rc:
+                return rc
+        launch.write_plan(job.plan_path, job.plan)
+        print_plan(job)
+        log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
+        t = job.plan["topology"]
+        with npu_monitor.running(job.devices, job.plan_path.parent, t["node_rank"],
+                                 job.recipe.launch.npu_monitor_s, host.npu_smi, log):
+            return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
+                                    cwd=job.plan_path.parent, log=log,
+                                    tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+                                    under_msrun=job.world > 1, lock_fd=lock_fd,
+                                    ranks=range(t["node_rank"] * t["nproc_per_node"],
+                                                (t["node_rank"] + 1) * t["nproc_per_node"]))
+    finally:
+        lock.release(lock_fd)
 
 
-def cmd_render(job: Job, args: argparse.Namespace, host: Host) -> int:
+def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
     from launcher import render
 
-    return int(render.main(args.rest, overrides=args.overrides, recipe_arg=args.recipe))
+    return int(render.main(args.rest, host.env, overrides=args.overrides, recipe_arg=args.recipe))
 
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
-    rest = args.rest
-    if not any(a.split("=")[0] == "--model-dir" for a in rest):  # default: the export, else the base model
-        hf = Path(job.recipe.output_dir) / "hf"
-        rest = ["--model-dir", str(hf if (hf / "config.json").exists() else resolved_model_dir(job.recipe)), *rest]
-    return subprocess.call([sys.executable, str(GENERATE), *rest], env=job.env)
+    r = job.recipe  # default: the export; the base model only with --base
+    ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
+                                            ["--finetuned", str(Path(r.output_dir) / "hf"),
+                                             "--base-model", resolved_model_dir(r)])
+    return subprocess.call([sys.executable, str(GENERATE), *ours, *args.rest], env=job.env)
+
+
+def cmd_export(job: Job, args: argparse.Namespace, host: Host) -> int:
+    r = job.recipe  # the tool's own options come last and win (--dtype fp32)
+    return subprocess.call([sys.executable, str(TOOLS["export"]), "--output-dir", r.output_dir, "--model-dir",
+                            resolved_model_dir(r), "--dtype", r.export.dtype, "--shard-size", r.export.shard_size,
+                            *args.rest], env=job.env)
 
 
 GENERATE = REPO_ROOT / "finetune" / "generate.py"
+TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py"}
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
     "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
@@ -314,53 +350,10 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
              False),
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
-    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job) for this job", True),
-    "generate": (cmd_generate, "answer a prompt with the fine-tuned (else the base) model", True),
+    "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
+    "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
+    "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
 }
-
-
-def _env_help() -> str:
-    rows = [f"  {var:<24} {key or '-':<22} {meaning.replace('`', '').replace(chr(92), '')}"
-            for var, key, meaning in settings.ENV_CONTRACT]
-    return "environment (variable, recipe key, meaning):\n" + "\n".join(rows)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """One subparser per command, each with its own --help; commands that wrap a tool pass its options on."""
-    ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0],
-                                 epilog=_env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, (_, text, passthrough) in COMMANDS.items():
-        sp = sub.add_parser(name, help=text, description=text, add_help=not passthrough,
-                            epilog=_env_help() if not passthrough else None,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        sp.add_argument("--recipe", default=None, help="recipe name in recipes/ or a YAML path (env RECIPE)")
-        if not passthrough:
-            sp.add_argument("overrides", nargs="*", metavar="key=value",
-                            help="recipe overrides (train.lr=1e-5) or variables (TP=2); beat the environment")
-    sub.choices["plan"].add_argument("--json", action="store_true", help="print the plan JSON alone (for jq)")
-    return ap
-
-
-def _is_setting(item: str) -> bool:
-    """``train.lr=1e-5`` / ``TP=2`` / ``RECIPE=x``: a recipe key or a contract variable followed by '='."""
-    key = item.split("=", 1)[0]
-    return "=" in item and (key.split(".")[0] in Recipe.__dataclass_fields__ or key in settings.ENV_KEYS
-                            or key == "RECIPE")
-
-
-def parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Commands of our own take settings anywhere; a wrapping command's other items go to its tool."""
-    args, rest = ap.parse_known_args(argv)
-    if COMMANDS[args.command][2]:
-        args.overrides = [a for a in rest if _is_setting(a)]
-        args.rest = [a for a in rest if not _is_setting(a)]
-    else:
-        args.overrides += [a for a in rest if _is_setting(a)]
-        unknown = [a for a in rest if not _is_setting(a)]
-        if unknown:
-            ap.parse_args([args.command, *unknown])  # exits 2 naming them, with the command's usage
-    return args
 
 
 def help_of_tool(command: str) -> int:
@@ -374,19 +367,21 @@ def help_of_tool(command: str) -> int:
             render.parse_args(["--help"])
         except SystemExit as e:
             return int(e.code or 0)
-    return subprocess.call([sys.executable, str(GENERATE), "--help"])
+    return subprocess.call([sys.executable, str(TOOLS[command]), "--help"])
 
 
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     host = host or Host()
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = build_parser()
+    ap = cli.build_parser(COMMANDS, __doc__.split("\n\n")[0])
     if not argv:
         ap.print_help()
         return 2
-    args = parse(ap, argv)
+    args = cli.parse(ap, argv, COMMANDS)
     if COMMANDS[args.command][2] and any(a in ("-h", "--help") for a in args.rest):
         return help_of_tool(args.command)
+    if args.command == "render":  # a manifest for the cluster's pods: nothing of this host is resolved
+        return cmd_render(None, args, host)
     try:
         job = resolve(args, host)
     except (ConfigError, clusterlib.ClusterError) as e:

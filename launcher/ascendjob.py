@@ -37,7 +37,9 @@ def scheduler_only(recipe: Recipe, cluster: Cluster, plan: dict, env: dict[str, 
     argv = launch.msrun_argv(recipe, workers, plan_path, log_dir)
     argv[argv.index("--local_worker_num") + 1] = "0"
     plan = copy.deepcopy(plan)
-    plan["recipe"]["launch"]["device"] = "cpu"  # no NPU here; the scheduler computes nothing
+    # No NPU here and nothing to compute: the worker script's checks (train.run resolves the recipe for
+    # its device before init()) must pass on CPU, so the scheduler's own plan says cpu and fp32.
+    plan["recipe"]["launch"]["device"], plan["recipe"]["train"]["precision"] = "cpu", "fp32"
     plan["topology"]["nproc_per_node"] = 0
     plan["ranks"], plan["binding"]["ranks"], plan["msrun_argv"] = [], [], argv
     env = {k: v for k, v in env.items() if not k.startswith("AF_")}

@@ -10,21 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.cpus import parse_cpulist
 from launcher.npu_smi import NpuProcess, NpuSmi, parse_info, parse_processes, run_npu_smi
 
 MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")
 DRIVER_MOUNTS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi")
-
-
-def parse_id_list(text: str, var: str) -> list[int]:
-    """``0-3,6`` -> [0, 1, 2, 3, 6]; raise ValueError naming the variable and an example."""
-    ids: list[int] = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
-            raise ValueError(f"{var}={text!r}: expected ids or ranges like 0-3 or 0,1,4 (e.g. {var}=0-7)")
-        ids += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
-    return sorted(set(ids))
 
 
 def parse_visible_devices(text: str) -> list[int]:
@@ -34,7 +24,7 @@ def parse_visible_devices(text: str) -> list[int]:
     if all(named):
         return sorted({int(m.group(1)) for m in named})
     try:
-        return parse_id_list(text, "ASCEND_VISIBLE_DEVICES")
+        return parse_cpulist(text, "ASCEND_VISIBLE_DEVICES")
     except ValueError:
         raise ValueError(f"ASCEND_VISIBLE_DEVICES={text!r}: expected ids or ranges (0-3 or 0,1,4) or the "
                          "device names Ascend910-0,Ascend910-1 (e.g. ASCEND_VISIBLE_DEVICES=0-7)") from None
@@ -69,7 +59,7 @@ def parse_topo(text: str) -> dict[int, list[int]]:
     for line in text.splitlines():
         m = re.match(r"NPU(\d+)\s.*?\s([\d,-]+)\s*$", line)
         if m and "CPU Affinity" not in line:
-            out[int(m.group(1))] = parse_id_list(m.group(2), "CPU Affinity")
+            out[int(m.group(1))] = parse_cpulist(m.group(2), "CPU Affinity")
     return out
 
 
@@ -164,7 +154,7 @@ def probe(dev_dir: Path = Path("/dev"), root: Path = Path("/"), env: Mapping[str
     rt = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
     if rt:
         try:
-            ids = parse_id_list(rt, "ASCEND_RT_VISIBLE_DEVICES")
+            ids = parse_cpulist(rt, "ASCEND_RT_VISIBLE_DEVICES")
             bad = [i for i in ids if i >= len(d.present)]
             if bad:
                 d.problems.append(f"ASCEND_RT_VISIBLE_DEVICES={rt}: logical ids {bad} >= the {len(d.present)} "

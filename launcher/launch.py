@@ -6,20 +6,21 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
+from finetune import lifecycle
 from finetune.config import REPO_ROOT, Recipe
+from launcher import procs
 
 WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"
 # CANN's defaults are 120 s (connect) and 1836 s (exec, Atlas A2: CANN env var reference, HCCL_EXEC_TIMEOUT);
 # the connect wait is raised for multi-node start-up, the exec wait is never set below CANN's.
 HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836"}
 HCCL_PASSTHROUGH = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
-FAILURE_MARKERS = ("Traceback", "Error", "error:", "Killed", "core dumped")
 
 
 def msrun_argv(recipe: Recipe, nproc: int, plan_path: Path, log_dir: Path,
@@ -67,99 +68,236 @@ def write_plan(path: Path, plan: dict) -> None:
     tmp.replace(path)
 
 
-def failing_rank(log_dir: Path, since: float = 0.0) -> tuple[int, Path] | None:
-    """The first rank whose worker_<rank>.log shows a failure (earliest written), else None."""
-    found = []
-    for p in log_dir.glob("worker_*.log"):
-        stem = p.stem.split("_", 1)[1]
-        if not stem.isdigit() or p.stat().st_mtime < since:
-            continue
-        text = p.read_text(errors="replace")
-        if any(m in text for m in FAILURE_MARKERS):
-            found.append((p.stat().st_mtime, int(stem), p))
-    if not found:
-        return None
-    _, rank, path = min(found)
-    return rank, path
-
-
 def tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _descendants(pid: int) -> list[int]:
     try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"({path} is missing)"
 
 
-def _kill(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except (ProcessLookupError, PermissionError):
-        pass
+class _Output:
+    """Copies the job's output to the console and a file; remembers msrun's worker exit codes by pid."""
+
+    def __init__(self, proc: subprocess.Popen, path: Path | None):
+        self.codes: dict[int, int] = {}
+        self.thread = threading.Thread(target=self._run, args=(proc, path), daemon=True)
+        self.thread.start()
+
+    def _run(self, proc: subprocess.Popen, path: Path | None) -> None:
+        f = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(path, "ab")
+        try:
+            for line in iter(proc.stdout.readline, b""):
+                m = procs.MSRUN_WORKER_EXIT.search(line.decode(errors="replace"))
+                if m:
+                    self.codes[int(m.group(1))] = int(m.group(2))
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+                if f:
+                    f.write(line)
+                    f.flush()
+        finally:
+            if f:
+                f.close()
 
 
-def _tee(proc: subprocess.Popen, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as f:
-        for line in iter(proc.stdout.readline, b""):
-            sys.stdout.buffer.write(line)
-            sys.stdout.flush()
-            f.write(line)
-            f.flush()
+@dataclass
+class Failure:
+    """The first process of the job that failed: who, its exit code, why, and its log."""
+
+    who: str
+    code: int
+    why: str
+    log: Path | None = None
+
+
+class _Attempt:
+    """One start of the job: the process, its output, the ranks' status files and msrun's scheduler."""
+
+    def __init__(self, argv, env, cwd, log_dir, ranks, lock_fd, under_msrun, tee_to, oom_base):
+        self.started = time.time()
+        self.log_dir, self.ranks, self.under_msrun, self.oom_base = log_dir, list(ranks), under_msrun, oom_base
+        self.tee_to = tee_to
+        death = signal.SIGINT if under_msrun else signal.SIGKILL  # msrun's SIGINT handler kills its workers
+        self.proc = subprocess.Popen(argv, env=dict(env), cwd=cwd, start_new_session=True,
+                                     preexec_fn=lambda: lifecycle.set_parent_death_signal(death),
+                                     pass_fds=(lock_fd,) if lock_fd is not None else (),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.out = _Output(self.proc, tee_to)
+        self.known: set[int] = set()  # worker pids seen, killed with the job even after msrun is gone
+        self.scheduler: int | None = None
+
+    def statuses(self) -> dict[int, dict]:
+        found = lifecycle.read_statuses(self.log_dir, since=self.started - 1)
+        st = {r: s for r, s in found.items() if r in self.ranks}
+        self.known |= {s["pid"] for s in st.values()}
+        if self.scheduler is None and self.under_msrun:
+            self.scheduler = procs.find_by_role(self.proc.pid, "MS_SCHED")
+        return st
+
+    def workers(self) -> list[int]:
+        if not self.under_msrun:
+            return [self.proc.pid]
+        return procs.group_leaders(self.proc.pid)
+
+    def failure(self, st: dict[int, dict], stopping: bool) -> Failure | None:
+        """The earliest failure: a non-zero exit record, a rank gone without one, or a dead scheduler."""
+        bad = []
+        for rank, s in st.items():
+            wlog = self.log_dir / f"worker_{rank}.log"
+            if s["state"] != "exited" and not procs.alive(s["pid"]):
+                s = st[rank] = lifecycle.read_statuses(self.log_dir, self.started - 1).get(rank, s)  # ended meanwhile?
+            if s["state"] == "exited":
+                if not (s["exit_code"] == 0 or (stopping and s["exit_code"] in (130, 143))):
+                    err = s.get("error")
+                    why = f"{err['type']}: {err['message']}" if err else f"exit code {s['exit_code']}"
+                    bad.append((s["ended_at"], Failure(f"rank {rank}", s["exit_code"], why, wlog)))
+            elif not procs.alive(s["pid"]):
+                code = self._exit_code(s["pid"])
+                if code == 0 or (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
+                    continue
+                bad.append((time.time(), Failure(f"rank {rank}", code if code is not None else -9,
+                                                 self._why_killed(s["pid"], code), wlog)))
+        ended = all(s["state"] == "exited" or not procs.alive(s["pid"]) for s in st.values())
+        all_done = ended and len(st) == len(self.ranks)
+        if not bad and self.scheduler and not procs.alive(self.scheduler) and not all_done:
+            code = procs.zombie_exit_code(self.scheduler)
+            if code == 0:  # it ends cleanly only after every worker did
+                return None
+            why = self._why_killed(self.scheduler, code) if code is not None and code < 0 else \
+                f"exit code {code}" if code is not None else "it is gone"
+            bad.append((time.time(), Failure(f"msrun's scheduler (pid {self.scheduler})", code or -9,
+                                             f"{why}; the ranks cannot continue without it",
+                                             self.log_dir / "scheduler.log")))
+        return min(bad, key=lambda b: b[0])[1] if bad else None
+
+    def _exit_code(self, pid: int, wait_s: float = 1.5) -> int | None:
+        """An unreaped worker's status, else msrun's logged exit code (it polls once a second)."""
+        code = procs.zombie_exit_code(pid)
+        deadline = time.monotonic() + wait_s
+        while code is None and pid not in self.out.codes and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.05)
+            code = procs.zombie_exit_code(pid)
+        return code if code is not None else self.out.codes.get(pid)
+
+    def _why_killed(self, pid: int, code: int | None) -> str:
+        if code is None:
+            return "its process vanished without an exit record (killed by a signal; msrun did not log the code)"
+        if code >= 0:
+            return f"exit code {code} without an exit record (the process ended before its status was written)"
+        return procs.why_killed(pid, code, self.oom_base)
+
+    def direct_failure(self, rc: int) -> Failure | None:
+        """World size 1: the worker is our child, its exit status is ours to read."""
+        if rc == 0:
+            return None
+        s = lifecycle.read_statuses(self.log_dir, since=self.started - 1).get(0, {})
+        err = s.get("error")
+        why = f"{err['type']}: {err['message']}" if err else \
+            procs.why_killed(self.proc.pid, rc, self.oom_base) if rc < 0 else f"exit code {rc}"
+        return Failure("rank 0", rc, why, self.tee_to)
+
+    def kill(self) -> None:
+        procs.kill_tree(self.proc.pid, [p for p in self.known if procs.alive(p)])
+        self.proc.wait()
+        self.out.thread.join(timeout=5)
 
 
 def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restarts: int, cwd: Path | None = None,
               log: Callable[[str], None] = print, restart_delay_s: float = 1.0, tee_to: Path | None = None,
-              signal_workers_only: bool = False) -> int:
-    """Run argv in its own process group; forward SIGTERM/SIGINT; restart up to max_restarts times.
+              under_msrun: bool = False, ranks: Sequence[int] = (0,), lock_fd: int | None = None,
+              poll_s: float = 0.2, finish_grace_s: float = 30.0) -> int:
+    """Run the job in its own process group; watch its ranks; forward SIGTERM/SIGINT; restart.
 
-    Each restart relaunches the same command: the workers resume from the newest checkpoint
-    (train.resume=auto). ``tee_to``: also copy the output to this file (a worker run without msrun).
-    Returns the job's exit code.
+    Every child dies with the launcher (a parent-death signal; msrun gets SIGINT, whose handler kills
+    its workers) and the whole tree is killed when this returns. A failed rank (an exit record with a
+    non-zero code, or a worker gone without one) ends the job at once, the rank named with its error
+    or signal. SIGTERM/SIGINT go to the workers only (they checkpoint and exit 143); once they are
+    gone the scheduler is killed; a second signal kills everything. Each restart resumes from the
+    newest checkpoint. ``tee_to``: also copy the output here. Returns the job's exit code.
     """
-    attempt, stopping = 0, {"sig": None}
-    proc: subprocess.Popen | None = None
+    attempt_no, stopping = 0, {"sig": None, "count": 0}
+    job: _Attempt | None = None
 
     def forward(signum, _frame):
-        stopping["sig"] = signum
-        if proc is None or proc.poll() is not None:
+        stopping["sig"], stopping["count"] = signum, stopping["count"] + 1
+        if job is None or job.proc.poll() is not None:
             return
-        kids = _descendants(proc.pid) if signal_workers_only else []
-        for pid in kids:
-            _kill(lambda: os.kill(pid, signum))
-        if not kids:
-            _kill(lambda: os.killpg(proc.pid, signum))
+        if stopping["count"] > 1:
+            log(f"second {signal.Signals(signum).name}: killing the job")
+            job.kill()
+            return
+        pids = job.workers()
+        if pids and job.under_msrun:
+            procs.signal_pids(pids, signum)
+        else:
+            procs.signal_group(job.proc.pid, signum)
 
+    env = {**env, lifecycle.LAUNCHER_PID_ENV: str(os.getpid())}
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
-            started = time.time()
-            proc = subprocess.Popen(argv, env=dict(env), cwd=cwd, start_new_session=True,
-                                    stdout=subprocess.PIPE if tee_to else None,
-                                    stderr=subprocess.STDOUT if tee_to else None)
-            if tee_to:
-                _tee(proc, tee_to)
-            rc = proc.wait()
-            if rc == 0 or stopping["sig"] is not None:
-                if stopping["sig"] is not None:
-                    log(f"stopped by signal {signal.Signals(stopping['sig']).name}; exit code {rc}")
+            job = _Attempt(argv, env, cwd, log_dir, ranks, lock_fd, under_msrun, tee_to, procs.oom_kill_count())
+            rc, failure = _watch(job, stopping, poll_s, finish_grace_s)
+            if stopping["sig"] is not None:
+                sig = signal.Signals(stopping["sig"]).name
+                log(f"stopped by {sig}; exit code {rc}" + (f" ({failure.who}: {failure.why})" if failure else ""))
                 return rc
-            bad = failing_rank(log_dir, since=started - 1)
-            if bad:
-                log(f"worker failed (exit code {rc}); first failing rank: {bad[0]} ({bad[1]}), last lines:\n"
-                    f"{tail(bad[1])}")
+            if failure is None and rc == 0:
+                return 0
+            if failure is not None:
+                last = tail(failure.log) if failure.log else ""
+                log(f"the job failed (exit code {rc}); first failing: {failure.who}: {failure.why}" +
+                    (f"\nlast lines of {failure.log}:\n{last}" if last.strip() else ""))
             else:
-                log(f"worker failed (exit code {rc}); no worker log under {log_dir} shows the error")
-            if attempt >= max_restarts:
+                log(f"the job failed (exit code {rc}) and no rank recorded an error; see {log_dir}")
+            if attempt_no >= max_restarts:
                 if max_restarts:
                     log(f"giving up after {max_restarts} restart(s)")
                 return rc
-            attempt += 1
-            log(f"restart {attempt}/{max_restarts}: resuming from the newest checkpoint")
+            attempt_no += 1
+            log(f"restart {attempt_no}/{max_restarts}: resuming from the newest checkpoint")
             time.sleep(restart_delay_s)
     finally:
+        if job is not None and job.proc.poll() is None:
+            job.kill()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _watch(job: _Attempt, stopping: dict, poll_s: float, finish_grace_s: float,
+           stop_grace_s: float = 2.0) -> tuple[int, Failure | None]:
+    """Until the job ends, a rank fails, or (stopping) every rank is gone; returns (exit code, failure)."""
+    if not job.under_msrun:
+        rc = job.proc.wait()
+        job.out.thread.join(timeout=5)
+        failure = job.direct_failure(rc) if stopping["sig"] is None else None
+        return (128 - rc if rc < 0 else rc), failure
+    done_since = stopped_since = None
+    while True:
+        rc = job.proc.poll()
+        st = job.statuses()
+        failure = job.failure(st, stopping["sig"] is not None)
+        if failure is not None:
+            job.kill()
+            return (128 - failure.code if failure.code < 0 else failure.code), failure
+        ended = [s for s in st.values() if s["state"] == "exited" or not procs.alive(s["pid"])]
+        all_ended = bool(job.ranks) and len(ended) == len(job.ranks)  # no ranks here: msrun's scheduler alone
+        if rc is not None:
+            job.out.thread.join(timeout=5)
+            codes = [s.get("exit_code", 0) for s in ended]
+            return (max(codes) if all_ended and codes else rc), None
+        if stopping["sig"] is not None and (all_ended or not any(procs.alive(p) for p in job.workers())):
+            stopped_since = stopped_since or time.monotonic()
+            if time.monotonic() - stopped_since > stop_grace_s:  # msrun would wait for its scheduler's timeout
+                job.kill()
+                codes = [s.get("exit_code", 128 + stopping["sig"]) for s in ended]
+                return max(codes, default=128 + stopping["sig"]), None
+        if all_ended:  # every rank finished: give msrun and its scheduler a moment to exit by themselves
+            done_since = done_since or time.monotonic()
+            if time.monotonic() - done_since > finish_grace_s:
+                job.kill()
+                return 0, None
+        time.sleep(poll_s)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
-from finetune.memory import MemoryEstimate, estimate_memory
+from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
 from finetune import native as nativelib
+from finetune.tiny import TINY_DEFAULTS
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -62,15 +63,6 @@ def model_config(recipe: Recipe) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def memory_estimate(recipe: Recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory
-                    ) -> MemoryEstimate:
-    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json)."""
-    p, t = recipe.parallel, recipe.train
-    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
-                     precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
-                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)
 
 
 def param_count(cfg: dict) -> int:
@@ -168,10 +160,15 @@ def check_disk(c: Context) -> list[Check]:
     free = shutil.disk_usage(probe)[2]
     if cfg is None:
         return [Check("disk", "ok", f"{free / GIB:.1f} GiB free at {probe} (model size unknown yet)")]
-    n = param_count(cfg)
-    need = n * (2 + 12) * max(1, c.recipe.train.keep_checkpoints) + n * 4
-    detail = f"need ~{need / GIB:.1f} GiB ({n / 1e9:.2f} B params x 14 B x {c.recipe.train.keep_checkpoints} " \
-             f"checkpoints + export), {free / GIB:.1f} GiB free at {probe}"
+    n, keep = param_count(cfg), c.recipe.train.keep_checkpoints
+    ckpts = keep + 1 if keep > 0 else 2  # the one being written while `keep` older ones still exist
+    export = n * (4 if c.recipe.export.dtype == "fp32" else 2)
+    base = n * 4 if c.recipe.model.init is not None and not (Path(resolved_model_dir(c.recipe)) / "config.json").exists() \
+        else 0  # a tiny model still to be created under OUTPUT_DIR
+    need = n * 16 * ckpts + export + base  # checkpoint: fp32 weights + AdamW m, v and fp32 masters
+    detail = f"need ~{need / GIB:.1f} GiB ({n / 1e9:.2f} B params x 16 B x {ckpts} checkpoints (keep_checkpoints " \
+             f"{keep} + the one being written) + export{' + base model' if base else ''}), " \
+             f"{free / GIB:.1f} GiB free at {probe}"
     if free < need:
         return [Check("disk", "fail", detail, "point OUTPUT_DIR at a larger volume or lower train.keep_checkpoints")]
     return [Check("disk", "ok", detail)]
@@ -238,7 +235,30 @@ def check_model(c: Context) -> list[Check]:
     bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
     if bad:
         return [Check("model", "fail", b, REDOWNLOAD) for b in bad]
-    return [Check("model", "ok", f"{d}: config, weights, tokenizer present")]
+    top = _max_token_id(d / "tokenizer.json")
+    if top is None or top >= cfg.get("vocab_size", 0):
+        what = "unreadable" if top is None else f"has token ids up to {top}, config.json's vocab_size is " \
+                                                   f"{cfg.get('vocab_size')}"
+        return [Check("model", "fail", f"{d / 'tokenizer.json'}: {what}",
+                      "use the tokenizer that came with the model (same directory as its config.json)")]
+    from finetune.data.chat_template import check_model_template
+
+    status, line = check_model_template(d, c.recipe.data.system_prompt)
+    template = Check("template", "warn" if status in ("differs", "unchecked") else "ok", line,
+                     "the data is written in Qwen2.5's chat template; serve the fine-tuned model with it (the export "
+                     "keeps the model's tokenizer_config.json) or fine-tune a model whose template matches"
+                     if status == "differs" else "")
+    return [Check("model", "ok", f"{d}: config, weights, tokenizer present"), template]
+
+
+def _max_token_id(path: Path) -> int | None:
+    """The largest id in a Hugging Face tokenizer.json (vocabulary and added tokens), None when unreadable."""
+    try:
+        tok = json.loads(path.read_text())
+        ids = [*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens", []))]
+        return max(int(i) for i in ids)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def check_resume(c: Context) -> list[Check]:
@@ -333,15 +353,12 @@ def check_world(c: Context) -> list[Check]:
     if c.nproc % tp:
         out.append(Check("layout", "fail", f"TP={tp} does not divide NPROC_PER_NODE={c.nproc} (TP stays in a node)",
                          "e.g. TP=2 with 8 NPUs per node"))
-    cfg = model_config(r) or (r.model.init or {})
-    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if n and n % tp:
-            out.append(Check("layout", "fail", f"TP={tp} does not divide {name}={n}", f"use a TP dividing {n}"))
-    vocab = cfg.get("vocab_size")
-    if r.parallel.vocab_parallel and vocab and vocab % tp:
-        out.append(Check("layout", "fail", f"TP={tp} does not divide vocab_size={vocab} (parallel.vocab_parallel)",
-                         "OVERRIDES='parallel.vocab_parallel=false' (replicated embedding/LM head) or another TP"))
+    cfg = model_config(r) or (r.model.init and {**TINY_DEFAULTS, **r.model.init})
+    try:
+        problems = qwen2_layout.tp_problems(cfg, tp, r.parallel.vocab_parallel) if cfg else []
+    except (KeyError, TypeError, ZeroDivisionError):
+        problems = []  # a config without sizes: check_model reports it
+    out += [Check("layout", "fail", msg, fix) for msg, fix in problems]
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
 
 

@@ -71,6 +71,12 @@ def _under(path: str, root: str) -> bool:
     return Path(path).is_absolute() and Path(os.path.normpath(path)).is_relative_to(root)
 
 
+def _given_recipe(env: Mapping[str, str], overrides: list[str], recipe_arg: str | None) -> str | None:
+    """The recipe the user named: --recipe, RECIPE=... on the command line, or the RECIPE variable."""
+    cli = [i.split("=", 1)[1] for i in overrides if i.startswith("RECIPE=")]
+    return recipe_arg or (cli[-1] if cli else None) or settings.env_value(env, "RECIPE")
+
+
 def _pod_recipe(given: str, data_dir: str) -> tuple[str, str | None]:
     """(RECIPE for the pod, problem): a bundled recipe by name, a pod path as is, a file of this machine refused."""
     if _under(given, data_dir):
@@ -99,24 +105,46 @@ def _path_problems(given: dict[str, str], origin: dict[str, str], data_dir: str)
     return out
 
 
-def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], overrides: list[str],
-                 recipe_arg: str | None) -> PodSettings:
-    """The pods' env from what the user gave, checked: pod paths, no cluster keys, a loadable recipe."""
-    s = settings.collect(env, overrides, recipe_arg, has_npu=True)
-    if not (recipe_arg or settings.env_value(env, "RECIPE")) and {"model.dir", "data.paths"} <= set(s.overrides):
-        s.recipe = settings.NPU_RECIPE  # what the pod picks: it has NPUs, and MODEL_DIR and DATA are given
-    given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
-                                                 ns.data_dir, ns.pvc, MASTER_PORT)
-    for key, fix in CLUSTER_KEYS.items():
-        if key in given:
-            pod.problems.append(f"{VAR_OF.get(key, key)}={given.pop(key)}: the pods must not be given it; use {fix}")
+def _recipe_problems(s: settings.Settings, given: dict[str, str], data_dir: str) -> list[str]:
+    """The recipe with the given settings, loaded here (bundled recipes are the image's): what cannot run."""
+    try:
+        recipe = settings.load(settings.Settings(s.recipe, s.recipe_reason, given, s.origin, s.problems))
+    except ConfigError as e:
+        return e.problems
+    out = []
+    if recipe.model.init is None and not recipe.model.dir:
+        out.append(f"MODEL_DIR is not set: recipe {s.recipe} needs a Hugging Face model dir "
+                   f"(e.g. MODEL_DIR={data_dir}/models/Qwen2.5-7B-Instruct)")
+    if not recipe.data.paths:
+        out.append(f"DATA is not set: recipe {s.recipe} needs training data (e.g. DATA={data_dir}/sft/train.jsonl)")
+    return out
+
+
+def _npus(given: dict[str, str], pod: PodSettings) -> None:
+    """NPROC_PER_NODE is the NPU request (1 to 8); MASTER_PORT the container port."""
     nproc = given.get("launch.nproc_per_node", str(NPUS_PER_NODE))
     if not nproc.isdigit() or not 1 <= int(nproc) <= NPUS_PER_NODE:
         pod.problems.append(f"NPROC_PER_NODE={nproc}: NPUs per pod, 1 to {NPUS_PER_NODE} (e.g. NPROC_PER_NODE=8)")
     else:
         pod.npus = int(nproc)
-    pod.port = int(given.get("launch.master_port", MASTER_PORT)) if given.get(
-        "launch.master_port", "").isdigit() else MASTER_PORT
+    port = given.get("launch.master_port", "")
+    pod.port = int(port) if port.isdigit() else MASTER_PORT
+
+
+def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], overrides: list[str],
+                 recipe_arg: str | None) -> PodSettings:
+    """The pods' env from what the user gave, checked: pod paths, no cluster keys, a loadable recipe."""
+    s = settings.collect(env, overrides, recipe_arg, has_npu=True)
+    if not _given_recipe(env, overrides, recipe_arg) and {"model.dir", "data.paths"} <= set(s.overrides):
+        s.recipe = settings.NPU_RECIPE  # what the pod picks: it has NPUs, and MODEL_DIR and DATA are given
+    given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
+                                                 ns.data_dir, ns.pvc, MASTER_PORT)
+    if given.get("data.format") == "auto" and s.origin.get("data.format") == s.origin.get("data.paths"):
+        del given["data.format"]  # derived from DATA by settings.collect: the pods derive it themselves
+    for key, fix in CLUSTER_KEYS.items():
+        if key in given:
+            pod.problems.append(f"{VAR_OF.get(key, key)}={given.pop(key)}: the pods must not be given it; use {fix}")
+    _npus(given, pod)
     given.setdefault("output_dir", f"{ns.data_dir}/output/{name}")
     if ns.pvc:
         given.setdefault("data.shared_storage", "true")  # one preparer per job on the shared volume
@@ -131,21 +159,11 @@ def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], over
     elif _under(s.recipe, ns.data_dir):
         pod.warnings.append(f"RECIPE={s.recipe} is a pod path: its keys are checked when the pods start, not here")
     else:
-        try:
-            recipe = settings.load(settings.Settings(s.recipe, s.recipe_reason, given, s.origin, s.problems))
-            if recipe.model.init is None and not recipe.model.dir:
-                pod.problems.append(f"MODEL_DIR is not set: recipe {s.recipe} needs a Hugging Face model dir "
-                                    f"(e.g. MODEL_DIR={ns.data_dir}/models/Qwen2.5-7B-Instruct)")
-            if not recipe.data.paths:
-                pod.problems.append(f"DATA is not set: recipe {s.recipe} needs training data "
-                                    f"(e.g. DATA={ns.data_dir}/sft/train.jsonl)")
-        except ConfigError as e:
-            pod.problems += e.problems
-    pod.env = {"RECIPE": recipe_name, **{VAR_OF[k]: v for k, v in given.items() if k in VAR_OF},
-               "NPROC_PER_NODE": str(pod.npus)}
+        pod.problems += _recipe_problems(s, given, ns.data_dir)
     rest = " ".join(f"{k}={v}" for k, v in given.items() if k not in VAR_OF)
-    pod.env.update({"OVERRIDES": rest} if rest else {})
-    pod.env.update({k: env[k] for k in PASS_ENV if settings.env_value(env, k)})
+    pod.env = {"RECIPE": recipe_name, **{VAR_OF[k]: v for k, v in given.items() if k in VAR_OF},
+               "NPROC_PER_NODE": str(pod.npus), **({"OVERRIDES": rest} if rest else {}),
+               **{k: env[k] for k in PASS_ENV if settings.env_value(env, k)}}
     return pod
 
 
@@ -291,7 +309,7 @@ def main(args: list[str], env: Mapping[str, str] | None = None, overrides: list[
         problems.append(f"--max-retry {ns.max_retry}: 0 or more (e.g. --max-retry 3)")
     if not ns.data_dir.startswith("/"):
         problems.append(f"--data-dir {ns.data_dir!r}: an absolute path in the pod (e.g. --data-dir /data)")
-    given = recipe_arg or settings.env_value(env, "RECIPE") or "job"
+    given = _given_recipe(env, list(overrides), recipe_arg) or "job"
     stem = Path(given).stem if given.endswith((".yaml", ".yml")) else Path(given).name
     name = _dns_name(ns.name or f"ascend-finetune-{stem}", ns.nodes)
     pod = pod_settings(ns, name, env, list(overrides), recipe_arg) if not problems else None

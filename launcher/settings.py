@@ -19,9 +19,9 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
                    "`MODEL_DIR` and `DATA` are set, else `tiny-cpu`"),
     ("MODEL_DIR", "model.dir", "Hugging Face model dir (`config.json`, safetensors + index, `tokenizer.json`); "
                                "unset with `tiny-cpu`: the tiny model created in `OUTPUT_DIR/base-model`"),
-    ("DATA", "data.paths", "files or dirs, comma-separated (JSON, JSONL, Parquet); the format is detected "
+    ("DATA", "data.paths", "files or dirs, comma-separated (JSON, JSONL, Parquet, .txt); the format is detected "
                            "(`data.format=auto`) unless `DATA_FORMAT` is set"),
-    ("DATA_FORMAT", "data.format", "`auto` \\| `alpaca` \\| `sharegpt`"),
+    ("DATA_FORMAT", "data.format", "`auto` \\| `alpaca` \\| `sharegpt` \\| `text`"),
     ("OUTPUT_DIR", "output_dir", "checkpoints, `logs/worker_<rank>.log`, `plan.json`, `hf/` export; a relative "
                                  "path is relative to the current directory"),
     ("NNODES", "launch.nnodes", "nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`"),
@@ -42,7 +42,8 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
     ("HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT", "", "defaulted for workers to 1200 / 1836 s (CANN's A2 default) when unset"),
     ("HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE", "", "passed through to workers unchanged"),
-    ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`) to use; read"),
+    ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`, or ascend-operator's `Ascend910-0,Ascend910-1`) "
+                                   "to use; read"),
     ("ASCEND_RT_VISIBLE_DEVICES", "", "logical NPU ids; read, and set for workers when only some NPUs are used"),
 )
 # Environment variable -> dotted recipe key.
@@ -107,8 +108,7 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
             has_npu: bool = False) -> Settings:
     """Merge env vars, ``OVERRIDES`` and CLI ``key=value`` items into dotted overrides.
 
-    The CLI also takes the variable names (``train TP=2 DATA=a.json RECIPE=tiny-cpu``). A user's
-    ``DATA`` (or ``data.paths``) means ``data.format=auto`` unless a format is set too.
+    The CLI also takes the variable names (``train TP=2 DATA=a.json RECIPE=tiny-cpu``).
     """
     cli_vars = dict(i.split("=", 1) for i in cli_items if i.split("=", 1)[0] in ("RECIPE", *ENV_KEYS) and "=" in i)
     rest = [i for i in cli_items if i.split("=", 1)[0] not in cli_vars]
@@ -129,8 +129,6 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
     for var, v in cli_vars.items():
         if var in ENV_KEYS:
             s.overrides[ENV_KEYS[var]], s.origin[ENV_KEYS[var]] = v, var
-    if "data.paths" in s.overrides and "data.format" not in s.overrides:
-        s.overrides["data.format"], s.origin["data.format"] = "auto", s.origin["data.paths"]
     return s
 
 
@@ -138,8 +136,11 @@ def load(settings: Settings, extra: dict[str, str] | None = None) -> Recipe:
     """Load and validate the recipe; raise ConfigError naming env vars / keys with fixes.
 
     ``extra`` holds lower-precedence values (e.g. the detected cluster) that the user did not set.
+    Data the user gives (``DATA``, ``data.paths``) is read with ``data.format=auto`` unless a format is set.
     """
     overrides = {**(extra or {}), **settings.overrides}
+    if "data.paths" in overrides and "data.format" not in overrides:  # a recipe's format is for its own paths
+        overrides["data.format"] = "auto"
     try:
         recipe = load_recipe(settings.recipe, overrides, render=settings.render)
     except ConfigError as e:

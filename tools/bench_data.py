@@ -29,8 +29,9 @@ if __package__ in (None, ""):
 
 from finetune.config import ASSETS_DIR, load_recipe  # noqa: E402
 from finetune.data import malloc  # noqa: E402
+from finetune.data.encode import load_tokenizer  # noqa: E402
 from finetune.data.formats import iter_samples  # noqa: E402
-from finetune.data.prepare import load_tokenizer, prepare  # noqa: E402
+from finetune.data.prepare import prepare  # noqa: E402
 from finetune.data.template import render  # noqa: E402
 
 

@@ -100,7 +100,8 @@ class BatchLoader:
 
     def __init__(self, cache_dir: str | Path, seq_len: int, micro_batch_size: int, grad_accum: int,
                  dp_size: int, dp_rank: int, seed: int, packing: bool = True,
-                 max_tokens_per_batch: int = 0, epochs: int = 1):
+                 max_tokens_per_batch: int = 0, epochs: int = 1, index_name: str = "index.npy"):
+        """``index_name``: the cache's sample index to read (``val_index.npy`` for the validation set)."""
         cache_dir = Path(cache_dir)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
@@ -108,7 +109,7 @@ class BatchLoader:
         self.pad_id = int(manifest.get("pad_id", 0))
         self.tokens = np.load(cache_dir / "tokens.npy", mmap_mode="r")
         self.labels = np.load(cache_dir / "labels.npy", mmap_mode="r")
-        self.index = np.load(cache_dir / "index.npy")
+        self.index = np.load(cache_dir / index_name)
         self.seq_len, self.mbs, self.ga = seq_len, micro_batch_size, grad_accum
         self.dp_size, self.dp_rank, self.seed, self.epochs = dp_size, dp_rank, seed, epochs
         self.dynamic = max_tokens_per_batch > 0
@@ -168,6 +169,18 @@ class BatchLoader:
                 mine = block[self.dp_rank * self.mbs:(self.dp_rank + 1) * self.mbs]
                 micro.append(self._rows([self.units[int(u)] for u in mine], self.seq_len))
         return Step(micro, int(self.unit_labels[chosen].sum()), epoch, index)
+
+    def eval_micro_batches(self):
+        """Every unit exactly once, in cache order, for evaluation: unit i belongs to DP rank
+        i % dp_size; this rank's units in micro-batches of micro_batch_size rows (one budget group
+        each with max_tokens_per_batch). No shuffling, nothing dropped."""
+        mine = self.units[self.dp_rank::self.dp_size]
+        if self.dynamic:
+            for unit in mine:
+                yield self._rows([[s] for s in unit], max(int(self.index[s, 1]) for s in unit))
+            return
+        for a in range(0, len(mine), self.mbs):
+            yield self._rows(mine[a:a + self.mbs], self.seq_len)
 
     def __len__(self) -> int:
         return self.total_steps

@@ -19,7 +19,7 @@ import numpy as np
 from finetune.config import CleanConfig
 from finetune.data import malloc
 from finetune.data.clean import dedup_key, may_repeat, text_rule, token_rule
-from finetune.data.formats import Sample, is_text
+from finetune.data.formats import Sample, is_text, uses_tools
 from finetune.data.template import (IGNORE, Specials, label_flat, render, render_system, render_turns,
                                     splits_at_specials, truncate)
 
@@ -109,7 +109,8 @@ class Encoder:
             reason = token_rule(n, self.clean)
             ids, lab = flat[begins[j]:ends[j]], labels[begins[j]:ends[j]]
             if reason is None and n > self.seq_len:
-                fit = truncate(ids, lab, self.seq_len, self.sp)
+                # cutting a tool conversation would separate calls from their schemas and results
+                fit = None if uses_tools(samples[i]) else truncate(ids, lab, self.seq_len, self.sp)
                 truncated += fit is not None
                 reason = "cannot_fit" if fit is None else None
                 ids, lab = fit if fit is not None else (ids, lab)

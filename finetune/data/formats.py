@@ -30,10 +30,13 @@ class Sample(NamedTuple):
 
 def is_text(s: Sample) -> bool:
     """A plain-text document (loss on every token) rather than a conversation."""
-    return s.turns[:1] == (("text", s.turns[0][1]),) if s.turns else False
+    return bool(s.turns) and s.turns[0][0] == "text"
 
 
-# ------------------------------------------------------------------------------ records -> samples
+def uses_tools(s: Sample) -> bool:
+    """A conversation with tool schemas, tool calls or tool results."""
+    return s.tools is not None or any("<tool_call>" in c or "<tool_response>" in c for _, c in s.turns)
+
 
 # field names of other datasets -> the format field they usually mean (for the data.columns hint)
 _ALIASES = {"prompt": "instruction", "question": "instruction", "query": "instruction", "completion": "output",
@@ -91,7 +94,7 @@ def file_format(path: Path, fmt: str = "auto", columns: dict[str, str] | None = 
     rec = _mapped(rec, columns or {})
     if fmt == "auto":
         kind, why = detect_kind(rec, where)
-        return kind, f"{why} (detected; DATA_FORMAT sets it)"
+        return kind, f"{why}; detected, DATA_FORMAT sets it"
     needs = {"alpaca": ("instruction",), "sharegpt": ("conversations", "messages"), "text": ("text",)}[fmt]
     if isinstance(rec, dict) and not any(k in rec for k in needs):
         try:
@@ -104,12 +107,13 @@ def file_format(path: Path, fmt: str = "auto", columns: dict[str, str] | None = 
     return fmt, f"data.format={fmt}"
 
 
-def _text(rec: dict, key: str, where: str, required: bool, example: str) -> str:
+def _text(rec: dict, key: str, where: str, required: bool, example: str, record: bool = True) -> str:
+    """A string field (``record``: a field of the record, not of one of its messages)."""
     v = rec.get(key)
     if v is None:
         if required:
             raise DataError(f"{where}: field {key!r} is missing; add it (e.g. \"{key}\": \"{example}\")"
-                            + _columns_hint(rec))
+                            + (_columns_hint(rec) if record else ""))
         return ""
     if not isinstance(v, str):
         raise DataError(f"{where}: field {key!r} must be a string, got {type(v).__name__} "
@@ -214,7 +218,7 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False, role_key: str = "",
                             f"{', '.join(_ROLES)}")
         if role == "function_call":
             try:
-                call = json.loads(_text(m, ck, f"{where} {field}", True, '{"name": "f", "arguments": {}}'))
+                call = json.loads(_text(m, ck, f"{where} {field}", True, '{"name": "f", "arguments": {}}', False))
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: field '{field}.{ck}': a function_call holds the call as JSON "
                                 f'({e.msg}); e.g. {{"name": "get_weather", "arguments": {{"city": "Paris"}}}}') from None
@@ -227,7 +231,7 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False, role_key: str = "",
             calls = _tool_calls(m["tool_calls"], f"{where} {field}")
             turns.append(("assistant", f"{content}\n{calls}" if content else calls))
             continue
-        content = _text(m, ck, f"{where} {field}", True, "text")
+        content = _text(m, ck, f"{where} {field}", True, "text", False)
         if role == "system":
             if turns:
                 raise DataError(f"{where}: field '{field}': a system message must come first; move it")

@@ -35,33 +35,21 @@ def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES)
 
 
 def sum_grads_over_dp(grads: tuple | list, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES) -> list:
-    """SUM gradients over the DP group in buckets (one flat AllReduce per ~25 MB); identity when dp == 1.
-
-    Gradients of one bucket must share a dtype; a dtype change starts a new bucket.
-    """
-    grads = list(grads)
+    """SUM gradients over the DP group in fp32, whatever their dtype (one flat AllReduce per ~25 MB
+    bucket); in one DP rank only the fp32 cast."""
+    grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
     if rank.dp == 1:
         return grads
     out = list(grads)
-    start = 0
-    while start < len(grads):  # split runs of equal dtype, then by size
-        end = start
-        while end < len(grads) and grads[end].dtype == grads[start].dtype:
-            end += 1
-        run = list(range(start, end))
-        itemsize = ms.Tensor(0, grads[start].dtype).itemsize
-        for bucket in buckets_by_bytes([grads[i].size for i in run], itemsize, bucket_bytes):
-            idx = [run[b] for b in bucket]
-            flat = ops.cat([grads[i].reshape(-1) for i in idx]) if len(idx) > 1 else grads[idx[0]].reshape(-1)
-            total = all_reduce_sum(flat, rank.dp_group)
-            offset = 0
-            for i in idx:
-                n = grads[i].size
-                out[i] = total[offset:offset + n].reshape(grads[i].shape)
-                offset += n
-        start = end
+    for idx in buckets_by_bytes([g.size for g in grads], 4, bucket_bytes):
+        flat = ops.cat([grads[i].reshape(-1) for i in idx]) if len(idx) > 1 else grads[idx[0]].reshape(-1)
+        total = all_reduce_sum(flat, rank.dp_group)
+        offset = 0
+        for i in idx:
+            n = grads[i].size
+            out[i] = total[offset:offset + n].reshape(grads[i].shape)
+            offset += n
     return out
-
 
 
 def is_tp_partitioned(param) -> bool:

@@ -9,7 +9,7 @@ buckets of about 25 MB of fp32, and every bucket is split into ``dp`` equal cont
 (the last padded with zeros). DP rank ``r`` owns chunk ``r`` of every bucket, so each rank holds
 1/dp of the state up to padding, whatever the parameter sizes (a huge embedding is split too).
 
-One step: per bucket, flatten the local gradients, reduce-scatter (SUM, see ``grads.py``) over
+One step: per bucket, flatten the local gradients in fp32, reduce-scatter (SUM, see ``grads.py``) over
 the DP group to get this rank's chunk, unscale, take the global norm over all chunks (and TP
 slices), skip on a non-finite norm, clip, AdamW-update the chunk, then all-gather the updated
 chunks and write them back into the parameters. The math per element is that of
@@ -21,6 +21,7 @@ equivalents give the same numbers; the choice is logged once.
 from __future__ import annotations
 
 import math
+import time
 
 import mindspore as ms
 import numpy as np
@@ -29,7 +30,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
-from finetune.optim import clip_by_norm, kernel_scalars
+from finetune.optim import CommClock, clip_by_norm, kernel_scalars
 from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
@@ -45,7 +46,7 @@ def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Pi
     return out
 
 
-class ShardedAdamW:
+class ShardedAdamW(CommClock):
     """AdamW whose fp32 state is partitioned over the DP group; same interface as ``optim.AdamW``."""
 
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
@@ -102,22 +103,25 @@ class ShardedAdamW:
         return out
 
     def _bucket_flat(self, grads: list, k: int) -> ms.Tensor:
+        """Bucket ``k`` of the gradients as one flat fp32 buffer, zero-padded to dp chunks."""
         lo, hi = self.buckets[k]
         found = pieces_in(self.offsets, self.sizes, lo, hi)
-        dtype = grads[found[0][0]].dtype  # one dtype per bucket for the flat buffer
-        parts = [grads[i].reshape(-1)[a:b].astype(dtype) for i, a, b in found]
-        return self._pad(parts, self.chunk[k] * self.rank.dp, dtype)
+        parts = [grads[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in found]
+        return self._pad(parts, self.chunk[k] * self.rank.dp, ms.float32)
+
+    def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
+        """This rank's chunk of every bucket of the gradients summed over DP, in fp32."""
+        rk = self.rank
+        return [reduce_scatter_sum(self._bucket_flat(list(grads), k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
+                for k in range(len(self.buckets))]
 
     # ---------------------------------------------------------------- step
     def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Reduce-scatter, unscale, clip and apply ``grads``; returns (global grad_norm, applied)."""
-        grads = list(grads)
-        rk = self.rank
-        shards = []
-        for k in range(len(self.buckets)):
-            g = reduce_scatter_sum(self._bucket_flat(grads, k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
-            g = g.astype(ms.float32)
-            shards.append(g / grad_scale if grad_scale != 1.0 else g)
+        t0 = time.perf_counter()
+        shards = self.reduce(grads)
+        self.comm_s += time.perf_counter() - t0
+        shards = [g / grad_scale if grad_scale != 1.0 else g for g in shards]
         norm = self._global_norm(shards)
         if not math.isfinite(norm):
             return norm, False

@@ -1,14 +1,17 @@
-"""Sampling and the generate CLI."""
+"""Sampling, batched generation with the key/value cache, and the generate CLI."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from finetune.generate import chat_prompt, generate, main, next_token
+from finetune.generate import Sampling, chat_prompt, generate, main, next_token
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "tokenizer"
+GREEDY = Sampling(temperature=0, repetition_penalty=1.0, max_new_tokens=8)
 
 
 def test_next_token_rules():
@@ -20,29 +23,26 @@ def test_next_token_rules():
     assert {next_token(logits, [], 1.0, 0.01, 1.0, rng) for _ in range(20)} == {1}  # top_p keeps the best
     seen = {next_token(logits, [], 1.0, 1.0, 1.0, rng) for _ in range(200)}
     assert {1, 2} <= seen
+    assert {next_token(logits, [], 5.0, 1.0, 1.0, rng, top_k=2) for _ in range(200)} == {1, 2}  # top_k cuts
     a = [next_token(logits, [], 0.7, 0.9, 1.1, np.random.default_rng(5)) for _ in range(5)]
     b = [next_token(logits, [], 0.7, 0.9, 1.1, np.random.default_rng(5)) for _ in range(5)]
     assert a == b
 
 
-class _Tok:
-    def __init__(self, stop: int):
-        self.stop = stop
-
-    def token_to_id(self, t):
-        return self.stop if t == "<|im_end|>" else None
-
-
-def test_greedy_generate_follows_full_logits(ms_cpu):
-    import mindspore as ms
-
+@pytest.fixture(scope="module")
+def tied(ms_cpu):
     from finetune.hf_io import load_hf_config, load_weights
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / "tied")))
     load_weights(model, GOLDEN / "tied")
+    return model
+
+
+def test_greedy_generate_follows_full_logits(ms_cpu, tied):
+    ms, model = ms_cpu, tied
     prompt = [5, 17, 99]
-    out = generate(model, _Tok(-1), prompt, 8, temperature=0, repetition_penalty=1.0)
+    (out,) = generate(model, [prompt], set(), GREEDY)
     # greedy with the key/value cache: each new token is the argmax of the full-sequence logits
     # (no cache) at the position before it
     logits = model.logits(ms.Tensor(np.array([prompt + out], np.int32))).asnumpy()[0]
@@ -53,20 +53,100 @@ def test_greedy_generate_follows_full_logits(ms_cpu):
     np.testing.assert_allclose(step, logits[len(prompt) + 4], atol=1e-5)
     assert caches[0][0].shape[1] == len(prompt) + 5  # BSND keys
     stop = out[-1]
-    assert generate(model, _Tok(stop), prompt, 3, temperature=0, repetition_penalty=1.0) == out[:out.index(stop)]
+    assert generate(model, [prompt], {stop}, GREEDY) == [out[:out.index(stop)]]
 
 
-def test_chat_prompt_uses_special_tokens():
+def test_batched_left_padded_rows_equal_each_prompt_alone(tied):
+    prompts = [[5, 17, 99, 3, 8, 41], [7, 2], [250, 11, 90, 4]]
+    alone = [generate(tied, [p], set(), GREEDY)[0] for p in prompts]
+    assert generate(tied, prompts, set(), GREEDY, pad_id=0) == alone
+    stop = alone[1][2]  # row 1 stops early; the others go on unchanged
+    batched = generate(tied, prompts, {stop}, GREEDY)
+    assert batched == [a[:a.index(stop)] if stop in a else a for a in alone]
+
+
+def test_chat_prompt_is_the_training_template():
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
     ids = tok.encode(chat_prompt("Hi"), add_special_tokens=False).ids
     assert ids[0] == 151644 and ids.count(151645) == 2 and ids[-2:] == [77091, 198]  # "assistant\n"
+    text = chat_prompt([("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")], system="Be brief.")
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert "You are a helpful assistant." in chat_prompt("Hi")
 
 
-def test_cli(ms_cpu, tiny_hf_dir, capsys):
+def test_sampling_defaults_come_from_generation_config(tiny_hf_dir):
+    s = Sampling.of_model(tiny_hf_dir())  # Qwen2.5's: do_sample, temperature 0.7, top_p 0.8, top_k 20
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+    assert Sampling.of_model(GOLDEN / "tied").temperature == 0  # no do_sample: greedy, like transformers
+
+
+def test_cli_prompts_files_and_which_model(ms_cpu, tiny_hf_dir, tmp_path, capsys):
     d = tiny_hf_dir(vocab_size=151936, hidden_size=16, intermediate_size=32)
-    assert main(["--model-dir", str(d), "--prompt", "Hello", "--max-new-tokens", "3", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.strip()
+    assert main(["--model-dir", str(d), "--prompt", "Hello", "--prompt", "Hi there", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert len([b for b in out.split("\n\n") if b.strip()]) == 2 and f"the model: {d}" in err and "on CPU" in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hello", "id": 1}\n{"instruction": "Add", "input": "2+2"}\n'
+                       '{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "x"}]}\n')
+    assert main(["--model-dir", str(d), "--input", str(prompts), "--output", str(tmp_path / "a.jsonl"),
+                 "--max-new-tokens", "2", "--batch-size", "2"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and rows[0]["id"] == 1 and all(isinstance(r["response"], str) for r in rows)
+    # the fine-tuned dir is missing: refused unless --base, which says it answers with the base model
+    args = ["--finetuned", str(tmp_path / "hf"), "--base-model", str(d), "--prompt", "x", "--max-new-tokens", "1"]
+    assert main(args) == 2 and "no fine-tuned model" in capsys.readouterr().err
+    assert main([*args, "--base"]) == 0 and "the base model (--base)" in capsys.readouterr().err
+
+
+def test_cli_checks_weights_before_building(ms_cpu, tiny_hf_dir, capsys, monkeypatch):
+    import finetune.model
+
+    d = tiny_hf_dir()
+    (d / "model.safetensors").unlink()
+    monkeypatch.setattr(finetune.model, "Qwen2ForCausalLM", lambda *a, **k: pytest.fail("model built"))
+    assert main(["--model-dir", str(d), "--prompt", "x"]) == 2
+    assert "no model.safetensors" in capsys.readouterr().err
     assert main(["--model-dir", str(d.parent / "nope"), "--prompt", "x"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
+    import finetune.generate as gen
+
+    d = tiny_hf_dir(vocab_size=151936, hidden_size=16, intermediate_size=32)
+    said = iter(["Hi", "And then?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _: next(said))
+    seen = []
+    real = gen.answer
+    monkeypatch.setattr(gen, "answer", lambda m, t, convs, *a: seen.append(list(convs[0]["turns"])) or real(m, t, convs, *a))
+    assert main(["--model-dir", str(d), "--chat", "--max-new-tokens", "2"]) == 0
+    assert [len(t) for t in seen] == [1, 3] and seen[1][0] == ("user", "Hi") and seen[1][1][0] == "assistant"
+    assert capsys.readouterr().out.count("assistant> ") == 2
+
+
+def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path):
+    """The check after training: the in-memory model gives what `generate` gives on the export."""
+    from finetune.config import ExportConfig, Recipe
+    from finetune.dist import RankInfo
+    from finetune.generate import load_model, sample_check
+    from finetune.hf_io import export_hf
+
+    src = tiny_hf_dir(vocab_size=151936, hidden_size=16, intermediate_size=32)
+    model, _, _ = load_model(src, "cpu")
+    hf = export_hf(model, src, tmp_path / "out" / "hf", dtype="fp32")
+    recipe = Recipe(output_dir=str(tmp_path / "out"), export=ExportConfig(check_max_new_tokens=3))
+    out = sample_check(model, hf, recipe, RankInfo())
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    bundled = Path(recipe.export.check_prompts)
+    assert out == tmp_path / "out" / "samples.jsonl" and len(rows) == 5
+    assert rows[3]["prompt"] == "用一句话解释什么是光合作用。" and all(r["response"] for r in rows)
+    assert main(["--model-dir", str(hf), "--input", str(Path(__file__).resolve().parents[2] / bundled),
+                 "--output", str(tmp_path / "gen.jsonl"), "--max-new-tokens", "3",
+                 "--seed", str(recipe.train.seed)]) == 0
+    assert [json.loads(x) for x in (tmp_path / "gen.jsonl").read_text(encoding="utf-8").splitlines()] == rows
+    assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo()) is None

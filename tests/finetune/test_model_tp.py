@@ -116,3 +116,55 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
         assert exported.keys() == original.keys()
         for name, value in original.items():
             np.testing.assert_array_equal(exported[name], value, err_msg=f"{case}: {name}")
+
+
+CHECK_WORKER = r'''
+import sys
+import mindspore as ms
+from mindspore.communication import create_group, get_rank, init
+
+sys.path.insert(0, sys.argv[1])
+from finetune.config import ExportConfig, Recipe
+from finetune.dist import RankInfo
+from finetune.generate import sample_check
+from finetune.hf_io import export_hf, load_hf_config, load_weights
+from finetune.model import Qwen2Config, Qwen2ForCausalLM
+
+ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+init()
+create_group("tp", [0, 1])
+rank = RankInfo(rank=get_rank(), world_size=2, tp=2, tp_rank=get_rank(), tp_group="tp")
+model_dir, out = sys.argv[2], sys.argv[3]
+model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=True)
+load_weights(model, model_dir)
+hf = f"{out}/hf"
+export_hf(model, model_dir, hf, dtype="fp32", rank=rank)
+sample_check(model, hf, Recipe(output_dir=out, export=ExportConfig(check_max_new_tokens=4)), rank)
+'''
+
+
+@pytest.mark.slow
+def test_inference_check_under_tp2_equals_one_process(ms_cpu, tmp_path, tiny_hf_dir):
+    """Both TP ranks generate in step (same logits, same draws); rank 0 writes what one process writes."""
+    from finetune.config import ExportConfig, Recipe
+    from finetune.dist import RankInfo
+    from finetune.generate import load_model, sample_check
+
+    msrun = Path(sys.executable).parent / "msrun"
+    if not msrun.exists() or not shutil.which("ip"):
+        pytest.skip("msrun (mindspore) or iproute2 missing")
+    src = tiny_hf_dir(vocab_size=151936)  # the real tokenizer's ids
+    (tmp_path / "check_worker.py").write_text(CHECK_WORKER)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
+           "--join", "True", "--log_dir", str(tmp_path / "logs"), str(tmp_path / "check_worker.py"), str(REPO),
+           str(src), str(tmp_path / "tp2")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert proc.returncode == 0, proc.stdout[-2000:] + logs
+    model, _, _ = load_model(src, "cpu")
+    (tmp_path / "one").mkdir()
+    one = sample_check(model, tmp_path / "tp2" / "hf", Recipe(output_dir=str(tmp_path / "one"),
+                                                               export=ExportConfig(check_max_new_tokens=4)), RankInfo())
+    got = (tmp_path / "tp2" / "samples.jsonl").read_text(encoding="utf-8")
+    assert got == one.read_text(encoding="utf-8") and len(got.splitlines()) == 5

@@ -91,3 +91,22 @@ def test_module_main_fails_the_image_build_on_a_mismatch(tmp_path):
     r = subprocess.run([sys.executable, "-m", "finetune.native"], env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "native ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_worker_start_refuses_mindspore_of_another_architecture(tmp_path, monkeypatch, capsys):
+    """A rank whose MindSpore cannot load here says why and how to fix it before `import mindspore`."""
+    import json
+
+    from finetune import native, worker
+    from finetune.config import load_recipe, to_dict
+
+    other = "x86_64" if native.host_machine() == "aarch64" else "aarch64"
+    monkeypatch.setattr(native, "host_machine", lambda: other)
+    monkeypatch.delenv("MS_ROLE", raising=False)
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(worker, "apply_binding", lambda: None)
+    cfg = tmp_path / "plan.json"
+    cfg.write_text(json.dumps({"recipe": to_dict(load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "o")}))}))
+    assert worker.main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"this machine is {other}" in err and "MINDSPORE_WHEEL=" in err

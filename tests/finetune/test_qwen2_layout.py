@@ -57,11 +57,12 @@ def test_tp_problems_are_all_reported_at_once():
     assert tp_problems(cfg, 3) == []
     problems = tp_problems(cfg, 4, vocab_parallel=True)
     assert len(problems) == 3, problems  # heads, kv heads (4 > 3, not a multiple), vocab
-    assert any("num_attention_heads=6" in p for p in problems) and any("vocab_parallel=false" in p for p in problems)
-    with pytest.raises(ValueError, match=r"parallel.tp=4 must divide num_attention_heads=6.*e.g. parallel.tp=3"):
+    assert "num_attention_heads=6" in problems[0][0] and "vocab_parallel=false" in problems[2][1]
+    with pytest.raises(ValueError, match=r"parallel.tp=4 must divide num_attention_heads=6 \(e.g. parallel.tp=3\)"):
         tp_layout(cfg, 4, 0)
     # tp <= kv heads that it does not divide: 6 heads, 6 kv heads, tp 4 -> caught (the model missed it)
-    assert any("num_key_value_heads=6" in p for p in tp_problems(dict(cfg, num_key_value_heads=6), 4))
+    assert any("num_key_value_heads=6" in p for p, _ in tp_problems(dict(cfg, num_key_value_heads=6), 4))
+    assert tp_problems(QWEN7B, 4) == [] and tp_problems(dict(QWEN7B, num_attention_heads=32), 8) == []  # kv copies
 
 
 def test_layout_modules_import_no_mindspore():

@@ -28,8 +28,21 @@ def _losses(out):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    assert run(_recipe(out)) == 0
+    assert run(_recipe(out, **{"train.profile_steps": "2,3"})) == 0
     return out
+
+
+def test_logged_steps_carry_mfu_time_breakdown_memory_and_eval(straight):
+    """Issue 12 items 1, 3, 6: the record keys the reports read, the held-out eval at the end, the profile."""
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert 0 < r["mfu"] < 1 and r["peak_memory_bytes"] > 2**20
+        times = [r[f"time_{k}_s"] for k in ("data", "fwd_bwd", "optimizer", "comm")]
+        assert all(x >= 0 for x in times) and r["time_fwd_bwd_s"] > 0
+    assert [r["step"] for r in records if "eval_loss" in r] == [6]  # eval_every 20 > 6 steps: at the end only
+    assert records[-1]["eval_tokens"] > 0 and 0 < records[-1]["eval_loss"] < 20
+    assert (straight / "profile" / "rank0.prof").stat().st_size > 0
+    assert "accumulate" in (straight / "profile" / "rank0.txt").read_text()
 
 
 def test_straight_run_writes_metrics_checkpoints_and_export(straight):
@@ -76,3 +89,94 @@ def test_fp16_trains_with_dynamic_loss_scaling(tmp_path):
 def test_bf16_on_cpu_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="train.precision=fp32"):
         run(_recipe(tmp_path, **{"train.precision": "bf16"}))
+
+
+def test_the_worker_does_not_create_the_tiny_model(tmp_path):
+    """The launcher creates it (model.init); a worker without a model directory says what to set."""
+    with pytest.raises(FileNotFoundError, match="MODEL_DIR"):
+        run(load_recipe("tiny-cpu", {"output_dir": str(tmp_path), **FAST}))
+    assert not (tmp_path / "base-model").exists()
+
+
+def test_a_finished_run_continued_with_more_steps_equals_one_longer_run(tmp_path):
+    """Issue 10 item 7: the final checkpoint holds the data position of the next step, not one further."""
+    const = {"train.schedule": "constant", "train.warmup_steps": "0", "train.save_every": "0"}
+    assert run(_recipe(tmp_path / "long", **const)) == 0
+    short = tmp_path / "short"
+    assert run(_recipe(short, **{**const, "train.max_steps": "3"})) == 0
+    assert run(_recipe(short, **const)) == 0
+    assert len(_losses(short)) == 6
+    assert _losses(short) == _losses(tmp_path / "long")
+
+
+def test_a_diverging_run_stops_nonzero_and_exports_nothing(tmp_path, capsys):
+    """Issue 10 item 5: train.max_bad_steps consecutive non-finite steps end the run (exit 3)."""
+    out = tmp_path / "diverged"
+    assert run(_recipe(out, **{"train.lr": "1e38", "train.max_bad_steps": "2", "train.save_every": "0"})) == 3
+    text = capsys.readouterr().out
+    assert "2 consecutive steps with non-finite gradients, the last at step 3 (loss scale 1)" in text
+    assert "train.lr" in text and "train.max_bad_steps" in text
+    assert not (out / "hf").exists() and not list(out.glob("checkpoints/step_*"))
+
+
+def test_a_step_reads_the_device_only_for_the_norm_and_at_sync_points(tmp_path, monkeypatch):
+    """Issue 12 item 8: no loss copy per micro-batch and no stop all-reduce per step; the step's
+    only device-to-host read is the gradient norm, plus one read at a logged step."""
+    import mindspore as ms
+
+    from finetune.dist import init_distributed
+    from finetune.progress import Reporter
+    from finetune.train import StopFlag, train_loop
+    from finetune.trainer import setup
+
+    recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
+                                  "train.grad_accum": "2", "data.val_size": "0"})
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
+    reporter = Reporter(trainer)
+    reads = []
+    for name in ("asnumpy", "_item", "_tolist"):
+        original = getattr(ms.Tensor, name)
+        monkeypatch.setattr(ms.Tensor, name, lambda self, *a, _f=original, **k: (reads.append(trainer.step),
+                                                                                 _f(self, *a, **k))[1])
+    assert train_loop(trainer, reporter, StopFlag()) == 0
+    # the norm of steps 1..4 is read while trainer.step is 0..3; the logged step 4 adds one read
+    assert reads == [0, 1, 2, 3, 4]
+
+
+def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
+    """Every validation sample once: the shares of 1, 2 or 3 DP ranks and micro-batch sizes 1 or 4 sum
+    to the same loss and tokens (the DP sum itself is dist.dp_totals, the loss all-reduce)."""
+    import mindspore as ms
+
+    from finetune.data.cache import VAL_INDEX
+    from finetune.data.batching import BatchLoader
+    from finetune.data.template import IGNORE
+    from finetune.dist import RankInfo
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.trainer import BATCH_KEYS
+
+    config = json.loads((straight / "base-model" / "config.json").read_text())
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo())
+    cache = next(p.parent for p in (straight / "data").rglob(VAL_INDEX))
+    results = []
+    for dp, mbs in ((1, 1), (2, 4), (3, 2)):
+        loss = tokens = 0.0
+        for r in range(dp):
+            loader = BatchLoader(cache, 128, mbs, 1, dp, r, 42, index_name=VAL_INDEX)
+            for mb in loader.eval_micro_batches():
+                loss += float(model(*(ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS)).asnumpy())
+                tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
+        results.append((loss / tokens, tokens))
+    assert results[0][1] > 0 and all(n == results[0][1] for _, n in results)
+    np.testing.assert_allclose([x for x, _ in results], results[0][0], rtol=1e-5)
+
+
+def test_early_stop_when_the_eval_loss_stops_improving(tmp_path, capsys):
+    """train.early_stop_patience=1 with a learning rate too small to move the eval loss: stop at the
+    second evaluation, then the usual final checkpoint and export."""
+    out = tmp_path / "early"
+    assert run(_recipe(out, **{"train.lr": "1e-12", "train.eval_every": "1", "train.early_stop_patience": "1",
+                              "train.save_every": "0"})) == 0
+    assert "early stop at step 2" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (out / "checkpoints" / "step_00000002").is_dir() and (out / "hf").is_dir()

@@ -18,23 +18,34 @@ import pytest
 from launcher_fakes import make_sys
 
 import launcher.__main__ as lm
-from finetune.config import ASSETS_DIR, REPO_ROOT
-
-TIED = REPO_ROOT / "tests/finetune/golden/tied"  # a real tiny Qwen2 model (config.json + model.safetensors)
-
+from finetune.tiny import ensure_tiny_model
 
 def _model(root: Path, name: str = "model") -> Path:
+    """The tiny Qwen2 model with the real Qwen2.5 tokenizer; variants copy it (weights linked, unless changed)."""
+    good = root / "model"
+    ensure_tiny_model(good, {"num_hidden_layers": 1})
+    if name == "model":
+        return good
     d = root / name
-    shutil.copytree(TIED, d)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ASSETS_DIR / "tokenizer" / f, d / f)
+    d.mkdir()
+    for f in good.iterdir():
+        if f.name == "model.safetensors":
+            (d / f.name).symlink_to(f)
+        else:
+            shutil.copyfile(f, d / f.name)
     return d
+
+
+def _unlinked(w: Path) -> bytes:
+    data = w.read_bytes()
+    w.unlink()
+    return data
 
 
 def _truncated(root: Path) -> Path:
     d = _model(root, "truncated")
     w = d / "model.safetensors"
-    w.write_bytes(w.read_bytes()[:-100])  # a download cut short
+    w.write_bytes(_unlinked(w)[:-100])  # a download cut short
     return d
 
 
@@ -59,7 +70,15 @@ def _no_tokenizer(root: Path) -> Path:
 
 def _garbage_weights(root: Path) -> Path:
     d = _model(root, "garbage")
+    _unlinked(d / "model.safetensors")
     (d / "model.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{")
+    return d
+
+
+def _other_tokenizer(root: Path) -> Path:
+    d = _model(root, "othertok")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": 256}))  # a tokenizer of another model
     return d
 
 
@@ -151,12 +170,15 @@ CASES = [
     ("model-llama", {"MODEL_DIR": "{tmp}/llama"}, [], 1, ["LlamaForCausalLM is not supported", "Qwen2ForCausalLM",
                                                           "Qwen2 or Qwen2.5 model"]),
     ("model-no-tokenizer", {"MODEL_DIR": "{tmp}/notok"}, [], 1, ["missing tokenizer.json", "MODEL_DIR must be"]),
+    ("model-other-tokenizer", {"MODEL_DIR": "{tmp}/othertok"}, [], 1,
+     ["othertok/tokenizer.json: has token ids up to 151664, config.json's vocab_size is 256",
+      "use the tokenizer that came with the model"]),
     ("data-missing", {"DATA": "{tmp}/nope.jsonl"}, [], 1, ["not found:", "nope.jsonl", "fix DATA"]),
     ("data-one-json-object", {"DATA": "{tmp}/one.json"}, [], 1, ["one.json: line", "not valid JSON",
                                                                  "one complete JSON object"]),
 ]
 
-FIXTURES = (_model, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights, _one_json_object,
+FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights, _one_json_object,
             _hostfile, _a_file)
 
 
@@ -169,6 +191,7 @@ def inputs(tmp_path_factory) -> Path:
 
 
 def _tree(d: Path) -> dict[str, tuple[int, int]]:
+    """Every entry with size and mtime (a refused run creates not even the job lock)."""
     return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
 
 

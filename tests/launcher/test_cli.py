@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -94,3 +95,29 @@ def test_a_problem_from_a_recipe_line_names_the_file_and_line(tmp_path, capsys):
     assert f"{recipe}:2: train.lr='fast': expected a finite number (e.g. train.lr=2e-5)" in err
     assert f"{recipe}:3: train.epochs=0: must be >= 1 (e.g. train.epochs=1)" in err
     assert re.search(r"^  - train.warmup_steps=-1: must be >= 0", err, re.M)  # from the command line: no file
+
+
+def test_every_declared_make_target_has_a_rule_and_each_command_a_target():
+    text = (REPO_ROOT / "Makefile").read_text()
+    phony = {t for line in re.findall(r"^\.PHONY:(.*)$", text, re.M) for t in line.split()}
+    rules = set(re.findall(r"^([\w-]+):", text, re.M))
+    assert phony <= rules, f"declared without a rule: {sorted(phony - rules)}"
+    assert set(lm.COMMANDS) <= rules
+
+
+def test_plan_leaves_a_running_jobs_plan_alone(tmp_path, capsys):
+    """A job's restarts read its plan.json: plan prints, but does not overwrite it while the job holds the lock."""
+    from launcher import lock
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "plan.json").write_text('{"running": true}')
+    fd = lock.acquire(out)
+    try:
+        assert lm.main(["plan", "--json", f"OUTPUT_DIR={out}"], cpu_host(tmp_path)) == 0
+    finally:
+        lock.release(fd)
+    res = capsys.readouterr()
+    assert json.loads(res.out)["topology"]["world_size"] == 1
+    assert "plan.json not written: OUTPUT_DIR" in res.err and f"pid {os.getpid()}" in res.err
+    assert (out / "plan.json").read_text() == '{"running": true}'

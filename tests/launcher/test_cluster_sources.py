@@ -5,11 +5,12 @@ import json
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 
 from finetune.config import load_recipe
-from launcher import ascendjob, cluster
+from launcher import ascendjob, cluster, launch
 
 ME = {"job-worker-1", "job-worker-1.job", "10.0.0.12"}
 
@@ -140,7 +141,7 @@ def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
                MS_SCHED_PORT=str(free_port()))
     clus = cluster.detect(env, me=ME)
     recipe = load_recipe("qwen2.5-7b-full", {k: str(v) for k, v in clus.overrides().items()})
-    plan = {"recipe": {"launch": {}}, "topology": {"world_size": 16}, "ranks": [], "binding": {"ranks": []},
+    plan = {"recipe": {"launch": {}, "train": {}}, "topology": {"world_size": 16}, "ranks": [], "binding": {"ranks": []},
             "worker_env": {}, "sources": {}}
     argv, *_ = ascendjob.scheduler_only(recipe, clus, plan, {}, tmp_path)
     argv = [*argv[:argv.index("--cluster_time_out") + 2], str(stub)]
@@ -155,3 +156,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def test_supervise_waits_for_a_scheduler_only_msrun(tmp_path):
+    """No local ranks (the AscendJob Scheduler pod): the job lasts as long as msrun, not a finish grace."""
+    done = tmp_path / "done"
+    argv = [sys.executable, "-c", f"import pathlib, time; time.sleep(1.0); pathlib.Path({str(done)!r}).touch()"]
+    rc = launch.supervise(argv, dict(os.environ), tmp_path / "logs", 0, log=lambda m: None, under_msrun=True,
+                          ranks=range(0), poll_s=0.05, finish_grace_s=0.2)
+    assert rc == 0 and done.exists()

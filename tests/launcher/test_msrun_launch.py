@@ -58,7 +58,8 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
     assert plan["worker_env"]["AF_CPU_BIND_7"] == "156-167" and plan["worker_env"]["AF_BIND_MODE"] == "affinity"
     assert "explicit NNODES, NODE_RANK, MASTER_ADDR" in plan["sources"]["cluster"]
     assert "rank 7 (NPU 7, NUMA node 6): CPU affinity 156-167" in out.out
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]  # plan writes the plan, nothing else
+    # the plan, nothing else: the job lock of node 1 is checked, no lock file created
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plan.json"]
     assert json.loads((tmp_path / "out/plan.json").read_text()) == plan
 
 
@@ -135,17 +136,20 @@ def test_bad_settings_exit_2_listing_all(tmp_path, capsys):
 
 
 STUB = textwrap.dedent("""
-    import json, os, pathlib, sys
+    import os, pathlib, sys
+    from finetune.lifecycle import run_rank
     state = pathlib.Path(sys.argv[1])
     logs = pathlib.Path(sys.argv[2])
     n = int(state.read_text()) if state.exists() else 0
     state.write_text(str(n + 1))
-    logs.mkdir(parents=True, exist_ok=True)
-    (logs / "worker_0.log").write_text("step 1 loss 2.0\\n")
-    if n == 0:
-        (logs / "worker_1.log").write_text("step 1\\nTraceback (most recent call last):\\nValueError: boom\\n")
-        sys.exit(3)
-    print("resumed", os.environ.get("AF_BIND_MODE"))
+
+    def main():
+        print("step 1 loss 2.0", flush=True)
+        if n == 0:
+            raise ValueError("boom")
+        print("resumed", os.environ.get("AF_BIND_MODE"))
+
+    sys.exit(run_rank(logs, 0, main))
 """)
 
 
@@ -160,13 +164,13 @@ def test_restart_after_a_failing_worker(tmp_path):
                           restart_delay_s=0)
     assert rc == 0 and (tmp_path / "state").read_text() == "2"
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom" in text and "restart 1/1" in text
+    assert "first failing: rank 0: ValueError: boom" in text and "restart 1/1" in text
 
 
 def test_no_restarts_left_returns_the_job_exit_code(tmp_path):
     lines: list[str] = []
     rc = launch.supervise(stub(tmp_path), dict(os.environ), tmp_path / "logs", max_restarts=0, log=lines.append)
-    assert rc == 3 and (tmp_path / "state").read_text() == "1"
+    assert rc == 1 and (tmp_path / "state").read_text() == "1"
 
 
 def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys, monkeypatch):
@@ -180,10 +184,11 @@ def test_train_end_to_end_with_a_stub_and_shell_metacharacters(tmp_path, capsys,
                              sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"),
                              command=stub(tmp_path, tmp_path / "out/logs"))
     assert rc == 0, out.out + out.err
+    assert "NPU monitor: off (no NPU on this host)" in out.out
     assert not list(tmp_path.glob("pwned*"))
     saved = json.loads((tmp_path / "out/plan.json").read_text())
     assert saved["recipe"]["launch"]["master_addr"] == evil and saved["worker_env"]["HCCL_SOCKET_IFNAME"] == evil
-    assert "first failing rank: 1" in out.out and "ValueError: boom" in out.out
+    assert "first failing: rank 0: ValueError: boom" in out.out
     assert "resumed numactl" in out.out or "resumed affinity" in out.out
 
 
@@ -204,7 +209,7 @@ def sigterm_launcher(tmp_path: Path, argv: list[str], workers_only: bool) -> int
     mark = tmp_path / "mark"
     code = (f"import os, sys; from launcher.launch import supervise; "
             f"sys.exit(supervise({argv!r}, dict(os.environ), __import__('pathlib').Path({str(tmp_path)!r}), "
-            f"max_restarts=3, signal_workers_only={workers_only}))")
+            f"max_restarts=3, under_msrun={workers_only}))")
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     deadline = time.time() + 20
     while not (mark.exists() and mark.read_text() == "ready") and time.time() < deadline:
@@ -251,10 +256,19 @@ def test_worker_applies_its_binding(tmp_path, mode):
 
 
 MS_STUB = textwrap.dedent("""
-    import os, sys
-    print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
-    if os.environ.get("RANK_ID") == "1":
-        raise ValueError("boom from rank 1")
+    import os, pathlib, sys, time
+    from finetune.lifecycle import run_rank
+
+    def main():
+        print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)
+        if os.environ.get("RANK_ID") == "1":
+            done = pathlib.Path(sys.argv[0]).parent / "logs/ranks/rank_00000.json"
+            while '"exited"' not in (done.read_text() if done.exists() else ""):  # rank 0 first: its log is checked
+                time.sleep(0.1)
+            raise ValueError("boom from rank 1")
+
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        sys.exit(run_rank(pathlib.Path(sys.argv[0]).parent / "logs", int(os.environ["RANK_ID"]), main))
 """)
 
 
@@ -270,10 +284,11 @@ def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
     argv = launch.msrun_argv(r, 2, tmp_path / "plan.json", tmp_path / "logs", worker_script=tmp_path / "w.py")
     lines: list[str] = []
     env = launch.worker_env(os.environ, {})
-    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append)
-    assert rc != 0
+    rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append,
+                          under_msrun=True, ranks=[0, 1])
+    assert rc == 1
     text = "\n".join(lines)
-    assert "first failing rank: 1" in text and "ValueError: boom from rank 1" in text
+    assert "first failing: rank 1: ValueError: boom from rank 1" in text
     assert "local 0" in (tmp_path / "logs/worker_0.log").read_text()
 
 
@@ -299,12 +314,13 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
     rc, plan, out = run_main(["train"], capsys, env={"DRY_RUN": "1", "OUTPUT_DIR": str(tmp_path / "o")},
                              dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
     assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
-    assert not (tmp_path / "state").exists() and [p.name for p in (tmp_path / "o").iterdir()] == ["plan.json"]
+    assert not (tmp_path / "state").exists() and (tmp_path / "o/plan.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["plan.json"]
 
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):
     seen = {}
-    monkeypatch.setattr("launcher.render.main", lambda args, overrides, recipe_arg:
+    monkeypatch.setattr("launcher.render.main", lambda args, env, overrides, recipe_arg:
                         seen.setdefault("render", (args, overrides, recipe_arg)) and 0)
     monkeypatch.setattr(lm.subprocess, "call", lambda argv, env: seen.setdefault("generate", argv) and 0)
     (tmp_path / "dev").mkdir()
@@ -314,4 +330,12 @@ def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypat
     assert seen["render"] == (["--nodes", "2", "volcano"], ["train.lr=1e-4"], "tiny-cpu")
     assert lm.main(["generate", "--prompt", "hi; rm -rf /"], lm.Host(**host)) == 0
     assert seen["generate"][0] == sys.executable and seen["generate"][-2:] == ["--prompt", "hi; rm -rf /"]
-    assert seen["generate"][2:4] == ["--model-dir", str(tmp_path / "base-model")]  # no export yet: the base model
+    # the export, the base model only when generate is given --base (it refuses a missing export); the
+    # recipe's device, and for export its dtype (tiny-cpu: fp32) unless the command line says otherwise
+    assert seen["generate"][1:8] == [str(lm.GENERATE), "--device", "cpu", "--finetuned", str(tmp_path / "hf"),
+                                     "--base-model", str(tmp_path / "base-model")]
+    del seen["generate"]
+    assert lm.main(["export", "--checkpoint", "step_4", "--dtype", "bf16"], lm.Host(**host)) == 0
+    assert seen["generate"][1:] == [str(lm.TOOLS["export"]), "--output-dir", str(tmp_path),
+                                    "--model-dir", str(tmp_path / "base-model"), "--dtype", "fp32", "--shard-size",
+                                    "2GB", "--checkpoint", "step_4", "--dtype", "bf16"]

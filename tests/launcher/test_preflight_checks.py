@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 from collections import namedtuple
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from launcher_fakes import make_dev, recorded_npu_smi
 
-from finetune.config import load_recipe
+from finetune.config import ASSETS_DIR, load_recipe
 from finetune.memory import MemoryEstimate
 from launcher import devices, preflight
 
@@ -24,7 +25,7 @@ def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors"
     d = root / "model"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    (d / "tokenizer.json").write_text("{}")
+    shutil.copyfile(ASSETS_DIR / "tokenizer/tokenizer.json", d / "tokenizer.json")  # the real Qwen2.5 tokenizer
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
     for s in (shards if present is None else present):
@@ -116,6 +117,15 @@ def test_disk_too_small(tmp_path, monkeypatch):
     assert "OUTPUT_DIR" in r.fix
 
 
+def test_disk_counts_the_checkpoint_being_written_and_the_export(tmp_path, monkeypatch):
+    """7.6 B params, keep 2: three checkpoints of 16 B/param exist at the peak, plus the bf16 export (~355 GiB)."""
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 300 * 2**30))
+    (r,) = fails(ctx(tmp_path, npu=False, **{"train.keep_checkpoints": "2", "export.dtype": "bf16"}), "disk")
+    assert "x 3 checkpoints (keep_checkpoints 2 + the one being written) + export" in r.detail
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 400 * 2**30))
+    assert not fails(ctx(tmp_path, npu=False, **{"train.keep_checkpoints": "2", "export.dtype": "bf16"}), "disk")
+
+
 def test_param_count_qwen7b():
     assert 7.5e9 < preflight.param_count(QWEN7B) < 7.7e9
 
@@ -186,11 +196,28 @@ def test_network_real_port_probe(tmp_path):
 
 @pytest.mark.parametrize("over,nproc,msg", [
     ({"parallel.tp": "4", "launch.nnodes": "2"}, 2, "TP=4 does not divide NPROC_PER_NODE=2"),
-    ({"parallel.tp": "8"}, 8, "TP=8 does not divide num_attention_heads=28"),
+    ({"parallel.tp": "8"}, 8, "parallel.tp=8 must divide num_attention_heads=28"),
 ])
 def test_world_layout(atlas, over, nproc, msg):
     c = ctx(atlas, nproc=nproc, nnodes=int(over.get("launch.nnodes", 1)), **over)
     assert any(msg in r.detail for r in fails(c, "layout")), preflight.table(rows(c, "layout"))
+
+
+def test_tp_beyond_the_kv_heads_is_a_valid_layout(tmp_path):
+    """TP=8 with 4 KV heads: each KV head is copied on two ranks (the model supports it)."""
+    assert not fails(ctx(tmp_path, cfg=dict(QWEN7B, num_attention_heads=32), nproc=8, **{"parallel.tp": "8"}),
+                     "layout")
+
+
+def test_layout_of_the_tiny_model_before_it_is_created(tmp_path):
+    """No config.json yet: the sizes are the tiny defaults with the recipe's model.init on top."""
+    for tp, nproc, bad in ((3, 3, True), (2, 2, False)):
+        (tmp_path / str(tp)).mkdir()
+        c = ctx(tmp_path / str(tp), npu=False, nproc=nproc, **{"parallel.tp": str(tp)})
+        c.recipe.model.dir = str(tmp_path / "not-yet")
+        assert c.recipe.model.init and preflight.model_config(c.recipe) is None
+        got = [r.detail for r in fails(c, "layout")]
+        assert (["parallel.tp=3 must divide num_attention_heads=4"] == got[:1]) if bad else not got, got
 
 
 def test_vocab_parallel_needs_tp_dividing_the_vocab(tmp_path):
@@ -222,3 +249,18 @@ def test_network_multi_node_master_at_loopback(tmp_path, rank):
     """The default 127.0.0.1 cannot be reached from the other nodes: every node fails, with the docker flags."""
     c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.node_rank": rank})
     assert "-e MASTER_ADDR=<node-0 IP> -e NODE_RANK=<0..1>" in fails(c, "network")[0].fix
+
+
+def test_model_template_row_names_a_changed_chat_template(tmp_path):
+    """A model dir whose own chat template writes tool results differently is named before training."""
+    c = ctx(tmp_path, npu=False)
+    d = Path(c.recipe.model.dir)
+    c.recipe.model.init = None
+    assert [r.status for r in rows(c, "template")] == ["ok"]  # no template of its own: nothing to compare
+    cfg = json.loads((ASSETS_DIR / "tokenizer" / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert [r.status for r in rows(c, "template")] == ["ok"]  # Qwen2.5-Instruct's own template
+    cfg["chat_template"] = cfg["chat_template"].replace("<tool_response>", "<observation>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (r,) = rows(c, "template")
+    assert r.status == "warn" and "<observation>" in r.detail and "template" in r.fix

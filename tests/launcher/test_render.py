@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import launcher.__main__ as lm
-from launcher import render
+from launcher import lock, render
 from launcher_fakes import recorded_npu_smi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +74,18 @@ def env_of(c: dict) -> dict:
     return {e["name"]: e["value"] for e in c["env"]}
 
 
+def planned(host: lm.Host, capsys, *args: str) -> dict:
+    """`plan` on the host; the plan JSON it prints."""
+    assert lm.main(["plan", *args], host) == 0
+    text = capsys.readouterr().out
+    return json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+
+
+def msrun_options(plan: dict) -> dict[str, str]:
+    argv = plan["msrun_argv"]
+    return {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
+
+
 def errors(job: dict, crd: str) -> list[str]:
     return [f"{list(e.absolute_path)}: {e.message}" for e in crd_validator(crd).iter_errors(job)]
 
@@ -98,8 +110,8 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     assert c["resources"] == {"requests": {"cpu": "96", "memory": "512Gi", "huawei.com/Ascend910": 8},
                               "limits": {"memory": "512Gi", "huawei.com/Ascend910": 8}}
     assert env_of(c) == {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",
-                         "DATA": "/data/sft/train.jsonl", "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft",
-                         "NPROC_PER_NODE": "8", "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
+                         "DATA": "/data/sft/train.jsonl",
+                         "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft", "NPROC_PER_NODE": "8", "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert vols[mounts["/dev/shm"]["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
@@ -110,23 +122,22 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     assert vols[mounts["/data"]["name"]]["hostPath"]["path"] == "/data"
 
 
-def test_pod_one_of_the_rendered_job_plans_itself_node_one(tmp_path: Path, atlas: Path, capsys) -> None:
-    """The rendered env plus what Volcano's env and svc plugins add on pod 1 (VC_TASK_INDEX=1, hosts)."""
+@pytest.mark.parametrize("pod", [0, 1])
+def test_each_pod_of_the_rendered_job_plans_its_own_node(tmp_path: Path, atlas: Path, capsys, pod: int) -> None:
+    """The rendered env plus what Volcano's env and svc plugins add on pod i (VC_TASK_INDEX=i, the hosts)."""
     job = rendered(tmp_path, 2)
     name = job["metadata"]["name"]
     hosts = [f"{name}-worker-{i}.{name}" for i in range(2)]
-    pod_env = {**env_of(container(job)), "VC_TASK_INDEX": "1", "VK_TASK_INDEX": "1",
+    pod_env = {**env_of(container(job)), "VC_TASK_INDEX": str(pod), "VK_TASK_INDEX": str(pod),
                "VC_WORKER_HOSTS": ",".join(hosts), "VC_WORKER_NUM": "2"}
     host = lm.Host(env=pod_env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys",
-                   npu_smi=recorded_npu_smi, identities={f"{name}-worker-1", "10.244.1.7"})
+                   npu_smi=recorded_npu_smi, identities={f"{name}-worker-{pod}", f"10.244.{pod}.7"})
     # output_dir: plan may write plan.json, and /data is the pods' volume, not this machine's
-    assert lm.main(["plan", f"output_dir={tmp_path}/o"], host) == 0
-    text = capsys.readouterr().out
-    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
+    plan = planned(host, capsys, f"output_dir={tmp_path}/o")
     t = plan["topology"]
-    assert (t["nnodes"], t["node_rank"], t["master_addr"], t["world_size"]) == (2, 1, hosts[0], 16)
+    assert (t["nnodes"], t["node_rank"], t["master_addr"], t["world_size"]) == (2, pod, hosts[0], 16)
     assert plan["sources"]["cluster"].startswith("volcano:")
-    assert plan["msrun_argv"][plan["msrun_argv"].index("--node_rank") + 1] == "1"
+    assert msrun_options(plan)["--node_rank"] == str(pod)
 
 
 def test_overrides_given_to_render_reach_the_manifest(tmp_path: Path) -> None:
@@ -255,11 +266,8 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
     host = lm.Host(env=operator_pod_env("Scheduler", "scheduler.json"), dev_dir=tmp_path / "dev", root=tmp_path,
                    sys_root=tmp_path / "sys", npu_smi=None, identities={"10.244.3.15"}, command=stub)
     out_dir = tmp_path / "o"
-    assert lm.main(["plan", f"output_dir={out_dir}"], host) == 0
-    text = capsys.readouterr().out
-    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
-    argv = plan["msrun_argv"]
-    opt = {argv[i]: argv[i + 1] for i in range(1, 15, 2)}
+    plan = planned(host, capsys, f"output_dir={out_dir}")
+    argv, opt = plan["msrun_argv"], msrun_options(plan)
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--master_port"]) == \
         ("16", "0", "10.244.3.15", "8118")
     assert argv[-1] == str(out_dir / "plan-scheduler.json") and plan["ranks"] == []
@@ -271,7 +279,9 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
     rows = capsys.readouterr().out
     checks = [line.split()[1] for line in rows.splitlines()[1:] if line.split()[0] in ("ok", "warn", "fail")]
     assert checks == ["role", "network", "layout"] and "fail" not in rows
+    worker0 = lock.acquire(out_dir, 0, 2)  # Worker pod 0 runs on the same shared OUTPUT_DIR
     assert lm.main(["train", f"output_dir={out_dir}", port], host) == 0
+    lock.release(worker0)
     assert json.loads(seen.read_text())[1:] == ["--config", str(out_dir / "plan-scheduler.json")]
     assert json.loads((out_dir / "plan-scheduler.json").read_text())["topology"]["nproc_per_node"] == 0
     assert not (out_dir / "data").exists() and not (out_dir / "plan.json").exists()
@@ -280,11 +290,8 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
 def test_ascendjob_worker_pod_is_node_of_its_index(tmp_path: Path, atlas: Path, capsys) -> None:
     host = lm.Host(env=operator_pod_env("Worker", "worker-1.json"), dev_dir=atlas / "dev", root=atlas,
                    sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities={"10.244.5.9"})
-    assert lm.main(["plan", f"output_dir={tmp_path}/o"], host) == 0
-    text = capsys.readouterr().out
-    plan = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0]
-    argv = plan["msrun_argv"]
-    opt = {argv[i]: argv[i + 1] for i in range(1, 15, 2)}
+    plan = planned(host, capsys, f"output_dir={tmp_path}/o")
+    opt = msrun_options(plan)
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--node_rank"]) == \
         ("16", "8", "10.96.41.7", "1")  # the Service IP is not this pod: msrun starts no scheduler here
     assert [r["device"] for r in plan["ranks"]] == list(range(8))  # ASCEND_VISIBLE_DEVICES=Ascend910-0,...

@@ -26,7 +26,8 @@ def one(enc, sample):
     return res["tokens"], res["labels"]
 
 
-@pytest.mark.parametrize("name,reader", [("alpaca", alpaca_sample), ("sharegpt", sharegpt_sample)])
+@pytest.mark.parametrize("name,reader", [("alpaca", alpaca_sample), ("sharegpt", sharegpt_sample),
+                                         ("sharegpt_tools", sharegpt_sample), ("openai_tools", sharegpt_sample)])
 def test_golden_ids_and_label_mask(name, reader):
     g = GOLDEN[name]
     ids, labels = one(encoder(), reader(g["record"], "golden"))
@@ -34,6 +35,20 @@ def test_golden_ids_and_label_mask(name, reader):
     mask = (labels != IGNORE).astype(int).tolist()
     assert mask == g["label_mask"]
     assert labels[labels != IGNORE].tolist() == [i for i, m in zip(g["input_ids"], g["label_mask"]) if m]
+
+
+@pytest.mark.parametrize("name", ["sharegpt_tools", "openai_tools"])
+def test_tool_calls_are_learned_and_tool_responses_are_not(name):
+    enc = encoder()
+    ids, labels = one(enc, sharegpt_sample(GOLDEN[name]["record"], "golden"))
+    call = enc.tok.token_to_id("<tool_call>")
+    in_system = np.flatnonzero(ids == enc.sp.im_end)[0]  # the tool instructions show <tool_call> too
+    calls = np.flatnonzero(ids == call)
+    assert len(calls[calls > in_system]) >= 1 and (labels[calls[calls > in_system]] == call).all()
+    text = enc.tok.decode(ids.tolist(), skip_special_tokens=False)
+    assert text.count("<tool_response>") >= 1
+    learned = enc.tok.decode(labels[labels != IGNORE].tolist(), skip_special_tokens=False)
+    assert "<tool_response>" not in learned and "get_weather" in learned
 
 
 def _sample(turns, system=None):
@@ -87,3 +102,11 @@ def test_truncation_cuts_the_system_prompt_after_the_user_content():
     text = enc.tok.decode(ids.tolist(), skip_special_tokens=False)
     assert len(ids) == 40 and "hello there" not in text
     assert text.startswith("<|im_start|>system\n sys") and text.endswith("assistant\nans one two<|im_end|>\n")
+
+
+def test_a_tool_conversation_too_long_is_dropped_whole_never_cut():
+    rec = GOLDEN["openai_tools"]["record"]
+    full = len(GOLDEN["openai_tools"]["input_ids"])
+    res = encoder(seq_len=full - 5)([sharegpt_sample(rec, "long")])
+    assert res["reasons"] == ["cannot_fit"] and res["truncated"] == 0 and res["sizes"] == {0: full}
+    assert one(encoder(seq_len=full), sharegpt_sample(rec, "fits"))[0].tolist() == GOLDEN["openai_tools"]["input_ids"]

@@ -52,6 +52,11 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _evals(out: Path) -> list[float]:
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in records if "eval_loss" in r]
+
+
 def _hf(out: Path) -> dict[str, np.ndarray]:
     w: dict[str, np.ndarray] = {}
     for f in sorted((out / "hf").glob("*.safetensors")):
@@ -63,6 +68,9 @@ def _assert_same_run(got: Path, ref: Path) -> None:
     a, b = _losses(got), _losses(ref)
     assert len(a) == len(b) == STEPS
     np.testing.assert_allclose(a, b, rtol=1e-4)
+    ea, eb = _evals(got), _evals(ref)  # the held-out 5%: each rank's share, summed over DP
+    assert len(ea) == len(eb) == 1
+    np.testing.assert_allclose(ea, eb, rtol=1e-4)
     wa, wb = _hf(got), _hf(ref)
     assert wa.keys() == wb.keys() and wa
     for k in wa:

@@ -1,0 +1,166 @@
+"""What a logged step reports about speed: MFU, where the step's time went, device memory; the profiler.
+
+MFU convention (docs/speed.md): model FLOPs per token = 6 x (weights of every matmul, the LM head
+included, also when tied to the embedding) + 12 x layers x hidden x seq (attention scores and their
+weighted sum, forward and backward, no causal halving). Recompute is not counted. The peak is per
+device: bf16 dense from :data:`PEAK_TFLOPS` on Ascend, the measured fp32 matmul rate on CPU.
+"""
+from __future__ import annotations
+
+import cProfile
+import math
+import pstats
+import re
+import resource
+import time
+from pathlib import Path
+
+from finetune.dist import RankInfo
+from finetune.qwen2_layout import Dims, param_table
+
+# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report: the
+# per-chip figures Huawei's sales channel and public benchmark write-ups circulate. No per-chip
+# Huawei datasheet could be checked (docs/speed.md); correct a value here when yours differs.
+PEAK_TFLOPS = {"910B1": 414.0, "910B2": 376.0, "910B3": 313.0, "910B4": 280.0}
+MEMORY_TOLERANCE = 0.15  # warn when the measured peak is this far from the estimate
+
+
+def flops_per_token(config: dict, seq_len: int) -> float:
+    """Model FLOPs of one trained token (forward + backward) under the convention above."""
+    d = Dims.of(config)
+    matmul = sum(math.prod(p.shape) for p in param_table(config)
+                 if len(p.shape) == 2 and p.name != "model.embed_tokens.weight")
+    if d.tied:  # the LM head multiplies by the embedding matrix
+        matmul += d.vocab * d.hidden
+    return 6.0 * matmul + 12.0 * d.layers * d.hidden * seq_len
+
+
+def chip_name(device_name: str) -> str | None:
+    """``910B3`` from ``Ascend910B3`` (or any text naming the chip); None when unknown."""
+    m = re.search(r"910B[1-4]", device_name)
+    return m.group(0) if m else None
+
+
+def device_peak_flops(rank: RankInfo) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device or None, where the figure comes from)."""
+    import mindspore as ms
+
+    if rank.device_target == "Ascend":
+        name = ms.hal.get_device_name(rank.local_rank, "Ascend")
+        chip = chip_name(name)
+        if chip is None:
+            return None, f"no peak known for {name!r} (table: {', '.join(PEAK_TFLOPS)}): MFU not reported"
+        return PEAK_TFLOPS[chip] * 1e12, f"{chip} bf16 peak {PEAK_TFLOPS[chip]:.0f} TFLOPS (table)"
+    rate = cpu_matmul_flops()
+    return rate, f"measured fp32 matmul rate of this CPU, {rate / 1e9:.1f} GFLOPS"
+
+
+def cpu_matmul_flops(n: int = 512, repeats: int = 5) -> float:
+    """The best of ``repeats`` timed ``n x n`` fp32 MindSpore matmuls, in FLOP/s."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import ops
+
+    a = ms.Tensor(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32))
+    ops.matmul(a, a).asnumpy()  # warm-up: kernel selection
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ops.matmul(a, a).asnumpy()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def peak_memory_bytes(device_target: str) -> int:
+    """Peak device memory of this process: the allocator's maximum on Ascend, peak RSS on CPU."""
+    if device_target == "Ascend":
+        import mindspore as ms
+
+        return int(ms.runtime.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def memory_check(peak: int, estimate: int) -> str:
+    """The step-1 comparison line; a warning when off by more than :data:`MEMORY_TOLERANCE`."""
+    off = (peak - estimate) / estimate
+    line = f"peak memory {peak / 2**30:.2f} GiB at step 1 vs the estimate {estimate / 2**30:.2f} GiB ({off:+.0%})"
+    if abs(off) > MEMORY_TOLERANCE:
+        return (f"[train] warning: {line}: more than {MEMORY_TOLERANCE:.0%} off; on CPU the peak is the process RSS "
+                "(framework included); on Ascend report it with the recipe so the estimate can be fixed")
+    return f"[train] {line}"
+
+
+class StepTimer:
+    """Host wall time per phase of the steps since the last report.
+
+    On Ascend PyNative launches kernels asynchronously: a phase's time is until its last launch, and
+    the wait for the device shows up where the host first reads a result (the optimizer's norm).
+    """
+
+    PHASES = ("data", "fwd_bwd", "optimizer")
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._t = time.perf_counter()
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous mark (or start) belongs to ``phase``."""
+        now = time.perf_counter()
+        self.totals[phase] += now - self._t
+        self._t = now
+        self.steps += phase == self.PHASES[-1]
+
+    def report(self, comm_s: float) -> dict[str, float]:
+        """Mean seconds per step of each phase (``comm_s``: the optimizer's gradient reduction time);
+        resets the window."""
+        n = max(self.steps, 1)
+        out = {f"time_{k}_s": round(v / n, 6) for k, v in self.totals.items()}
+        out["time_comm_s"] = round(comm_s / n, 6)
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        return out
+
+
+class StepProfiler:
+    """``train.profile_steps: [start, end]`` on rank 0: MindSpore's profiler on Ascend, cProfile on CPU.
+
+    Steps are 1-based and inclusive; output goes to ``<output_dir>/profile``.
+    """
+
+    def __init__(self, steps: list[int], rank: RankInfo, out_dir: Path):
+        self.first, self.last = (steps[0], steps[1]) if steps and rank.is_main else (0, -1)
+        self.rank, self.dir = rank, out_dir / "profile"
+        self._prof = None
+
+    def before(self, step: int) -> None:
+        """Called before step ``step`` runs."""
+        if step != self.first:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.rank.device_target == "Ascend":
+            from mindspore import Profiler
+
+            self._prof = Profiler(output_path=str(self.dir))
+        else:
+            self._prof = cProfile.Profile()
+            self._prof.enable()
+
+    def after(self, step: int) -> None:
+        """Called after step ``step`` ran."""
+        if step != self.last or self._prof is None:
+            return
+        if isinstance(self._prof, cProfile.Profile):
+            self._prof.disable()
+            self._prof.dump_stats(str(self.dir / "rank0.prof"))
+            with (self.dir / "rank0.txt").open("w") as f:
+                pstats.Stats(self._prof, stream=f).sort_stats("cumulative").print_stats(40)
+            where = f"{self.dir / 'rank0.prof'} (top functions in rank0.txt)"
+        else:
+            self._prof.analyse()
+            where = str(self.dir)
+        self._prof = None
+        self.rank.log(f"[train] profile of steps {self.first}-{self.last} written to {where}")

@@ -1,0 +1,80 @@
+"""What the loop reports at a sync point: the step record (loss, speed, MFU, time breakdown, memory),
+the eval loss, and rank 0's outputs (metrics.jsonl, TensorBoard, the console, the end summary)."""
+from __future__ import annotations
+
+import time
+
+import mindspore as ms
+
+from finetune.data.template import IGNORE
+from finetune.dist import dp_totals
+from finetune.memory import memory_estimate
+from finetune.metrics import MetricsWriter, progress_line, read_metrics
+from finetune.perf import StepTimer, device_peak_flops, flops_per_token, memory_check, peak_memory_bytes
+from finetune.report import ReportWriter, run_title
+from finetune.trainer import BATCH_KEYS, Trainer
+
+
+class Reporter:
+    """Builds the records of one run; rank 0 writes them (other ranks compute the same numbers)."""
+
+    def __init__(self, t: Trainer):
+        rank, recipe = t.rank, t.recipe
+        self.model_config = t.model.config.to_dict()
+        self.flops_per_token = flops_per_token(self.model_config, recipe.data.seq_len)
+        self.peak_flops, source = device_peak_flops(rank)
+        rank.log(f"[train] MFU: {self.flops_per_token / 1e9:.3f} GFLOPs per token against {source}")
+        self.timer = StepTimer()
+        self.window = (time.time(), t.tokens_seen)  # start of the tokens/s window
+        self.memory_checked = False
+        self.metrics = self.report = None
+        if rank.is_main:
+            self.metrics = MetricsWriter(t.out / "metrics.jsonl", t.step)
+            self.report = ReportWriter(t.out, run_title(recipe, rank.tp, rank.dp, recipe.parallel.pp),
+                                       recipe.train.tensorboard, t.step)
+
+    def step_record(self, t: Trainer, loss: float, lr: float, grad_norm: float, loss_scale: float) -> dict:
+        """The logged step's record: loss, lr, grad norm, tokens/s, MFU, time per phase, peak memory."""
+        now = time.time()
+        tokens_per_s = (t.tokens_seen - self.window[1]) / max(now - self.window[0], 1e-9)
+        self.window = (now, t.tokens_seen)
+        peak = peak_memory_bytes(t.rank.device_target)
+        record = {"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale, "peak_memory_bytes": peak,
+                  **self.timer.report(t.opt.take_comm_s())}
+        if self.peak_flops:
+            record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)
+        if not self.memory_checked:
+            self.memory_checked = True
+            t.rank.log(memory_check(peak, memory_estimate(t.recipe, self.model_config).total))
+        return record
+
+    def write(self, record: dict, total_steps: int) -> None:
+        """Rank 0: append to metrics.jsonl and TensorBoard, print the progress (and eval) line."""
+        if self.metrics is None:
+            return
+        self.metrics.write(record)
+        self.report.write(record)
+        if "loss" in record:
+            print(progress_line(record, total_steps), flush=True)
+        if "eval_loss" in record:
+            print(f"[train] step {record['step']}: eval loss {record['eval_loss']:.4f} over "
+                  f"{record['eval_tokens']:,} tokens", flush=True)
+
+    def close(self, t: Trainer, checkpoint: str, export_path: str | None) -> dict | None:
+        """Rank 0: flush TensorBoard, write summary.json and loss.png; the summary."""
+        if self.report is None:
+            return None
+        return self.report.close(read_metrics(t.out / "metrics.jsonl"), t.tokens_seen, t.elapsed_s(),
+                                 last_checkpoint=checkpoint, export_path=export_path)
+
+
+def evaluate(t: Trainer) -> dict:
+    """Token-weighted mean loss over the whole validation set (each DP rank its share, summed over
+    the ranks): ``{"eval_loss", "eval_tokens"}``."""
+    loss_sum, tokens = ms.Tensor(0.0, ms.float32), 0
+    for mb in t.val_loader.eval_micro_batches():
+        loss_sum = loss_sum + t.model(*(ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS))
+        tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
+    total, count, _ = dp_totals(loss_sum, tokens, False, t.rank)
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count}

@@ -1,0 +1,45 @@
+"""MFU arithmetic, the chip table lookup and the memory check (docs/speed.md)."""
+import pytest
+
+from finetune.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token, memory_check
+from finetune.tiny import TINY_DEFAULTS
+
+
+def test_flops_per_token_counts_every_matmul_and_the_lm_head_even_when_tied():
+    cfg = dict(TINY_DEFAULTS, vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+    h, i, v, layers, kv = 64, 176, 1000, 2, 2 * 16
+    per_layer = h * h + 2 * kv * h + h * h + 3 * h * i  # q, k, v, o, gate/up/down
+    want = 6 * (layers * per_layer + v * h) + 12 * layers * h * 128
+    assert flops_per_token(dict(cfg, tie_word_embeddings=True), 128) == want
+    assert flops_per_token(dict(cfg, tie_word_embeddings=False), 128) == want  # the untied head: same matmul
+
+
+def test_qwen2_5_7b_is_about_6n_plus_attention():
+    cfg = dict(TINY_DEFAULTS, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+    # 7.07e9 matmul weights (7.6e9 parameters less the 0.54e9 embedding) at seq 4096
+    assert flops_per_token(cfg, 4096) == pytest.approx(6 * 7.07e9 + 12 * 28 * 3584 * 4096, rel=0.01)
+
+
+def test_chip_names_as_npu_smi_and_mindspore_report_them():
+    assert chip_name("Ascend910B3") == "910B3" and chip_name("910B1") == "910B1"
+    assert chip_name("Ascend910_9392") is None and chip_name("") is None
+    assert set(PEAK_TFLOPS) == {"910B1", "910B2", "910B3", "910B4"}
+
+
+def test_memory_check_warns_beyond_15_percent():
+    assert "warning" not in memory_check(int(1.1e9), int(1e9))
+    assert "warning" in memory_check(int(1.2e9), int(1e9)) and "+20%" in memory_check(int(1.2e9), int(1e9))
+    assert "warning" in memory_check(int(0.8e9), int(1e9))
+
+
+def test_step_timer_reports_means_per_step_and_resets():
+    t = StepTimer()
+    for _ in range(2):
+        t.start()
+        for phase in StepTimer.PHASES:
+            t.mark(phase)
+    got = t.report(comm_s=0.5)
+    assert set(got) == {"time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_comm_s"}
+    assert got["time_comm_s"] == 0.25 and t.steps == 0
