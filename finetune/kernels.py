@@ -26,10 +26,10 @@ ROPE_MAX_BN = 1000  # B and N < this (rotate_half)
 
 
 class Packed(NamedTuple):
-    """Fused attention spec: cumulative ends of each causal sequence over the flattened batch."""
+    """Fused attention spec: cumulative ends of each causal sequence over the flattened batch (host
+    ints only: a recomputed layer would take a Tensor in its arguments for an input to differentiate)."""
 
     ends: tuple[int, ...]
-    causal: Tensor  # [2048, 2048] uint8, 1 (masked) above the diagonal
 
 
 def rms_norm(x, weight, eps: float, fused: bool):
@@ -88,7 +88,7 @@ def sequence_ends(segment_ids: np.ndarray) -> tuple[int, ...]:
 def packed(segment_ids: np.ndarray) -> Packed | None:
     """The fused attention spec of a batch, or None when it has more sequences than one call takes."""
     ends = sequence_ends(segment_ids)
-    return Packed(ends, causal_block()) if len(ends) <= MAX_SEQUENCES else None
+    return Packed(ends) if len(ends) <= MAX_SEQUENCES else None
 
 
 def attention(q, k, v, heads: int, kv_heads: int, mask, scale: float):
@@ -98,10 +98,11 @@ def attention(q, k, v, heads: int, kv_heads: int, mask, scale: float):
     ``mask``: a ``Packed`` spec (fused, s_kv == s) or the reference ``[b, 1, s, s_kv]`` fp32 mask,
     large negative where masked."""
     b, s, _, d = q.shape
-    if isinstance(mask, Packed):
+    if not isinstance(mask, Tensor):  # the Packed spec (a recomputed layer gets it as a plain tuple)
+        ends = tuple(mask[0])
         out = ops.flash_attention_score(
             q.reshape(b * s, heads, d), k.reshape(b * s, kv_heads, d), v.reshape(b * s, kv_heads, d), heads,
-            attn_mask=mask.causal, actual_seq_qlen=mask.ends, actual_seq_kvlen=mask.ends, scalar_value=scale,
+            attn_mask=causal_block(), actual_seq_qlen=ends, actual_seq_kvlen=ends, scalar_value=scale,
             next_tokens=0, input_layout="TND", sparse_mode=3)
         return out.reshape(b, s, heads, d)
     q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)  # BNSD
