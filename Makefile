@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup train plan preflight prepare-data generate render test test-fast bench-data image image-test clean
+.PHONY: setup train plan preflight prepare-data generate render export test test-fast bench-data image image-test clean
 
 # MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
@@ -46,6 +46,10 @@ generate: $(STAMP)
 ## make render [ARGS="volcano --nodes 2 --out job.yaml"]: a Kubernetes manifest for this job (default: volcano).
 render: $(STAMP)
 	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher render $${ARGS:-volcano}
+
+## make export [CHECKPOINT=step_N] [ARGS="--dtype fp32"]: a Hugging Face directory from a saved checkpoint.
+export: $(STAMP)
+	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher export --checkpoint "$${CHECKPOINT:-latest}" $$ARGS
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests

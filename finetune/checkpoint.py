@@ -90,20 +90,29 @@ def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
             h.update(fh.read(1 << 20))
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read())
-    cache_manifest = Path(cache_dir) / "manifest.json"
-    data = _sha256(cache_manifest)[:16] if cache_manifest.is_file() else "none"
-    return {"model": h.hexdigest()[:16], "data": data, "model_dir": str(model_dir)}
+    return {"model": h.hexdigest()[:16], "data": _data_id(Path(cache_dir)), "model_dir": str(model_dir)}
+
+
+def _data_id(cache_dir: Path) -> str:
+    """The token cache's settings, source contents and counts (not paths, mtimes or its build time)."""
+    try:
+        m = json.loads((cache_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return "none"
+    sources = [(s.get("sha256") or s.get("size"), s.get("weight")) for s in m.get("sources", [])]
+    key = [m.get("settings"), sources, m.get("num_samples"), m.get("num_tokens")]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
     if not current or not saved:
         return
     differ = [k for k in ("model", "data") if saved.get(k) != current.get(k)]
+    what = {"model": f"model dir {saved.get('model_dir')}", "data": "token cache"}
     if differ:
         raise CheckpointMismatch(
             f"{path} was written by another run: its " + " and ".join(
-                f"{k} is {saved.get(k)} ({'model dir ' + str(saved.get('model_dir')) if k == 'model' else 'token cache'})"
-                f" but this run's is {current.get(k)}" for k in differ) +
+                f"{k} is {saved.get(k)} ({what[k]}) but this run's is {current.get(k)}" for k in differ) +
             ". Use a new OUTPUT_DIR for a new run, or set train.resume=never to start over in this one")
 
 

@@ -4,6 +4,7 @@ Pure Python (no mindspore import) so the launcher can validate recipes in millis
 A recipe is YAML whose sections mirror these dataclasses; ``key=value`` overrides use
 dotted paths (``train.lr=1e-5``). Unknown keys and bad values are collected, never
 asserted, and reported all at once by :class:`ConfigError`, each naming the key and a fix.
+Reading YAML and overrides and coercing values to these types: ``finetune/recipe_parse.py``.
 """
 from __future__ import annotations
 

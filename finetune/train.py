@@ -170,6 +170,9 @@ def finish(t: Trainer, reporter: Reporter) -> int:
 
         export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
         rank.log(f"[train] Hugging Face model written to {hf_dir}")
+        from finetune.generate import sample_check
+
+        sample_check(t.model, hf_dir, recipe, rank)  # collective: every rank steps the generation
     barrier(rank)
     summary = reporter.close(t, str(checkpoint), str(hf_dir) if recipe.export.enabled else None)
     if summary is not None:

@@ -1,1 +1,1 @@
-"""Host side of ascend-finetune (see launcher/__main__.py for the env contract)."""
+"""Host side of ascend-finetune (the env contract: ``launcher.settings.ENV_CONTRACT``)."""

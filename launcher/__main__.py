@@ -18,9 +18,9 @@ Variables the launcher sets for every worker: PATH (the venv's bin first: msrun 
 HCCL_EXEC_TIMEOUT (when unset), ASCEND_RT_VISIBLE_DEVICES (when only some NPUs are used), and the
 binding contract read by finetune/affinity.py: AF_BIND_MODE, AF_CPU_BIND_<local_rank>,
 AF_MEM_BIND_<local_rank>, AF_NUMACTL_<local_rank>; AF_LAUNCHER_PID (finetune/lifecycle.py).
-msrun itself adds MS_* variables, RANK_ID and DEVICE_ID (= local rank). prepare-data's tokenizer processes (not the workers) are started
-with LD_PRELOAD = the malloc of data.worker_malloc before any LD_PRELOAD already set, and
-TOKENIZERS_PARALLELISM=false.
+msrun itself adds MS_* variables, RANK_ID and DEVICE_ID (= local rank). prepare-data's tokenizer
+processes (not the workers) are started with LD_PRELOAD = the malloc of data.worker_malloc before
+any LD_PRELOAD already set, and TOKENIZERS_PARALLELISM=false.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, launch, lock, npu_monitor, numa, preflight, settings
+from launcher import ascendjob, cli, launch, lock, npu_monitor, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -263,11 +263,8 @@ def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
     """Write plan.json (not under a running job: its restarts read it); print the plan (``--json``: alone)."""
     L = job.recipe.launch
     try:
-        fd = lock.acquire(Path(job.recipe.output_dir), L.node_rank, L.nnodes, log=lambda msg: None)
-        try:
+        with lock.checked(Path(job.recipe.output_dir), L.node_rank, L.nnodes):
             launch.write_plan(job.plan_path, job.plan)
-        finally:
-            lock.release(fd)
         written = f"plan written to {job.plan_path}"
     except lock.Locked as e:
         written = f"plan.json not written: {e}"
@@ -359,50 +356,6 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
 }
 
 
-def _env_help() -> str:
-    rows = [f"  {var:<24} {key or '-':<22} {meaning.replace('`', '').replace(chr(92), '')}"
-            for var, key, meaning in settings.ENV_CONTRACT]
-    return "environment (variable, recipe key, meaning):\n" + "\n".join(rows)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """One subparser per command, each with its own --help; commands that wrap a tool pass its options on."""
-    ap = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.split("\n\n")[0],
-                                 epilog=_env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, (_, text, passthrough) in COMMANDS.items():
-        sp = sub.add_parser(name, help=text, description=text, add_help=not passthrough,
-                            epilog=_env_help() if not passthrough else None,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        sp.add_argument("--recipe", default=None, help="recipe name in recipes/ or a YAML path (env RECIPE)")
-        if not passthrough:
-            sp.add_argument("overrides", nargs="*", metavar="key=value",
-                            help="recipe overrides (train.lr=1e-5) or variables (TP=2); beat the environment")
-    sub.choices["plan"].add_argument("--json", action="store_true", help="print the plan JSON alone (for jq)")
-    return ap
-
-
-def _is_setting(item: str) -> bool:
-    """``train.lr=1e-5`` / ``TP=2`` / ``RECIPE=x``: a recipe key or a contract variable followed by '='."""
-    key = item.split("=", 1)[0]
-    return "=" in item and (key.split(".")[0] in Recipe.__dataclass_fields__ or key in settings.ENV_KEYS
-                            or key == "RECIPE")
-
-
-def parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Commands of our own take settings anywhere; a wrapping command's other items go to its tool."""
-    args, rest = ap.parse_known_args(argv)
-    if COMMANDS[args.command][2]:
-        args.overrides = [a for a in rest if _is_setting(a)]
-        args.rest = [a for a in rest if not _is_setting(a)]
-    else:
-        args.overrides += [a for a in rest if _is_setting(a)]
-        unknown = [a for a in rest if not _is_setting(a)]
-        if unknown:
-            ap.parse_args([args.command, *unknown])  # exits 2 naming them, with the command's usage
-    return args
-
-
 def help_of_tool(command: str) -> int:
     """``render --help`` / ``generate --help``: the tool's own options, after ours."""
     print(f"python -m launcher {command} [--recipe R] [key=value ...] <{command} options>:\n"
@@ -420,11 +373,11 @@ def help_of_tool(command: str) -> int:
 def main(argv: list[str] | None = None, host: Host | None = None) -> int:
     host = host or Host()
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = build_parser()
+    ap = cli.build_parser(COMMANDS, __doc__.split("\n\n")[0])
     if not argv:
         ap.print_help()
         return 2
-    args = parse(ap, argv)
+    args = cli.parse(ap, argv, COMMANDS)
     if COMMANDS[args.command][2] and any(a in ("-h", "--help") for a in args.rest):
         return help_of_tool(args.command)
     if args.command == "render":  # a manifest for the cluster's pods: nothing of this host is resolved

@@ -161,7 +161,8 @@ class _Attempt:
                 bad.append((time.time(), Failure(f"rank {rank}", code if code is not None else -9,
                                                  self._why_killed(s["pid"], code), wlog)))
         ended = all(s["state"] == "exited" or not procs.alive(s["pid"]) for s in st.values())
-        if not bad and self.scheduler and not procs.alive(self.scheduler) and not (ended and len(st) == len(self.ranks)):
+        all_done = ended and len(st) == len(self.ranks)
+        if not bad and self.scheduler and not procs.alive(self.scheduler) and not all_done:
             code = procs.zombie_exit_code(self.scheduler)
             if code == 0:  # it ends cleanly only after every worker did
                 return None

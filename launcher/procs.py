@@ -152,7 +152,8 @@ def kernel_oom_line(pid: int, kmsg: Path = Path("/dev/kmsg")) -> str | None:
             if not rec:
                 break
             for line in rec.splitlines():  # one record per read from /dev/kmsg, "prio,seq,usec,flags;message"
-                if re.search(rf"Killed process {pid}\b", line) or (not found and re.search(rf"oom-kill:.*pid={pid}\b", line)):
+                killed = re.search(rf"Killed process {pid}\b", line)
+                if killed or (not found and re.search(rf"oom-kill:.*pid={pid}\b", line)):
                     found = line.split(";", 1)[-1].strip()
     finally:
         os.close(fd)

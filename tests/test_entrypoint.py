@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.__main__ import COMMANDS
+
 REPO = Path(__file__).resolve().parent.parent
 ENTRY = REPO / "entrypoint.sh"
 
@@ -53,7 +55,7 @@ def test_default_command_is_train(stub: Path) -> None:
     assert child_env(stub)["PYTHONPATH"].split(":")[0] == str(REPO)
 
 
-@pytest.mark.parametrize("cmd", ["plan", "preflight", "prepare-data", "generate", "render", "train"])
+@pytest.mark.parametrize("cmd", list(COMMANDS))
 def test_launcher_commands_pass_args_unchanged(stub: Path, cmd: str) -> None:
     args = ["--recipe", "tiny-cpu", "train.lr=1e-5", "a b", "x=$(id)", ""]
     r = run_entry(stub, cmd, *args)

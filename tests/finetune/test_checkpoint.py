@@ -153,7 +153,10 @@ def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny
     a, b = tiny_hf_dir("a", seed=0), tiny_hf_dir("b", seed=1)
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "manifest.json").write_text('{"samples": 1}')
+    src = {"path": "/data/a.json", "weight": 1.0, "size": 10, "mtime": 1.0, "sha256": "ab"}
+    manifest = {"settings": {"seq_len": 64}, "sources": [src], "num_samples": 4, "num_tokens": 99,
+                "created": "2026-01-01T00:00:00"}  # the fields of a token cache's manifest.json
+    (cache / "manifest.json").write_text(json.dumps(manifest))
     ident_a, ident_b = run_identity(a, cache), run_identity(b, cache)
     assert ident_a["model"] != ident_b["model"] and ident_a["data"] == ident_b["data"]
     assert run_identity(a, cache) == ident_a
@@ -164,7 +167,10 @@ def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny
     msg = str(e.value)
     assert ident_a["model"] in msg and ident_b["model"] in msg and str(a) in msg
     assert "new OUTPUT_DIR" in msg and "train.resume=never" in msg
-    (cache / "manifest.json").write_text('{"samples": 2}')
+    rebuilt = {**manifest, "sources": [{**src, "path": "/moved/a.json", "mtime": 2.0}], "created": "2026-02-02"}
+    (cache / "manifest.json").write_text(json.dumps(rebuilt))
+    assert run_identity(a, cache) == ident_a  # the same data moved, touched or re-prepared
+    (cache / "manifest.json").write_text(json.dumps({**manifest, "num_tokens": 100}))
     with pytest.raises(CheckpointMismatch, match="data is"):
         load_latest(root, _params(1), RankInfo(), identity=run_identity(a, cache))
 

@@ -77,6 +77,17 @@ def test_no_import_circles_in_the_data_package():
     assert _cycle({**graph, "finetune.data.cache": {"finetune.data.prepare"}})  # the circle there was
 
 
+def test_no_import_circles_in_finetune_or_launcher():
+    for package in ("finetune", "launcher"):
+        graph = _graph(package)
+        assert len(graph) > 10 and _cycle(graph) == [], package
+    graph = _graph("finetune")
+    assert "finetune.recipe_parse" in graph["finetune.config"]
+    circle = _cycle({**graph, "finetune.recipe_parse": {"finetune.config"}})
+    assert circle in (["finetune.config", "finetune.recipe_parse", "finetune.config"],
+                      ["finetune.recipe_parse", "finetune.config", "finetune.recipe_parse"])
+
+
 def test_the_data_package_and_cpus_import_no_mindspore():
     """The launcher runs prepare-data and the CPU count on the host, which has no mindspore to spare."""
     files = sorted((REPO_ROOT / "finetune" / "data").rglob("*.py")) + [REPO_ROOT / "finetune" / "cpus.py"]

@@ -58,6 +58,8 @@ def test_straight_run_writes_metrics_checkpoints_and_export(straight):
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (hf / name).is_file(), name
     assert list(hf.glob("*.safetensors"))
+    samples = [json.loads(x) for x in (straight / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(samples) == 5 and all(r["response"] for r in samples)  # the inference check on the export
 
 
 def test_resume_from_a_mid_run_checkpoint_is_exact(straight, tmp_path):

@@ -191,9 +191,8 @@ def inputs(tmp_path_factory) -> Path:
 
 
 def _tree(d: Path) -> dict[str, tuple[int, int]]:
-    """Every entry with size and mtime, less the job lock (launcher/lock.py: taken first, left empty on release)."""
-    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))
-            if not (p.name.startswith(".lock") and p.stat().st_size == 0)}
+    """Every entry with size and mtime (a refused run creates not even the job lock)."""
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
 
 
 @pytest.mark.parametrize("name,env,cli,rc,names", CASES, ids=[c[0] for c in CASES])

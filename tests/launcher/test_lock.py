@@ -20,8 +20,8 @@ def _snapshot(d):
 def test_second_run_is_refused_naming_the_holder_and_changes_nothing(tmp_path):
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from launcher.lock import acquire; acquire(Path(sys.argv[1])); print('held', flush=True); "
-                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True,
+                               "from launcher.lock import acquire; acquire(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -63,3 +63,25 @@ def test_nodes_of_one_job_lock_separately(tmp_path):
     b = lock.acquire(tmp_path, node_rank=1, nnodes=2)
     lock.release(a)
     lock.release(b)
+
+
+def test_checking_creates_no_lock_file_and_holds_an_existing_one(tmp_path):
+    with lock.checked(tmp_path, node_rank=1, nnodes=2):
+        (tmp_path / "plan.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+    lock.release(lock.acquire(tmp_path))  # a finished job's lock file: empty, free
+    with lock.checked(tmp_path):
+        with pytest.raises(lock.Locked):  # held while the body runs
+            lock.acquire(tmp_path)
+    lock.release(lock.acquire(tmp_path))  # and free again afterwards
+
+
+def test_checking_a_held_lock_is_refused_naming_the_holder(tmp_path):
+    fd = lock.acquire(tmp_path)
+    try:
+        with pytest.raises(lock.Locked, match=f"pid {os.getpid()}"):
+            with lock.checked(tmp_path):
+                pytest.fail("the body must not run under another job's lock")
+    finally:
+        lock.release(fd)

@@ -58,9 +58,8 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
     assert plan["worker_env"]["AF_CPU_BIND_7"] == "156-167" and plan["worker_env"]["AF_BIND_MODE"] == "affinity"
     assert "explicit NNODES, NODE_RANK, MASTER_ADDR" in plan["sources"]["cluster"]
     assert "rank 7 (NPU 7, NUMA node 6): CPU affinity 156-167" in out.out
-    # the plan, nothing else: the job lock of node 1 is checked and released (left empty)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock.node1", "plan.json"]
-    assert (tmp_path / "out/.lock.node1").read_text() == ""
+    # the plan, nothing else: the job lock of node 1 is checked, no lock file created
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plan.json"]
     assert json.loads((tmp_path / "out/plan.json").read_text()) == plan
 
 
@@ -316,7 +315,7 @@ def test_dry_run_train_prints_the_plan_and_starts_nothing(tmp_path, capsys, monk
                              dev_dir=tmp_path / "dev", root=tmp_path, npu_smi=None, command=stub(tmp_path))
     assert rc == 0 and plan["recipe"]["launch"]["dry_run"] is True
     assert not (tmp_path / "state").exists() and (tmp_path / "o/plan.json").is_file()
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [".lock", "plan.json"]
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["plan.json"]
 
 
 def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypatch):

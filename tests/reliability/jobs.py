@@ -39,8 +39,9 @@ class Job:
                "NPROC_PER_NODE": str(nproc), "GLOG_v": "3",
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         with open(self.console, "wb") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "launcher", "train", *overrides(port or free_port()), *extra], env=env,
-                                         cwd=out.parent, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            argv = [sys.executable, "-m", "launcher", "train", *overrides(port or free_port()), *extra]
+            self.proc = subprocess.Popen(argv, env=env, cwd=out.parent, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
 
     def text(self) -> str:
         return self.console.read_text(errors="replace")

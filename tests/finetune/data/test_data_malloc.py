@@ -131,7 +131,8 @@ def test_a_tokenizer_whose_specials_strip_whitespace_encodes_whole_texts(tmp_pat
 
 def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
     """Every bundled sample: the cache's tokens are the whole templated text's ids."""
-    r = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.seq_len": "4096", "data.clean.dedup": "false"})
+    r = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.seq_len": "4096", "data.clean.dedup": "false",
+                                    "data.val_size": "0"})
     info = prep.prepare(r, TOKENIZER, progress=False)
     toks = np.load(info.dir / "tokens.npy")
     idx = np.load(info.dir / "index.npy")
