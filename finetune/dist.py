@@ -14,6 +14,7 @@ the collective helpers import it lazily.
 """
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,13 @@ class RankInfo:
         """The job's one logger: a line on the console from rank 0 (every rank runs the same code)."""
         if self.is_main:
             print(msg, flush=True)
+
+
+def device_target(launch_device: str) -> str:
+    """'Ascend' or 'CPU' from launch.device (auto: Ascend when /dev/davinciN exists)."""
+    if launch_device in ("npu", "cpu"):
+        return "Ascend" if launch_device == "npu" else "CPU"
+    return "Ascend" if glob.glob("/dev/davinci[0-9]*") else "CPU"
 
 
 def under_msrun() -> bool:

@@ -138,18 +138,16 @@ def load_model(model_dir: str | Path, device: str = "auto"):
     import mindspore as ms
     from tokenizers import Tokenizer
 
-    from finetune.config import LaunchConfig, Recipe
-    from finetune.dist import RankInfo
+    from finetune.dist import RankInfo, device_target
     from finetune.hf_io import load_weights
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
-    from finetune.train import device_target
 
     tok_file = Path(model_dir) / "tokenizer.json"
     config = check_weights_before_build(model_dir)
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file}: not found; the model directory needs the tokenizer files "
                                 "(the fine-tune's export copies them)")
-    target = device_target(Recipe(launch=LaunchConfig(device=device)))
+    target = device_target(device)
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target=target)
     dtype = ms.bfloat16 if target == "Ascend" else ms.float32
     model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo(device_target=target), compute_dtype=dtype)

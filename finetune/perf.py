@@ -142,9 +142,10 @@ class StepProfiler:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.rank.device_target == "Ascend":
-            from mindspore import Profiler
+            from mindspore.profiler import profile, tensorboard_trace_handler
 
-            self._prof = Profiler(output_path=str(self.dir))
+            self._prof = profile(on_trace_ready=tensorboard_trace_handler(dir_name=str(self.dir)))
+            self._prof.start()
         else:
             self._prof = cProfile.Profile()
             self._prof.enable()
@@ -160,7 +161,7 @@ class StepProfiler:
                 pstats.Stats(self._prof, stream=f).sort_stats("cumulative").print_stats(40)
             where = f"{self.dir / 'rank0.prof'} (top functions in rank0.txt)"
         else:
-            self._prof.analyse()
+            self._prof.stop()  # the trace handler analyses into self.dir
             where = str(self.dir)
         self._prof = None
         self.rank.log(f"[train] profile of steps {self.first}-{self.last} written to {where}")

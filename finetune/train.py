@@ -10,7 +10,6 @@ acted on at the next sync point, at most train.log_every steps later).
 """
 from __future__ import annotations
 
-import glob
 import math
 import signal
 
@@ -19,7 +18,7 @@ import numpy as np
 from mindspore import ops
 
 from finetune.config import Recipe
-from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, launched_world
+from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
 from finetune.optim import lr_at
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
@@ -28,15 +27,6 @@ from finetune.trainer import BATCH_KEYS, Trainer, setup
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
 EVAL_MIN_GAIN = 1e-4  # an eval loss counts as better (train.early_stop_patience) when 0.01% lower
-
-
-def device_target(recipe: Recipe) -> str:
-    """'Ascend' or 'CPU' from launch.device (auto: Ascend when /dev/davinciN exists)."""
-    if recipe.launch.device == "npu":
-        return "Ascend"
-    if recipe.launch.device == "cpu":
-        return "CPU"
-    return "Ascend" if glob.glob("/dev/davinci[0-9]*") else "CPU"
 
 
 def compute_dtype(recipe: Recipe):
@@ -70,7 +60,7 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
 
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
-    device = device_target(recipe)
+    device = device_target(recipe.launch.device)
     # the plan's recipe is resolved already: this only checks it against the world msrun started
     recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
     ms.set_context(mode=ms.PYNATIVE_MODE)
