@@ -88,7 +88,7 @@ def group_name(kind: str, ranks: list[int]) -> str:
     return f"{kind}-" + "-".join(str(r) for r in ranks)
 
 
-def _set_device(target: str, device_id: int | None) -> None:
+def set_device(target: str, device_id: int | None) -> None:
     """``mindspore.set_device`` (before any kernel runs and before ``init()``), tolerating a process
     that already runs kernels on that target (tests that train several times in one process)."""
     import mindspore as ms
@@ -109,13 +109,13 @@ def init_distributed(tp: int = 1, dp: int = 1, device_target: str = "CPU") -> Ra
     world_env = launched_world()
     check_world(world_env, tp, dp)  # fail fast, before connecting to anyone
     if not under_msrun():
-        _set_device(device_target, None)
+        set_device(device_target, None)
         return RankInfo(device_target=device_target)
     local_rank = int(os.environ.get("DEVICE_ID", "0"))
 
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
-    _set_device(device_target, local_rank if device_target == "Ascend" else None)  # one NPU per local worker
+    set_device(device_target, local_rank if device_target == "Ascend" else None)  # one NPU per local worker
     init()
     rank, world = get_rank(), get_group_size()
     if world != world_env:

@@ -138,7 +138,7 @@ def load_model(model_dir: str | Path, device: str = "auto"):
     import mindspore as ms
     from tokenizers import Tokenizer
 
-    from finetune.dist import RankInfo, device_target
+    from finetune.dist import RankInfo, device_target, set_device
     from finetune.hf_io import load_weights
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
@@ -148,7 +148,8 @@ def load_model(model_dir: str | Path, device: str = "auto"):
         raise FileNotFoundError(f"{tok_file}: not found; the model directory needs the tokenizer files "
                                 "(the fine-tune's export copies them)")
     target = device_target(device)
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target=target)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    set_device(target, None)
     dtype = ms.bfloat16 if target == "Ascend" else ms.float32
     model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo(device_target=target), compute_dtype=dtype)
     load_weights(model, model_dir)

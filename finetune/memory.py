@@ -79,7 +79,8 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
     acts = layers * tokens * h * nbytes + per_layer if recompute else layers * per_layer
     head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
     acts += head_tokens * (vocab // tp if vocab_parallel else vocab) * (3 * 4 + nbytes)
-    return MemoryEstimate(weights=n * nbytes, grads=n * nbytes, master=master, optimizer=2 * state * 4,
+    # gradients are accumulated and reduced in fp32 whatever the compute dtype (finetune/train.py accumulate)
+    return MemoryEstimate(weights=n * nbytes, grads=n * 4, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=WORKSPACE_BYTES)
 
 

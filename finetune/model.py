@@ -3,7 +3,7 @@
 Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
 stay fp32. Fused Ascend kernels are used only when ``rank.device_target == "Ascend"``; the
 reference implementation (the tested one) runs everywhere else. The caller sets the MindSpore
-context (``ms.set_context(mode=ms.PYNATIVE_MODE, device_target=...)``) before building the model.
+context (``ms.set_context(mode=ms.PYNATIVE_MODE)`` and ``mindspore.set_device``) before building the model.
 """
 from __future__ import annotations
 

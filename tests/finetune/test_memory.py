@@ -27,10 +27,11 @@ def test_qwen7b_tp2_dp2_sharded_is_near_the_guides_38gb():
 
     est = estimate_memory(QWEN7B, seq_len=4096, micro_batch_size=1, tp=2, dp=2, precision="bf16", recompute=True,
                           shard_optimizer=True, vocab_parallel=True, loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
-    assert abs(est.total / 2**30 - 38) / 38 <= 0.15, est.table()
-    # the model state alone is the arithmetic: (2+2) bytes / tp + 12 bytes / (tp*dp) per parameter
+    # the guide counts bf16 gradients; ours are accumulated and reduced in fp32: 2 bytes/param more
+    assert abs((est.total - est.grads / 2) / 2**30 - 38) / 38 <= 0.15, est.table()
+    # the model state alone: (2 + 4) bytes / tp (bf16 weights, fp32 grads) + 12 bytes / (tp*dp) per parameter
     state = est.weights + est.grads + est.master + est.optimizer
-    assert abs(state - 7_615_616_512 * (4 / 2 + 12 / 4)) / state < 1e-3
+    assert abs(state - 7_615_616_512 * (6 / 2 + 12 / 4)) / state < 1e-3
     assert "total" in est.table() and "GiB" in est.table()
 
 
@@ -39,7 +40,7 @@ def test_sharding_and_tp_shrink_the_right_parts():
     full = estimate_memory(QWEN7B, tp=1, dp=1, **base)
     tp2 = estimate_memory(QWEN7B, tp=2, dp=2, **base)
     sh = estimate_memory(QWEN7B, tp=2, dp=2, shard_optimizer=True, **base)
-    assert full.total > 120e9 and 55e9 < tp2.total < 80e9
+    assert full.total > 120e9 and 60e9 < tp2.total < 90e9  # unsharded TP=2 does not fit a 64 GB 910B
     assert sh.weights == tp2.weights and sh.grads == tp2.grads
     assert sh.optimizer == pytest.approx(tp2.optimizer / 2, rel=1e-6)
     no_rc = estimate_memory(QWEN7B, tp=2, dp=2, recompute=False, **base)
@@ -107,7 +108,8 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
         params = Qwen2ForCausalLM(Qwen2Config.from_dict(cfg), rank, vocab_parallel=vp).trainable_params()
         for p in params:
             p.set_dtype(dtype)  # (set_data(p.astype(...)) would keep the fp32 dtype)
-        assert sum(int(p.nbytes) for p in params) == est.weights == est.grads
+        assert sum(int(p.nbytes) for p in params) == est.weights
+        assert sum(4 * math.prod(p.shape) for p in params) == est.grads  # fp32 gradients
         opt = build_optimizer(params, TrainConfig(), rank, shard=shard)
         state = sum(int(v.nbytes) for k, v in opt.state_dict().items() if k not in ("t", "shard.layout"))
         assert state == est.master + est.optimizer, (r, state, est)

@@ -36,7 +36,7 @@ def _log_tail(log_dir: Path, n: int = 3000) -> str:
     return "\n".join(out)
 
 
-def msrun(script: Path, args: list[str], workers: int, cwd: Path, nodes: int = 1, timeout: int = 300,
+def msrun(script: Path, args: list[str], workers: int, cwd: Path, nodes: int = 1, timeout: int = 900,
           kill_when: Callable[[], bool] | None = None) -> None:
     """Run ``script args`` in ``workers`` msrun workers (``nodes`` msrun invocations on this machine).
 
@@ -113,7 +113,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def python(script: Path, args: list[str], cwd: Path, timeout: int = 300) -> None:
+def python(script: Path, args: list[str], cwd: Path, timeout: int = 900) -> None:
     """Run ``script args`` as one plain process (the one-process reference)."""
     p = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=_env(), capture_output=True, text=True,
                        timeout=timeout)
