@@ -227,10 +227,11 @@ def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None) -> 
         print(f"assistant> {reply}", flush=True)
 
 
-def sample_check(model, hf_dir: Path, recipe, rank) -> Path | None:
+def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
     """The post-training inference check: answer ``export.check_prompts`` with the trained model
     (in memory, every rank in step: the TP groups compute the same logits and draw the same tokens
-    from the export's generation_config.json), with the export's tokenizer; rank 0 writes
+    from ``config_dir``'s generation_config.json), with its tokenizer (the base model's, which the export
+    copies: every node has it, whether or not the export is on shared storage); rank 0 writes
     ``<output_dir>/samples.jsonl``. Returns its path on rank 0; None when off or without prompts."""
     from tokenizers import Tokenizer
 
@@ -245,16 +246,16 @@ def sample_check(model, hf_dir: Path, recipe, rank) -> Path | None:
     convs = read_prompts(prompts)
     for c in convs:
         c["system"] = c["system"] if c["system"] is not None else recipe.data.system_prompt
-    tokenizer = Tokenizer.from_file(str(Path(hf_dir) / "tokenizer.json"))
-    s = dataclasses.replace(Sampling.of_model(hf_dir), max_new_tokens=recipe.export.check_max_new_tokens,
+    tokenizer = Tokenizer.from_file(str(Path(config_dir) / "tokenizer.json"))
+    s = dataclasses.replace(Sampling.of_model(config_dir), max_new_tokens=recipe.export.check_max_new_tokens,
                             seed=recipe.train.seed)
-    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, hf_dir), 8)
+    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8)
     if not rank.is_main:
         return None
     out = Path(recipe.output_dir) / "samples.jsonl"
     out.write_text("".join(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n"
                            for c, t in zip(convs, texts)), encoding="utf-8")
-    rank.log(f"[train] inference check: {len(texts)} answers from the exported model in {out}")
+    rank.log(f"[train] inference check: {len(texts)} answers from the fine-tuned model in {out}")
     return out
 
 

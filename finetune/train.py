@@ -162,7 +162,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         rank.log(f"[train] Hugging Face model written to {hf_dir}")
         from finetune.generate import sample_check
 
-        sample_check(t.model, hf_dir, recipe, rank)  # collective: every rank steps the generation
+        sample_check(t.model, t.model_dir, recipe, rank)  # collective; tokenizer from the base (every node has it)
     barrier(rank)
     summary = reporter.close(t, str(checkpoint), str(hf_dir) if recipe.export.enabled else None)
     if summary is not None:
