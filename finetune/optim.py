@@ -125,7 +125,7 @@ class AdamW(CommClock):
         self.comm_s += time.perf_counter() - t0
         if grad_scale != 1.0:
             grads = [g / grad_scale for g in grads]
-        norm = float(global_grad_norm(grads, self.params, self.rank).asnumpy())
+        norm = global_grad_norm(grads, self.params, self.rank)
         if not math.isfinite(norm):
             return norm, False
         grads = clip_by_norm(grads, norm, self.cfg.clip_grad)

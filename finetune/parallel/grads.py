@@ -13,6 +13,7 @@ tp > num_key_value_heads), which are counted on their owner rank only. Parameter
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 
 from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum
@@ -64,24 +65,48 @@ def norm_weights(param) -> tuple[float, float]:
     return (1.0 if getattr(param, "tp_owner", True) else 0.0), 0.0
 
 
-def tp_aware_sq_norm(split_sq: ms.Tensor, replicated_sq: ms.Tensor, rank: RankInfo) -> ms.Tensor:
-    """Whole-model squared norm from this rank's partial sums over DP-reduced gradients.
+PARTIALS = 64  # squared sums are kept as this many row partials (see square_partials)
 
-    ``split_sq``: squares of TP-partitioned grads (summed over the TP group); ``replicated_sq``:
-    squares of TP-replicated grads (already whole, counted once).
+
+def square_partials(x: ms.Tensor) -> ms.Tensor:
+    """The squares of ``x`` (fp32) summed into ``PARTIALS`` row partials, in a fixed order.
+
+    MindSpore's CPU full reduction (``ops.sum`` over all axes) is not deterministic: the same tensor
+    can sum to a different last bit depending on earlier calls, which broke exact resume. A
+    reduction along rows is: each partial is one row's sum. The partials are added on the host
+    (``finish_norm``) in float64.
     """
-    return all_reduce_sum(split_sq, rank.tp_group) + replicated_sq
+    x = x.reshape(-1).astype(ms.float32)
+    n = x.shape[0]
+    body = n - n % PARTIALS
+    tail = ops.square(x[body:]) if body < n else None
+    if tail is not None:
+        tail = ops.cat([tail, ops.zeros((PARTIALS - (n - body),), ms.float32)])
+    if body == 0:
+        return tail
+    rows = ops.square(x[:body].reshape(PARTIALS, -1)).sum(axis=1)
+    return rows if tail is None else rows + tail
 
 
-def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Tensor:
-    """L2 norm of the whole model's (DP-reduced) gradient; each TP slice counted once."""
-    split = ops.zeros((), ms.float32)
-    rep = ops.zeros((), ms.float32)
+def finish_norm(split: ms.Tensor, replicated: ms.Tensor, rank: RankInfo) -> float:
+    """Whole-model L2 norm from this rank's partials over DP-reduced gradients (one host read).
+
+    ``split``: partials of TP-partitioned grads (summed over the TP group here); ``replicated``:
+    partials of TP-replicated grads (already whole, counted once).
+    """
+    both = ops.stack([all_reduce_sum(split, rank.tp_group), replicated]).asnumpy().astype(np.float64)
+    return float(np.sqrt(both.sum()))
+
+
+def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> float:
+    """L2 norm of the whole model's (DP-reduced) gradient; each TP slice counted once; deterministic."""
+    split = ops.zeros((PARTIALS,), ms.float32)
+    rep = ops.zeros((PARTIALS,), ms.float32)
     for g, p in zip(grads, params):
-        sq = ops.sum(ops.square(g.astype(ms.float32)))
+        sq = square_partials(g)
         ws, wr = norm_weights(p)
         if ws:
             split = split + sq
         if wr:
             rep = rep + sq
-    return ops.sqrt(tp_aware_sq_norm(split, rep, rank))
+    return finish_norm(split, rep, rank)

@@ -31,7 +31,7 @@ from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
 from finetune.optim import CommClock, clip_by_norm, kernel_scalars
-from finetune.parallel.grads import norm_weights, tp_aware_sq_norm
+from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
@@ -155,15 +155,15 @@ class ShardedAdamW(CommClock):
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> float:
-        split = ops.zeros((), ms.float32)
-        rep = ops.zeros((), ms.float32)
+        split = ops.zeros((PARTIALS,), ms.float32)
+        rep = ops.zeros((PARTIALS,), ms.float32)
         for g, segs in zip(shards, self.segs):
             for a, b, _, ws, wr in segs:
-                sq = ops.sum(ops.square(g[a:b]))
+                sq = square_partials(g[a:b])
                 split = split + sq * ws
                 rep = rep + sq * wr
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
-        return float(ops.sqrt(tp_aware_sq_norm(both[0], both[1], self.rank)).asnumpy())
+        return finish_norm(both[0], both[1], self.rank)
 
     def _write_back(self, k: int, chunk: ms.Tensor, pending: dict[int, list]) -> None:
         """All-gather bucket ``k``'s updated chunks and copy finished parameters back (``pending``:
@@ -179,7 +179,8 @@ class ShardedAdamW(CommClock):
                 parts = pending.pop(i)
                 p = self.params[i]
                 flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-                p.set_data(flat.reshape(p.shape).astype(p.dtype))
+                ops.assign(p, flat.reshape(p.shape).astype(p.dtype))  # into p's own buffer: a view of `full`
+                # as its data made later matmuls differ in the last bit from a resumed run's (alignment)
 
     # ---------------------------------------------------------------- state
     def state_nbytes(self) -> int:

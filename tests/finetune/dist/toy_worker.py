@@ -95,7 +95,7 @@ def main() -> None:
             norm, ok = opt.step(grads, CFG.lr)
         else:
             grads = sum_grads_over_dp(grads, rank)
-            gnorms.append(float(global_grad_norm(grads, params, rank).asnumpy()))
+            gnorms.append(global_grad_norm(grads, params, rank))
             norm, ok = opt.step(grads, CFG.lr)
         losses.append(float(sum_grads_over_dp([loss.reshape(1)], rank)[0].asnumpy()[0]))
         norms.append(norm)
