@@ -179,8 +179,7 @@ class ShardedAdamW(CommClock):
                 parts = pending.pop(i)
                 p = self.params[i]
                 flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-                ops.assign(p, flat.reshape(p.shape).astype(p.dtype))  # into p's own buffer: a view of `full`
-                # as its data made later matmuls differ in the last bit from a resumed run's (alignment)
+                p.set_data(flat.reshape(p.shape).astype(p.dtype))
 
     # ---------------------------------------------------------------- state
     def state_nbytes(self) -> int:
