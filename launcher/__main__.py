@@ -91,7 +91,7 @@ def memory_summary(recipe: Recipe) -> dict:
 
 
 def memory_line(mem: dict, recipe: Recipe) -> str:
-    """``weights 7.1 GiB + ... = total 39.1 GiB per device (...)`` or why there is no estimate."""
+    """``weights 7.1 GiB + ... = total 46.2 GiB per device (...)`` or why there is no estimate."""
     if "total" not in mem:
         return f"memory: no estimate ({mem.get('unavailable')})"
     parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
