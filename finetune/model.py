@@ -189,7 +189,10 @@ class Qwen2Model(nn.Cell):
         """The fused attention's spec of the sequences (same-segment causal; a prompt with an empty
         cache is one sequence per row), else the reference ``[b, 1, s, past + s]`` fp32 mask
         (``keys``: bool ``[b, past + s]``, False at left padding, which no query sees)."""
-        spec = kernels.packed(segment_ids.asnumpy()) if self.fused_attn and past == 0 and keys is None else None
+        spec = None
+        if self.fused_attn and past == 0 and keys is None:  # the host array when the loop passed it (no device read)
+            host = getattr(segment_ids, "host", None)
+            spec = kernels.packed(host if host is not None else segment_ids.asnumpy())
         if spec is not None:
             return spec
         s = segment_ids.shape[1]

@@ -12,7 +12,7 @@ from finetune.memory import memory_estimate
 from finetune.metrics import MetricsWriter, progress_line, read_metrics
 from finetune.perf import StepTimer, device_peak_flops, flops_per_token, memory_check, peak_memory_bytes
 from finetune.report import ReportWriter, run_title
-from finetune.trainer import BATCH_KEYS, Trainer
+from finetune.trainer import Trainer, batch_tensors
 
 
 class Reporter:
@@ -74,7 +74,7 @@ def evaluate(t: Trainer) -> dict:
     the ranks): ``{"eval_loss", "eval_tokens"}``."""
     loss_sum, tokens = ms.Tensor(0.0, ms.float32), 0
     for mb in t.val_loader.eval_micro_batches():
-        loss_sum = loss_sum + t.model(*(ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS))
+        loss_sum = loss_sum + t.model(*batch_tensors(mb))
         tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
     total, count, _ = dp_totals(loss_sum, tokens, False, t.rank)
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}

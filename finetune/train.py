@@ -22,7 +22,7 @@ from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, ini
 from finetune.optim import lr_at
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
-from finetune.trainer import BATCH_KEYS, Trainer, setup
+from finetune.trainer import Trainer, batch_tensors, setup
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
@@ -51,7 +51,7 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
     scaled loss; both stay on the device."""
     grads, loss_sum = None, None
     for mb in micro_batches:
-        loss, g = grad_fn(*(ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS), scale)
+        loss, g = grad_fn(*batch_tensors(mb), scale)
         g = [x if x.dtype == ms.float32 else x.astype(ms.float32) for x in g]
         grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         loss_sum = loss if loss_sum is None else loss_sum + loss

@@ -25,6 +25,15 @@ from finetune.optim import AdamW, LossScaler
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
 
+def batch_tensors(mb: dict[str, np.ndarray]) -> list[ms.Tensor]:
+    """A micro-batch as the model's int32 arguments (``BATCH_KEYS`` order). The segment ids keep
+    their host array as ``.host``: the fused attention builds its spec from it without reading the
+    device (Qwen2Model._mask)."""
+    tensors = [ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS]
+    tensors[-1].host = mb["segment_ids"]
+    return tensors
+
+
 @dataclass
 class Trainer:
     """Everything the loop reads and changes; saved and resumed as one object."""

@@ -201,3 +201,25 @@ def test_recomputed_layers_on_the_ascend_path(twins):
     assert loss_r == loss_p and twins["flash_attention_score"] >= 4
     for name, g in grads_p.items():
         np.testing.assert_array_equal(grads_r[name], g, err_msg=name)
+
+
+def test_packed_spec_comes_from_the_host_batch_not_the_device(twins):
+    """Issue 12 item 8: the training step builds the TND spec from the loader's numpy segment ids
+    (trainer.batch_tensors), never reading the segment tensor back from the NPU; a segment tensor
+    without its host array is read (the old path, a device sync per micro-batch)."""
+    ms = __import__("mindspore")
+    from finetune.trainer import BATCH_KEYS, batch_tensors
+
+    model = _hd16_model(ASCEND, "float16")
+    mb = dict(zip(BATCH_KEYS, _packed_batch()))
+
+    def device_read():
+        raise AssertionError("segment_ids read from the device")
+
+    tensors = batch_tensors(mb)
+    tensors[-1].asnumpy = device_read
+    loss, _ = ms.value_and_grad(lambda *a: model(*a), None, model.trainable_params())(*tensors)
+    assert np.isfinite(float(loss.asnumpy())) and twins["flash_attention_score"] >= 2
+    del tensors[-1].host
+    with pytest.raises(AssertionError, match="read from the device"):
+        model(*tensors)
