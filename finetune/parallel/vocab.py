@@ -61,10 +61,12 @@ class LMHeadCrossEntropy(nn.Cell):
     """``sum(-log_softmax(h @ w.T)[target])`` in fp32 with a hand-written backward.
 
     MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
-    the closed form ``dlogits = softmax - onehot``; the backward recomputes the logits instead of
-    keeping them, so only the forward's logits are ever alive. ``chunk_tokens`` > 0 computes both
-    over chunks of that many tokens (``d weight`` summed in fp32), so the ``[tokens, vocab]`` fp32
-    buffers shrink to ``[chunk, vocab]``; the sums are the same up to rounding order.
+    the closed form ``dlogits = softmax - onehot``. ``chunk_tokens`` > 0 computes both over chunks
+    of that many tokens (``d weight`` summed in fp32), so the ``[tokens, vocab]`` fp32 buffers shrink
+    to ``[chunk, vocab]``; the sums are the same up to rounding order. When the tokens fit in one
+    chunk the forward's logits are kept for the backward (one ``[tokens, vocab]`` fp32 buffer, within
+    the head's peak the memory estimate counts); over several chunks the backward recomputes each
+    chunk's logits (bit-identical: the same matmul), so at most one chunk's are alive.
 
     Vocab-parallel (``rows`` a slice of the vocabulary, ``rank.tp > 1``): each TP rank holds the
     logits of its rows only. The row maxima, the sums of exponentials and the target logits are
@@ -82,6 +84,7 @@ class LMHeadCrossEntropy(nn.Cell):
         self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
         self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
+        self.kept = None  # the last single-chunk forward's logits, taken by its backward
 
     def _logits(self, h, w):
         return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
@@ -103,7 +106,9 @@ class LMHeadCrossEntropy(nn.Cell):
     def construct(self, h, w, target):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
-            return self._loss(h, w, target)
+            self.kept = self._logits(h, w)
+            return self._loss(h, w, target, self.kept)
+        self.kept = None
         total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])
         for a, b in parts[1:]:
             total = total + self._loss(h[a:b], w, target[a:b])
@@ -112,7 +117,10 @@ class LMHeadCrossEntropy(nn.Cell):
     def bprop(self, h, w, target, out, dout):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
-            dh, dw = self._grads(h, w, target, dout)
+            logits, self.kept = self.kept, None
+            if logits is None or logits.shape != (h.shape[0], w.shape[0]):
+                logits = None  # not this call's forward: recompute
+            dh, dw = self._grads(h, w, target, dout, logits)
             return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
         dhs, dw = [], None
         for a, b in parts:
@@ -121,9 +129,9 @@ class LMHeadCrossEntropy(nn.Cell):
             dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
         return ops.cat(dhs, 0).astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
 
-    def _loss(self, h, w, target):
-        """The loss sum of one chunk of tokens."""
-        logits = self._logits(h, w)
+    def _loss(self, h, w, target, logits=None):
+        """The loss sum of one chunk of tokens (``logits``: already computed)."""
+        logits = self._logits(h, w) if logits is None else logits
         if not self.split:
             logp = ops.log_softmax(logits, -1)
             return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
@@ -131,9 +139,9 @@ class LMHeadCrossEntropy(nn.Cell):
         total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
         return (ops.log(total[0]) + row_max - total[1]).sum()
 
-    def _grads(self, h, w, target, dout):
-        """(d hidden, d weight) of one chunk of tokens, in the compute dtype."""
-        logits = self._logits(h, w)
+    def _grads(self, h, w, target, dout, logits=None):
+        """(d hidden, d weight) of one chunk of tokens, in the compute dtype (``logits``: kept from the forward)."""
+        logits = self._logits(h, w) if logits is None else logits
         if not self.split:
             p = ops.softmax(logits, -1)
             col, hit = target.reshape(-1, 1), 1.0
