@@ -49,6 +49,7 @@ class TrainerState:
     tokens_seen: int = 0
     elapsed_s: float = 0.0
     identity: dict = field(default_factory=dict)  # {"model": ..., "data": ...}: see run_identity
+    early_stop: dict = field(default_factory=dict)  # {"best_eval": float | None, "evals_without_gain": int}
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

@@ -82,7 +82,7 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     batches = iter(t.loader)  # positioned at step t.step; pulled only for a step that runs
     profiler = StepProfiler(tc.profile_steps, rank, t.out)
     timer = reporter.timer
-    pending_tokens, bad_steps, best_eval, evals_without_gain = 0, 0, math.inf, 0
+    pending_tokens, bad_steps = 0, 0
     while t.step < t.total_steps:
         profiler.before(t.step + 1)
         timer.start()
@@ -118,12 +118,13 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
             {"step": t.step}
         if evaluating:
             record.update(evaluate(t))
-            better = record["eval_loss"] < best_eval * (1 - EVAL_MIN_GAIN)
-            best_eval, evals_without_gain = (record["eval_loss"], 0) if better else (best_eval, evals_without_gain + 1)
+            better = record["eval_loss"] < t.best_eval * (1 - EVAL_MIN_GAIN)
+            t.best_eval, t.evals_without_gain = (record["eval_loss"], 0) if better else \
+                (t.best_eval, t.evals_without_gain + 1)
         reporter.write(record, t.total_steps)
-        if tc.early_stop_patience and evals_without_gain >= tc.early_stop_patience:
-            rank.log(f"[train] early stop at step {t.step}: no better eval loss than {best_eval:.4f} in "
-                     f"{evals_without_gain} evaluations (train.early_stop_patience)")
+        if tc.early_stop_patience and t.evals_without_gain >= tc.early_stop_patience:
+            rank.log(f"[train] early stop at step {t.step}: no better eval loss than {t.best_eval:.4f} in "
+                     f"{t.evals_without_gain} evaluations (train.early_stop_patience)")
             return 0
         if saving or stopping:
             t.save()

@@ -6,6 +6,7 @@ loss scale and counters together).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,8 @@ class Trainer:
     elapsed_before_s: float = 0.0  # training time of earlier runs this one resumed
     started: float = field(default_factory=time.time)
     identity: dict = field(default_factory=dict)  # the base model and token cache (checkpoint.run_identity)
+    best_eval: float = math.inf  # train.early_stop_patience: the best eval loss so far
+    evals_without_gain: int = 0  # and the evaluations since it
 
     @property
     def out(self) -> Path:
@@ -70,7 +73,9 @@ class Trainer:
         """Checkpoint every part at the current step (collective: every rank calls it)."""
         state = TrainerState(step=self.step, loader=self.loader.state_dict(), scaler=self.scaler.state_dict(),
                              seed=self.recipe.train.seed, tokens_seen=self.tokens_seen,
-                             elapsed_s=self.elapsed_s(), identity=self.identity)
+                             elapsed_s=self.elapsed_s(), identity=self.identity,
+                             early_stop={"best_eval": None if math.isinf(self.best_eval) else self.best_eval,
+                                         "evals_without_gain": self.evals_without_gain})
         sharded = not isinstance(self.opt, AdamW)
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
@@ -93,6 +98,9 @@ class Trainer:
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
         self.step, self.tokens_seen, self.elapsed_before_s = state.step, state.tokens_seen, state.elapsed_s
+        best = state.early_stop.get("best_eval")
+        self.best_eval = math.inf if best is None else float(best)
+        self.evals_without_gain = int(state.early_stop.get("evals_without_gain", 0))
         self.started = time.time()
         self.rank.log(f"[train] resumed from {path} at step {self.step}")
 

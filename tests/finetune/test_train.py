@@ -173,6 +173,20 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
     np.testing.assert_allclose([x for x, _ in results], results[0][0], rtol=1e-5)
 
 
+def test_early_stop_patience_survives_a_resume(tmp_path, capsys):
+    """The best eval loss and the evaluations since it are in the checkpoint: a run stopped after 3
+    evaluations without gain... continued, stops at the 4th as one uninterrupted run would (a reset
+    counter would take the resumed run's first eval as a new best and train on)."""
+    out = tmp_path / "patience"
+    flat = {"train.lr": "1e-12", "train.schedule": "constant", "train.eval_every": "1", "train.early_stop_patience": "3",
+            "train.save_every": "0"}
+    assert run(_recipe(out, **flat, **{"train.max_steps": "3"})) == 0  # evals 1 (best), 2, 3: 2 without gain
+    capsys.readouterr()
+    assert run(_recipe(out, **flat)) == 0
+    assert "early stop at step 4" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
 def test_early_stop_when_the_eval_loss_stops_improving(tmp_path, capsys):
     """train.early_stop_patience=1 with a learning rate too small to move the eval loss: stop at the
     second evaluation, then the usual final checkpoint and export."""
