@@ -76,5 +76,6 @@ def evaluate(t: Trainer) -> dict:
     for mb in t.val_loader.eval_micro_batches():
         loss_sum = loss_sum + t.model(*batch_tensors(mb))
         tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
+    t.model.loss_fn.kept = None  # logits an eval forward kept for a backward that never comes
     total, count, _ = dp_totals(loss_sum, tokens, False, t.rank)
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}

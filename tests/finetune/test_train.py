@@ -171,6 +171,15 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
         results.append((loss / tokens, tokens))
     assert results[0][1] > 0 and all(n == results[0][1] for _, n in results)
     np.testing.assert_allclose([x for x, _ in results], results[0][0], rtol=1e-5)
+    from types import SimpleNamespace
+
+    from finetune.progress import evaluate
+
+    t = SimpleNamespace(model=model, rank=RankInfo(), val_loader=BatchLoader(cache, 128, 2, 1, 1, 0, 42,
+                                                                                index_name=VAL_INDEX))
+    got = evaluate(t)
+    assert got["eval_tokens"] == results[0][1] and got["eval_loss"] == pytest.approx(results[0][0], rel=1e-5)
+    assert model.loss_fn.kept is None  # no eval forward's logits left alive (the LM head keeps them for a backward)
 
 
 def test_early_stop_patience_survives_a_resume(tmp_path, capsys):
