@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from finetune.config import Recipe
@@ -135,7 +136,9 @@ class ReportWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=30,
+            # the event file is named by the second it was opened: a writer opened in the same second
+            # as the last one would truncate its file; the nanosecond suffix keeps both, in order
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=30, filename_suffix=f".{time.time_ns()}",
                                     purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict) -> None:
