@@ -49,7 +49,8 @@ class TrainerState:
     tokens_seen: int = 0
     elapsed_s: float = 0.0
     identity: dict = field(default_factory=dict)  # {"model": ..., "data": ...}: see run_identity
-    early_stop: dict = field(default_factory=dict)  # {"best_eval": float | None, "evals_without_gain": int}
+    best_eval: float | None = None  # train.early_stop_patience: the best eval loss so far (None: no eval yet)
+    evals_without_gain: int = 0  # and the evaluations since it
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

@@ -73,9 +73,10 @@ def evaluate(t: Trainer) -> dict:
     """Token-weighted mean loss over the whole validation set (each DP rank its share, summed over
     the ranks): ``{"eval_loss", "eval_tokens"}``."""
     loss_sum, tokens = ms.Tensor(0.0, ms.float32), 0
+    t.model.set_train(False)  # no backward follows: the LM head keeps no logits
     for mb in t.val_loader.eval_micro_batches():
         loss_sum = loss_sum + t.model(*batch_tensors(mb))
         tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
-    t.model.loss_fn.kept = None  # logits an eval forward kept for a backward that never comes
+    t.model.set_train(True)
     total, count, _ = dp_totals(loss_sum, tokens, False, t.rank)
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}

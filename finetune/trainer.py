@@ -74,8 +74,8 @@ class Trainer:
         state = TrainerState(step=self.step, loader=self.loader.state_dict(), scaler=self.scaler.state_dict(),
                              seed=self.recipe.train.seed, tokens_seen=self.tokens_seen,
                              elapsed_s=self.elapsed_s(), identity=self.identity,
-                             early_stop={"best_eval": None if math.isinf(self.best_eval) else self.best_eval,
-                                         "evals_without_gain": self.evals_without_gain})
+                             best_eval=None if math.isinf(self.best_eval) else self.best_eval,  # JSON has no inf
+                             evals_without_gain=self.evals_without_gain)
         sharded = not isinstance(self.opt, AdamW)
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
@@ -98,9 +98,8 @@ class Trainer:
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
         self.step, self.tokens_seen, self.elapsed_before_s = state.step, state.tokens_seen, state.elapsed_s
-        best = state.early_stop.get("best_eval")
-        self.best_eval = math.inf if best is None else float(best)
-        self.evals_without_gain = int(state.early_stop.get("evals_without_gain", 0))
+        self.best_eval = math.inf if state.best_eval is None else state.best_eval
+        self.evals_without_gain = state.evals_without_gain
         self.started = time.time()
         self.rank.log(f"[train] resumed from {path} at step {self.step}")
 
@@ -162,6 +161,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     load_weights(model, model_dir, rank)
     params = model.trainable_params()
     model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
+    model.set_train(True)  # training mode: the LM head keeps its logits for the backward (evaluate() leaves it)
     return model, params
 
 

@@ -63,10 +63,11 @@ class LMHeadCrossEntropy(nn.Cell):
     MindSpore's autodiff of log_softmax over a 150k vocabulary is several times slower on CPU than
     the closed form ``dlogits = softmax - onehot``. ``chunk_tokens`` > 0 computes both over chunks
     of that many tokens (``d weight`` summed in fp32), so the ``[tokens, vocab]`` fp32 buffers shrink
-    to ``[chunk, vocab]``; the sums are the same up to rounding order. When the tokens fit in one
-    chunk the forward's logits are kept for the backward (one ``[tokens, vocab]`` fp32 buffer, within
-    the head's peak the memory estimate counts); over several chunks the backward recomputes each
-    chunk's logits (bit-identical: the same matmul), so at most one chunk's are alive.
+    to ``[chunk, vocab]``; the sums are the same up to rounding order. In training mode
+    (``Cell.set_train``: the trainer's, not evaluation's) a forward whose tokens fit in one chunk
+    keeps its logits for the backward (one ``[tokens, vocab]`` fp32 buffer, within the head's peak
+    the memory estimate counts); otherwise the backward recomputes each chunk's logits
+    (bit-identical: the same matmul), so at most one chunk's are alive.
 
     Vocab-parallel (``rows`` a slice of the vocabulary, ``rank.tp > 1``): each TP rank holds the
     logits of its rows only. The row maxima, the sums of exponentials and the target logits are
@@ -84,7 +85,7 @@ class LMHeadCrossEntropy(nn.Cell):
         self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
         self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
-        self.kept = None  # the last single-chunk forward's logits, taken by its backward
+        self.kept = None  # a training forward's single-chunk logits, taken by its backward
 
     def _logits(self, h, w):
         return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
@@ -106,8 +107,9 @@ class LMHeadCrossEntropy(nn.Cell):
     def construct(self, h, w, target):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
-            self.kept = self._logits(h, w)
-            return self._loss(h, w, target, self.kept)
+            logits = self._logits(h, w)
+            self.kept = logits if self.training else None
+            return self._loss(h, w, target, logits)
         self.kept = None
         total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])
         for a, b in parts[1:]:
@@ -117,9 +119,7 @@ class LMHeadCrossEntropy(nn.Cell):
     def bprop(self, h, w, target, out, dout):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
-            logits, self.kept = self.kept, None
-            if logits is None or logits.shape != (h.shape[0], w.shape[0]):
-                logits = None  # not this call's forward: recompute
+            logits, self.kept = self.kept, None  # None (not training mode): recomputed
             dh, dw = self._grads(h, w, target, dout, logits)
             return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
         dhs, dw = [], None

@@ -65,11 +65,13 @@ def test_matches_transformers(ms_cpu, golden_model, case, chunk, monkeypatch):
     np.testing.assert_allclose(norm, float(g["grad_norm"]), rtol=1e-4)
 
 
-@pytest.mark.parametrize("chunk,logit_matmuls", [(0, 1), (7, 2)])
-def test_one_chunk_keeps_its_logits_for_the_backward(ms_cpu, golden_model, chunk, logit_matmuls, monkeypatch):
-    """Issue 12 (speed): one chunk computes the vocab-sized logits once for forward and backward (the
-    backward recomputed them before: 4 vocab matmuls, torch does 3); over several chunks each chunk's
-    are recomputed (one chunk alive). Same gradients either way (the goldens test above)."""
+@pytest.mark.parametrize("chunk,training,logit_matmuls", [(0, True, 1), (0, False, 2), (7, True, 2)])
+def test_one_chunk_keeps_its_logits_for_the_backward(ms_cpu, golden_model, chunk, training, logit_matmuls,
+                                                     monkeypatch):
+    """Issue 12 (speed): in training mode one chunk computes the vocab-sized logits once for forward and
+    backward (the backward recomputed them before: 4 vocab matmuls, torch does 3); over several chunks,
+    or in eval mode (no backward expected), each chunk's are recomputed. Same gradients either way
+    (the goldens test above)."""
     ms = ms_cpu
     g = np.load(GOLDEN / "untied" / "golden.npz")
     model = golden_model("untied")
@@ -80,9 +82,16 @@ def test_one_chunk_keeps_its_logits_for_the_backward(ms_cpu, golden_model, chunk
     monkeypatch.setattr(head, "_logits", lambda h, w: calls.append(h.shape[0]) or real(h, w))
     ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
     fn = ms.value_and_grad(lambda *a: model(*a), None, model.trainable_params())
-    fn(*(ms.Tensor(x) for x in (ids, labels, *_rows(ids))))
-    chunks = len(head._chunks(int((labels[:, 1:] != -100).sum())))
-    assert len(calls) == chunks * logit_matmuls and head.kept is None
+    model.set_train(training)
+    try:
+        fn(*(ms.Tensor(x) for x in (ids, labels, *_rows(ids))))
+        chunks = len(head._chunks(int((labels[:, 1:] != -100).sum())))
+        assert len(calls) == chunks * logit_matmuls and head.kept is None
+        model(*(ms.Tensor(x) for x in (ids, labels, *_rows(ids))))  # a forward alone
+        assert (head.kept is not None) == (training and chunk == 0)
+    finally:
+        model.set_train(False)
+        head.kept = None
 
 
 def test_packed_row_equals_separate_samples(ms_cpu, golden_model):

@@ -177,15 +177,17 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
 
     t = SimpleNamespace(model=model, rank=RankInfo(), val_loader=BatchLoader(cache, 128, 2, 1, 1, 0, 42,
                                                                                 index_name=VAL_INDEX))
+    model.set_train(True)  # as the trainer leaves it
     got = evaluate(t)
     assert got["eval_tokens"] == results[0][1] and got["eval_loss"] == pytest.approx(results[0][0], rel=1e-5)
-    assert model.loss_fn.kept is None  # no eval forward's logits left alive (the LM head keeps them for a backward)
+    # eval forwards run in eval mode (a training-mode forward would keep its logits for a backward)
+    assert model.loss_fn.kept is None and model.training
 
 
 def test_early_stop_patience_survives_a_resume(tmp_path, capsys):
-    """The best eval loss and the evaluations since it are in the checkpoint: a run stopped after 3
-    evaluations without gain... continued, stops at the 4th as one uninterrupted run would (a reset
-    counter would take the resumed run's first eval as a new best and train on)."""
+    """The best eval loss and the evaluations since it are in the checkpoint: a run that ended after 3
+    evaluations (the best, then 2 without gain), continued, stops at the 4th as one uninterrupted run
+    would (a reset counter would take the resumed run's first eval as a new best and train on)."""
     out = tmp_path / "patience"
     flat = {"train.lr": "1e-12", "train.schedule": "constant", "train.eval_every": "1", "train.early_stop_patience": "3",
             "train.save_every": "0"}
