@@ -139,7 +139,9 @@ model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank,
 load_weights(model, model_dir)
 hf = f"{out}/hf"
 export_hf(model, model_dir, hf, dtype="fp32", rank=rank)
-sample_check(model, hf, Recipe(output_dir=out, export=ExportConfig(check_max_new_tokens=4)), rank)
+# as train.py does: tokenizer and generation config from the base model, which every rank has
+# (rank 0 alone writes the export; reading it from rank 1 races with that write)
+sample_check(model, model_dir, Recipe(output_dir=out, export=ExportConfig(check_max_new_tokens=4)), rank)
 '''
 
 
