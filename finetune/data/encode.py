@@ -10,7 +10,8 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -192,7 +193,7 @@ def _work(samples: list[Sample]) -> dict[str, Any]:
 
 def start_pool(args: tuple, workers: int, lib: Path | None = None) -> ProcessPoolExecutor | None:
     """``workers`` spawned tokenizer processes, started now with ``lib`` preloaded (None: tokenize in
-    this process). A process that dies fails every pending chunk (BrokenProcessPool), never hangs."""
+    this process). A process that dies fails the chunks waited on (BrokenProcessPool, :func:`pool_result`)."""
     if workers <= 1:
         return None
     ctx = mp.get_context("spawn")  # the caller may hold threads (tokenizers, mindspore)
@@ -214,6 +215,19 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
         p.join(5)
 
 
+def pool_result(pool: ProcessPoolExecutor, fut: Future, poll_s: float = 1.0) -> Any:
+    """``fut``'s result; BrokenProcessPool as soon as a tokenizer process has exited. The executor
+    alone can lose a future: on CPython 3.11 ``terminate_broken`` fails the pending futures without
+    the lock ``submit`` holds, so a chunk submitted in that instant is never failed and its
+    ``result()`` waits forever."""
+    while True:
+        try:
+            return fut.result(timeout=poll_s)
+        except TimeoutError:
+            if any(p.exitcode is not None for p in list((pool._processes or {}).values())):
+                raise BrokenProcessPool("a tokenizer process exited") from None
+
+
 def ordered_map(args: tuple, pool: ProcessPoolExecutor | None, workers: int,
                  items: Iterator) -> Iterator[tuple[Any, Any]]:
     """(item, encoded item) in order, with at most 2 chunks per worker in flight."""
@@ -227,7 +241,7 @@ def ordered_map(args: tuple, pool: ProcessPoolExecutor | None, workers: int,
         backlog.append((item, pool.submit(_work, item[0])))
         if len(backlog) >= 2 * workers:
             it, fut = backlog.popleft()
-            yield it, fut.result()
+            yield it, pool_result(pool, fut)
     while backlog:
         it, fut = backlog.popleft()
-        yield it, fut.result()
+        yield it, pool_result(pool, fut)

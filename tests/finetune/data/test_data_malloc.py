@@ -156,6 +156,25 @@ def test_auto_workers_follow_the_available_cpus(tmp_path, monkeypatch):
     assert info.report["tokenizer"]["workers"] == 3
 
 
+def test_waiting_on_a_chunk_the_executor_lost_ends_when_a_tokenizer_process_dies():
+    """A future the executor never completes (CPython 3.11: submitted while the pool marks itself
+    broken) fails with BrokenProcessPool once a process is gone; a slow chunk of a live pool does not."""
+    import time
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = enc_mod.start_pool((str(TOKENIZER), "sys", 128, CleanConfig()), 2, None)
+    try:
+        assert enc_mod.pool_result(pool, pool.submit(time.sleep, 0.5), poll_s=0.1) is None
+        next(iter(pool._processes.values())).kill()
+        t0 = time.monotonic()
+        with pytest.raises(BrokenProcessPool):
+            enc_mod.pool_result(pool, Future(), poll_s=0.1)  # never completed by anyone
+        assert time.monotonic() - t0 < 10
+    finally:
+        enc_mod.stop_pool(pool)
+
+
 def test_a_killed_tokenizer_process_stops_prepare_with_a_clear_error(tmp_path):
     """A worker killed mid-run (e.g. by the OOM killer) ends prepare-data with an error, not a hang."""
     import subprocess
@@ -185,7 +204,7 @@ def test_a_killed_tokenizer_process_stops_prepare_with_a_clear_error(tmp_path):
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("prepare-data hung after a tokenizer process died")
+        pytest.fail("prepare-data hung after a tokenizer process died:\n" + proc.communicate()[1][-3000:])
     assert proc.returncode == 2, err
     assert "a tokenizer process died" in err and "data.num_workers" in err, err
     assert not list((tmp_path / "out").glob(".data.tmp-*")) and not (tmp_path / "out" / "data").exists()
