@@ -76,10 +76,12 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 class _Output:
-    """Copies the job's output to the console and a file; remembers msrun's worker exit codes by pid."""
+    """Copies the job's output to the console and a file; remembers msrun's worker exit codes by pid,
+    and when each was reported."""
 
     def __init__(self, proc: subprocess.Popen, path: Path | None):
         self.codes: dict[int, int] = {}
+        self.reported_at: dict[int, float] = {}
         self.thread = threading.Thread(target=self._run, args=(proc, path), daemon=True)
         self.thread.start()
 
@@ -92,6 +94,7 @@ class _Output:
             for line in iter(proc.stdout.readline, b""):
                 m = procs.MSRUN_WORKER_EXIT.search(line.decode(errors="replace"))
                 if m:
+                    self.reported_at.setdefault(int(m.group(1)), time.time())
                     self.codes[int(m.group(1))] = int(m.group(2))
                 sys.stdout.buffer.write(line)
                 sys.stdout.flush()
@@ -158,7 +161,10 @@ class _Attempt:
                 code = self._exit_code(s["pid"])
                 if code == 0 or (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
                     continue
-                bad.append((time.time(), Failure(f"rank {rank}", code if code is not None else -9,
+                # msrun reports the worker that died first, then kills the others itself: when
+                # several are gone by this poll, the time of msrun's report orders them
+                when = self.out.reported_at.get(s["pid"], time.time())
+                bad.append((when, Failure(f"rank {rank}", code if code is not None else -9,
                                                  self._why_killed(s["pid"], code), wlog)))
         ended = all(s["state"] == "exited" or not procs.alive(s["pid"]) for s in st.values())
         all_done = ended and len(st) == len(self.ranks)

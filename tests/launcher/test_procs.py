@@ -89,3 +89,33 @@ def test_kill_tree_reaches_workers_in_their_own_sessions_and_their_helpers(tmp_p
     p.wait()
     time.sleep(0.3)
     assert not [q for q in below if procs.alive(q.pid)]
+
+
+def test_the_worker_msrun_reported_first_is_named_when_one_poll_finds_several_gone(tmp_path):
+    """msrun logs the worker that died, then kills the others itself. When one poll of the launcher
+    finds rank 0 (killed by msrun) and rank 1 (reported by msrun) both gone, rank 1 is the first
+    failing one, although rank 0 is looked at first (and its missing code waited for)."""
+    dead = []
+    for _ in range(2):
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        p.kill()
+        p.wait()
+        dead.append(p.pid)
+
+    class Out:
+        codes = {dead[1]: -9}
+        reported_at = {dead[1]: time.time()}
+
+    class StillRunning:
+        pid = os.getpid()
+
+        def poll(self):
+            return None
+
+    job = object.__new__(launch._Attempt)
+    job.log_dir, job.ranks, job.scheduler, job.oom_base = tmp_path, [0, 1], None, None
+    job.started, job.out, job.proc = time.time(), Out(), StillRunning()
+    statuses = {rank: {"state": "running", "pid": pid, "started_at": job.started} for rank, pid in enumerate(dead)}
+    failure = job.failure(statuses, stopping=False)
+    assert failure is not None and failure.who == "rank 1" and failure.code == -9
+    assert failure.why.startswith("killed by SIGKILL")
