@@ -215,17 +215,22 @@ def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native
     return all_reduce_sum(ops.cat([p for p in parts if p.shape[0]]), group)
 
 
-def dp_totals(loss: Any, count: int, flag: bool, rank: RankInfo) -> tuple[float, int, bool]:
-    """(``loss`` summed over DP, ``count`` summed over DP, ``flag`` set on any rank) in one fp32 all-reduce
-    over the world (TP ranks hold equal copies of loss and count). The count travels as two base-4096
-    digits, each sum exact in fp32 (the CPU backend reduces only floats). The one host read of a sync point."""
-    if rank.world_size == 1:
-        return float(loss.asnumpy()), count, flag
+def dp_totals(loss: Any, count: int, flag: bool, rank: RankInfo, same: Any = None
+              ) -> tuple[float, int, bool, list[float]]:
+    """(``loss`` summed over DP, ``count`` summed over DP, ``flag`` set on any rank, the values of
+    ``same``) in one fp32 all-reduce over the world (TP ranks hold equal copies of loss and count) and
+    one host read. ``same``: a 1-D fp32 device tensor equal on every rank, read as it is. The count
+    travels as two base-4096 digits, each sum exact in fp32 (the CPU backend reduces only floats)."""
     import mindspore as ms
     import numpy as np
     from mindspore import ops
 
-    digits = ms.Tensor(np.array([count // 4096, count % 4096, float(flag)], np.float32))
-    total = all_reduce_sum(ops.cat([loss.astype(ms.float32).reshape(1), digits]), rank.world_group)
-    loss_sum, hi, lo, flags = total.asnumpy().tolist()
-    return loss_sum / rank.tp, (int(hi) * 4096 + int(lo)) // rank.tp, flags > 0
+    local = loss.astype(ms.float32).reshape(1)
+    if rank.world_size > 1:
+        digits = ms.Tensor(np.array([count // 4096, count % 4096, float(flag)], np.float32))
+        local = all_reduce_sum(ops.cat([local, digits]), rank.world_group)
+    values = (local if same is None else ops.cat([local, same])).asnumpy().tolist()
+    if rank.world_size == 1:
+        return values[0], count, flag, values[1:]
+    loss_sum, hi, lo, flags = values[:4]
+    return loss_sum / rank.tp, (int(hi) * 4096 + int(lo)) // rank.tp, flags > 0, values[4:]

@@ -1,7 +1,9 @@
 """AdamW with fp32 master weights, the learning-rate schedule and dynamic loss scaling.
 
 The optimizer owns everything between "gradients of the scaled loss" and "updated parameters":
-reduce over data-parallel ranks, unscale, global-norm clip, skip on overflow, update, write back.
+reduce over data-parallel ranks, unscale, global-norm clip, skip on overflow, update, write back;
+all on the device (the step reads nothing on the host: the norm, whether the step was applied and
+the loss scale are device scalars, read at the training loop's sync points).
 """
 from __future__ import annotations
 
@@ -29,61 +31,114 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def clip_by_norm(grads: list, norm: float, max_norm: float) -> list:
-    """Scale ``grads`` so their global norm is at most ``max_norm`` (0: no clipping), as torch does."""
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        return [g * coef for g in grads]
-    return grads
+def unscale_and_clip(grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
+                     ) -> tuple[list, ms.Tensor, ms.Tensor]:
+    """On the device, nothing read: (the gradients unscaled, clipped to ``max_norm`` as torch clips
+    (0: no clipping) and zeroed when their norm is not finite; the unscaled norm; whether it is
+    finite). ``norm`` is the norm of ``grads`` as given, scaled by ``grad_scale`` when that is set."""
+    if grad_scale is not None:
+        norm = norm / grad_scale
+    ok = ops.isfinite(norm)
+    coef = ops.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0) if max_norm > 0 else None
+    if grad_scale is not None:
+        coef = 1.0 / grad_scale if coef is None else coef / grad_scale
+    return [ops.where(ok, g if coef is None else g * coef, 0.0) for g in grads], norm, ok
 
 
 class KernelScalars(NamedTuple):
-    """Arguments of the in-place ``AdamWeightDecay`` kernel for one step (fp32 tensors)."""
+    """Arguments of the in-place ``AdamWeightDecay`` kernel for one step (fp32 device scalars)."""
 
     lr: ms.Tensor
     beta1: ms.Tensor
     beta2: ms.Tensor
     eps: ms.Tensor
-    decay_factor: float  # weight decay ``wd`` enters the kernel as ``wd * decay_factor``
+    decay_factor: ms.Tensor  # weight decay ``wd`` enters the kernel as ``wd * decay_factor``
 
 
-def kernel_scalars(cfg: TrainConfig, lr: float, t: int) -> KernelScalars:
-    """Torch AdamW's bias corrections folded into the kernel's arguments for step ``t`` (1-based).
+class BiasCorrection:
+    """Torch AdamW's bias corrections folded into the kernel's arguments, looked up on the device by
+    the count of applied steps (a device int32 scalar), so a skipped step needs no host read.
 
     The kernel computes ``w -= lr' * (m / (sqrt(v) + eps') + wd' * w)`` without bias correction.
     With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
+    Row t of the table: (sqrt(bc2)/bc1, eps*sqrt(bc2), bc1/sqrt(bc2)) of step t, in float64 made fp32.
+    A skipped step gets lr' 0 and betas 1 with zeroed gradients: the kernel then leaves the weights
+    and moments bit for bit as they were.
     """
-    b1, b2 = cfg.betas
-    bc1, bc2 = 1.0 - b1 ** t, math.sqrt(1.0 - b2 ** t)
-    f32 = lambda x: ms.Tensor(x, ms.float32)  # noqa: E731
-    return KernelScalars(f32(lr * bc2 / bc1), f32(b1), f32(b2), f32(cfg.eps * bc2), bc1 / bc2)
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.steps = 0  # steps taken or skipped: an upper bound of the applied count
+        self.table = ms.Tensor(np.zeros((0, 3), np.float32))
+
+    def _rows(self, n: int) -> np.ndarray:
+        b1, b2 = self.cfg.betas
+        t = np.maximum(np.arange(n, dtype=np.float64), 1.0)  # row 0 (nothing applied yet) repeats row 1
+        bc1, bc2 = 1.0 - b1 ** t, np.sqrt(1.0 - b2 ** t)
+        return np.stack([bc2 / bc1, self.cfg.eps * bc2, bc1 / bc2], axis=1).astype(np.float32)
+
+    def scalars(self, lr: float, applied: ms.Tensor, ok: ms.Tensor) -> KernelScalars:
+        """The kernel's arguments for this step; ``applied`` counts this step when ``ok``."""
+        self.steps += 1
+        if self.table.shape[0] <= self.steps:  # grown by doubling: a host-to-device copy, now and then
+            self.table = ms.Tensor(self._rows(2 * self.steps + 2))
+        row = ops.gather(self.table, applied, 0)
+        b1, b2 = self.cfg.betas
+        return KernelScalars(ops.where(ok, row[0] * lr, 0.0), ops.where(ok, ms.Tensor(b1, ms.float32), 1.0),
+                             ops.where(ok, ms.Tensor(b2, ms.float32), 1.0), row[1], row[2])
 
 
 class LossScaler:
-    """Dynamic loss scale for fp16: x growth after `growth_interval` good steps, x backoff and skip on overflow."""
+    """Dynamic loss scale for fp16, on the device: x growth after ``growth_interval`` good steps,
+    x backoff (not below 1) on a skipped step. Off (scale 1) for fp32 and bf16."""
 
     def __init__(self, cfg: LossScaleConfig, enabled: bool):
         self.cfg, self.enabled = cfg, enabled
-        self.scale = cfg.initial if enabled else 1.0
-        self.good_steps = 0
+        self.scale = ms.Tensor(cfg.initial if enabled else 1.0, ms.float32)
+        self.good_steps = ms.Tensor(0.0, ms.float32)
 
-    def update(self, ok: bool) -> None:
+    @property
+    def grad_scale(self) -> ms.Tensor | None:
+        """What the optimizer divides the gradients by (None when off)."""
+        return self.scale if self.enabled else None
+
+    def loss_factor(self, label_tokens: int) -> ms.Tensor:
+        """scale / label tokens: the factor of every micro-batch's summed token loss."""
+        return self.scale / label_tokens if self.enabled else ms.Tensor(1.0 / label_tokens, ms.float32)
+
+    def update(self, ok: ms.Tensor) -> None:
         if not self.enabled:
             return
-        if not ok:
-            self.scale = max(1.0, self.scale * self.cfg.backoff_factor)
-            self.good_steps = 0
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.cfg.growth_interval:
-            self.scale *= self.cfg.growth_factor
-            self.good_steps = 0
+        good = ops.where(ok, self.good_steps + 1.0, 0.0)
+        grow = good >= self.cfg.growth_interval
+        self.scale = ops.where(ok, ops.where(grow, self.scale * self.cfg.growth_factor, self.scale),
+                               ops.maximum(self.scale * self.cfg.backoff_factor, 1.0))
+        self.good_steps = ops.where(grow, 0.0, good)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": float(self.scale.asnumpy()), "good_steps": int(self.good_steps.asnumpy())}
 
     def load_state_dict(self, d: dict) -> None:
-        self.scale, self.good_steps = float(d["scale"]), int(d["good_steps"])
+        self.scale = ms.Tensor(float(d["scale"]), ms.float32)
+        self.good_steps = ms.Tensor(float(d["good_steps"]), ms.float32)
+
+
+class SkippedSteps:
+    """Steps skipped for non-finite gradients, counted on the device and read at sync points:
+    ``counts`` = (skipped since the last read, the current run of consecutive skips, the longest
+    run since the last read)."""
+
+    def __init__(self):
+        self.counts = ops.zeros((3,), ms.float32)
+
+    def update(self, ok: ms.Tensor) -> None:
+        bad = 1.0 - ok.astype(ms.float32)
+        run = (self.counts[1] + 1.0) * bad
+        self.counts = ops.stack([self.counts[0] + bad, run, ops.maximum(self.counts[2], run)])
+
+    def read(self) -> None:
+        """The counts were read: the ones "since the last read" start again."""
+        self.counts = self.counts * ms.Tensor(np.array([0.0, 1.0, 0.0], np.float32))
 
 
 class CommClock:
@@ -111,36 +166,34 @@ class AdamW(CommClock):
         self.m = [self._zeros(p, "m") for p in self.params]
         self.v = [self._zeros(p, "v") for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
-        self.t = 0
+        self.t = ms.Tensor(0, ms.int32)  # applied steps, on the device
+        self.corrections = BiasCorrection(cfg)
         self._update = ops.AdamWeightDecay()  # in place; ~7x faster than composed ops on CPU
 
     @staticmethod
     def _zeros(p, kind: str) -> ms.Parameter:
         return ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"{kind}.{p.name}", requires_grad=False)
 
-    def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
-        """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied)."""
+    def step(self, grads: tuple, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied) as device scalars,
+        read by no one here: a step whose norm is not finite changes nothing (see BiasCorrection)."""
         t0 = time.perf_counter()
         grads = sum_grads_over_dp(grads, self.rank)  # fp32
         self.comm_s += time.perf_counter() - t0
-        if grad_scale != 1.0:
-            grads = [g / grad_scale for g in grads]
         norm = global_grad_norm(grads, self.params, self.rank)
-        if not math.isfinite(norm):
-            return norm, False
-        grads = clip_by_norm(grads, norm, self.cfg.clip_grad)
-        self.t += 1
-        k = kernel_scalars(self.cfg, lr, self.t)
-        wd_t = {d: ms.Tensor(d * k.decay_factor, ms.float32) for d in set(self.decay)}  # one per distinct decay
+        grads, norm, ok = unscale_and_clip(grads, norm, self.cfg.clip_grad, grad_scale)
+        self.t = self.t + ok.astype(ms.int32)
+        k = self.corrections.scalars(lr, self.t, ok)
+        wd_t = {d: k.decay_factor * d for d in set(self.decay)}  # one per distinct decay
         for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
             self._update(w, self.m[i], self.v[i], k.lr, k.beta1, k.beta2, k.eps, wd_t[self.decay[i]], g)
             if w is not p:
                 p.set_data(w.astype(p.dtype))
-        return norm, True
+        return norm, ok
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Moments (and masters when separate), keyed by parameter name."""
-        out: dict[str, np.ndarray] = {"t": np.array(self.t, dtype=np.int64)}
+        out: dict[str, np.ndarray] = {"t": np.array(int(self.t.asnumpy()), dtype=np.int64)}
         for p, w, m, v in zip(self.params, self.master, self.m, self.v):
             out[f"m.{p.name}"] = m.asnumpy()
             out[f"v.{p.name}"] = v.asnumpy()
@@ -149,7 +202,8 @@ class AdamW(CommClock):
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
-        self.t = int(np.asarray(d["t"]).item())
+        self.corrections.steps = int(np.asarray(d["t"]).item())
+        self.t = ms.Tensor(self.corrections.steps, ms.int32)
         for i, p in enumerate(self.params):
             self.m[i].set_data(ms.Tensor(d[f"m.{p.name}"], ms.float32))
             self.v[i].set_data(ms.Tensor(d[f"v.{p.name}"], ms.float32))

@@ -78,5 +78,5 @@ def evaluate(t: Trainer) -> dict:
         loss_sum = loss_sum + t.model(*batch_tensors(mb))
         tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
     t.model.set_train(True)
-    total, count, _ = dp_totals(loss_sum, tokens, False, t.rank)
+    total, count, _, _ = dp_totals(loss_sum, tokens, False, t.rank)
     return {"eval_loss": total / max(count, 1), "eval_tokens": count}

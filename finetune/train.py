@@ -3,14 +3,14 @@
 Configured only by the resolved recipe and the rank environment msrun gives the process. The
 setup (model, optimizer, data, resume) is ``finetune/trainer.py``; this module runs the steps.
 
-Host syncs: a step copies nothing from the device except the gradient norm the optimizer needs to
-clip and to skip non-finite steps. The loss, token counts and the stop request cross the ranks and
-reach the host only at a *sync point*: a logged, checkpoint, eval or last step (so a SIGTERM is
-acted on at the next sync point, at most train.log_every steps later).
+Host syncs: a step copies nothing from the device. Clipping, skipping a non-finite step and the
+fp16 loss scale happen on the device (finetune/optim.py); the loss, grad norm, loss scale, skipped
+steps, token counts and the stop request reach the host only at a *sync point*: a logged,
+checkpoint, eval or last step, in one read. So a SIGTERM, and a run of train.max_bad_steps
+non-finite steps, are acted on at the next sync point, at most train.log_every steps later.
 """
 from __future__ import annotations
 
-import math
 import signal
 
 import mindspore as ms
@@ -19,7 +19,7 @@ from mindspore import ops
 
 from finetune.config import Recipe
 from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
-from finetune.optim import lr_at
+from finetune.optim import SkippedSteps, lr_at
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
 from finetune.trainer import Trainer, batch_tensors, setup
@@ -82,28 +82,22 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     batches = iter(t.loader)  # positioned at step t.step; pulled only for a step that runs
     profiler = StepProfiler(tc.profile_steps, rank, t.out)
     timer = reporter.timer
-    pending_tokens, bad_steps = 0, 0
+    pending_tokens, skipped = 0, SkippedSteps()
     while t.step < t.total_steps:
         profiler.before(t.step + 1)
         timer.start()
         batch = next(batches)
         timer.mark("data")
         lr, loss_scale = lr_at(t.step, tc, t.total_steps), t.scaler.scale
-        grads, loss = accumulate(grad_fn, batch.micro_batches, ms.Tensor(loss_scale / batch.global_label_tokens,
-                                                                         ms.float32))
+        grads, loss = accumulate(grad_fn, batch.micro_batches, t.scaler.loss_factor(batch.global_label_tokens))
         timer.mark("fwd_bwd")
-        grad_norm, applied = t.opt.step(grads, lr, grad_scale=loss_scale)
+        grad_norm, applied = t.opt.step(grads, lr, t.scaler.grad_scale)
         timer.mark("optimizer")
         t.scaler.update(applied)
+        skipped.update(applied)
         t.step += 1
         profiler.after(t.step)
         pending_tokens += sum(int((mb["segment_ids"] > 0).sum()) for mb in batch.micro_batches)
-        bad_steps = 0 if applied else bad_steps + 1
-        if not applied:
-            rank.log(f"[train] step {t.step}: non-finite gradients (loss scale {loss_scale:g}), step skipped")
-            if bad_steps >= tc.max_bad_steps:
-                rank.log(diverged_message(t.step, bad_steps, loss_scale, t.scaler.enabled))
-                return EXIT_DIVERGED
 
         last = t.step == t.total_steps
         logged = t.step % tc.log_every == 0 or last
@@ -111,11 +105,19 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
         evaluating = t.val_loader is not None and ((tc.eval_every and t.step % tc.eval_every == 0) or last)
         if not (logged or saving or evaluating or last):
             continue
-        loss_sum, tokens, stopping = dp_totals(loss, pending_tokens, stop.set, rank)  # the step's one sync point
+        # the step's one sync point: every value the host needs, in one read
+        loss_sum, tokens, stopping, (norm, scale, n_skipped, _, longest) = dp_totals(
+            loss, pending_tokens, stop.set, rank, ops.cat([ops.stack([grad_norm, loss_scale]), skipped.counts]))
+        skipped.read()
         t.tokens_seen += tokens
         pending_tokens = 0
-        record = reporter.step_record(t, loss_sum / loss_scale, lr, grad_norm, loss_scale) if logged else \
-            {"step": t.step}
+        if n_skipped:
+            rank.log(f"[train] {n_skipped:.0f} step(s) up to step {t.step} skipped: non-finite gradients (loss scale "
+                     f"{scale:g})")
+        if longest >= tc.max_bad_steps:
+            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled))
+            return EXIT_DIVERGED
+        record = reporter.step_record(t, loss_sum / scale, lr, norm, scale) if logged else {"step": t.step}
         if evaluating:
             record.update(evaluate(t))
             better = record["eval_loss"] < t.best_eval * (1 - EVAL_MIN_GAIN)
@@ -140,7 +142,7 @@ def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool) -> st
              "corrupt data (check the prepared samples)"
     if scaled:
         causes += ", fp16 overflow that loss scaling cannot absorb (train.precision=bf16 on Ascend)"
-    return (f"[train] error: {bad} consecutive steps with non-finite gradients, the last at step {step} (loss "
+    return (f"[train] error: {bad} consecutive steps with non-finite gradients, found at step {step} (loss "
             f"scale {loss_scale:g}); stopping without a checkpoint or export (the last checkpoint holds finite "
             f"weights). Likely causes: {causes}. Raise train.max_bad_steps to tolerate longer runs of bad steps.")
 

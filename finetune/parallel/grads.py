@@ -13,7 +13,6 @@ tp > num_key_value_heads), which are counted on their owner rank only. Parameter
 from __future__ import annotations
 
 import mindspore as ms
-import numpy as np
 from mindspore import ops
 
 from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum
@@ -73,8 +72,8 @@ def square_partials(x: ms.Tensor) -> ms.Tensor:
 
     MindSpore's CPU full reduction (``ops.sum`` over all axes) is not deterministic: the same tensor
     can sum to a different last bit depending on earlier calls, which broke exact resume. A
-    reduction along rows is: each partial is one row's sum. The partials are added on the host
-    (``finish_norm``) in float64.
+    reduction along rows is: each partial is one row's sum. The partials are added in a fixed
+    order (``tree_sum``).
     """
     x = x.reshape(-1).astype(ms.float32)
     n = x.shape[0]
@@ -88,18 +87,26 @@ def square_partials(x: ms.Tensor) -> ms.Tensor:
     return rows if tail is None else rows + tail
 
 
-def finish_norm(split: ms.Tensor, replicated: ms.Tensor, rank: RankInfo) -> float:
-    """Whole-model L2 norm from this rank's partials over DP-reduced gradients (one host read).
+def tree_sum(x: ms.Tensor) -> ms.Tensor:
+    """The sum of a 1-D tensor of power-of-two length by halving: elementwise adds in a fixed order."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x.reshape(())
+
+
+def finish_norm(split: ms.Tensor, replicated: ms.Tensor, rank: RankInfo) -> ms.Tensor:
+    """Whole-model L2 norm (a device scalar) from this rank's partials over DP-reduced gradients.
 
     ``split``: partials of TP-partitioned grads (summed over the TP group here); ``replicated``:
     partials of TP-replicated grads (already whole, counted once).
     """
-    both = ops.stack([all_reduce_sum(split, rank.tp_group), replicated]).asnumpy().astype(np.float64)
-    return float(np.sqrt(both.sum()))
+    return ops.sqrt(tree_sum(all_reduce_sum(split, rank.tp_group) + replicated))
 
 
-def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> float:
-    """L2 norm of the whole model's (DP-reduced) gradient; each TP slice counted once; deterministic."""
+def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Tensor:
+    """L2 norm of the whole model's (DP-reduced) gradient, a device scalar; each TP slice counted
+    once; deterministic."""
     split = ops.zeros((PARTIALS,), ms.float32)
     rep = ops.zeros((PARTIALS,), ms.float32)
     for g, p in zip(grads, params):

@@ -30,7 +30,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
                            reduce_scatter_sum)
-from finetune.optim import CommClock, clip_by_norm, kernel_scalars
+from finetune.optim import BiasCorrection, CommClock, unscale_and_clip
 from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
@@ -64,7 +64,8 @@ class ShardedAdamW(CommClock):
         self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
-        self.t = 0
+        self.t = ms.Tensor(0, ms.int32)  # applied steps, on the device
+        self.corrections = BiasCorrection(cfg)
         self._update = ops.AdamWeightDecay()  # in place on (chunk, m, v)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
@@ -116,37 +117,35 @@ class ShardedAdamW(CommClock):
                 for k in range(len(self.buckets))]
 
     # ---------------------------------------------------------------- step
-    def step(self, grads: tuple, lr: float, grad_scale: float = 1.0) -> tuple[float, bool]:
-        """Reduce-scatter, unscale, clip and apply ``grads``; returns (global grad_norm, applied)."""
+    def step(self, grads: tuple, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """Reduce-scatter, unscale, clip and apply ``grads``; returns (global grad_norm, applied) as
+        device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
         t0 = time.perf_counter()
         shards = self.reduce(grads)
         self.comm_s += time.perf_counter() - t0
-        shards = [g / grad_scale if grad_scale != 1.0 else g for g in shards]
-        norm = self._global_norm(shards)
-        if not math.isfinite(norm):
-            return norm, False
-        shards = clip_by_norm(shards, norm, self.cfg.clip_grad)
-        self.t += 1
-        # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.kernel_scalars);
+        shards, norm, ok = unscale_and_clip(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
+        self.t = self.t + ok.astype(ms.int32)
+        # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
-        ks = kernel_scalars(self.cfg, lr, self.t)
+        ks = self.corrections.scalars(lr, self.t, ok)
         no_wd = ms.Tensor(0.0, ms.float32)
-        wd_t = ms.Tensor(self.cfg.weight_decay * ks.decay_factor, ms.float32)  # chunks that decay throughout
+        wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
+        keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
         pending: dict[int, list] = {}
         for k, g in enumerate(shards):
             w = self.master[k] if self.keep_master else self._own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
-                w = self._decayed(w, k, keep)
+                w = self._decayed(w, k, keep_t)
             self._update(w, self.m[k], self.v[k], ks.lr, ks.beta1, ks.beta2, ks.eps, wd, g)
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w, pending)
-        return norm, True
+        return norm, ok
 
-    def _decayed(self, w: ms.Tensor, k: int, keep: float) -> ms.Tensor:
+    def _decayed(self, w: ms.Tensor, k: int, keep: ms.Tensor) -> ms.Tensor:
         """A new chunk ``w`` with the decaying ranges scaled by ``keep`` (padding stays zero)."""
         parts = [w[a:b] * keep if decay else w[a:b] for a, b, decay, _, _ in self.segs[k]]
         end = sum(b - a for a, b, *_ in self.segs[k])
@@ -154,7 +153,7 @@ class ShardedAdamW(CommClock):
             parts.append(w[end:])
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _global_norm(self, shards: list) -> float:
+    def _global_norm(self, shards: list) -> ms.Tensor:
         split = ops.zeros((PARTIALS,), ms.float32)
         rep = ops.zeros((PARTIALS,), ms.float32)
         for g, segs in zip(shards, self.segs):
@@ -191,7 +190,8 @@ class ShardedAdamW(CommClock):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Only this DP rank's shard: ``shard.{master,m,v}.<bucket>`` plus the step and layout."""
-        out: dict[str, np.ndarray] = {"t": np.array(self.t, dtype=np.int64), "shard.layout": self._meta()}
+        out: dict[str, np.ndarray] = {"t": np.array(int(self.t.asnumpy()), dtype=np.int64),
+                                      "shard.layout": self._meta()}
         for k in range(len(self.buckets)):
             if self.keep_master:
                 out[f"shard.master.{k}"] = self.master[k].asnumpy()
@@ -206,7 +206,8 @@ class ShardedAdamW(CommClock):
             raise ValueError(f"optimizer shard layout {None if got is None else list(got)} does not match this "
                              f"run's [dp, dp_rank, params, buckets]={list(self._meta())}; resume with the same "
                              "parallel.tp/parallel.dp as the checkpoint, or train.resume=never")
-        self.t = int(d["t"])
+        self.corrections.steps = int(d["t"])
+        self.t = ms.Tensor(self.corrections.steps, ms.int32)
         if self.keep_master:
             self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
         self.m = [ms.Tensor(d[f"shard.m.{k}"], ms.float32) for k in range(len(self.buckets))]

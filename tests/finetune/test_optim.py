@@ -24,8 +24,8 @@ def test_adamw_matches_torch_with_clipping():
     for g, lr in zip(GOLDEN["grads"], GOLDEN["lrs"]):
         grads = tuple(ms.Tensor(np.array(g[k], np.float32)) for k in ("w", "b"))
         norm, ok = opt.step(grads, lr)
-        assert ok
-        norms.append(norm)
+        assert bool(ok.asnumpy())
+        norms.append(float(norm.asnumpy()))
     np.testing.assert_allclose(norms, GOLDEN["norms"], rtol=1e-5)
     for p, k in zip(params, ("w", "b")):
         np.testing.assert_allclose(p.asnumpy(), np.array(GOLDEN["final"][k]), rtol=1e-5, atol=1e-6)
@@ -37,14 +37,39 @@ def test_grad_scale_unscales_and_overflow_skips():
     ob = AdamW(b, TrainConfig(lr=1e-2), RankInfo())
     g = [np.array(GOLDEN["grads"][0][k], np.float32) for k in ("w", "b")]
     oa.step(tuple(ms.Tensor(x) for x in g), 1e-2)
-    ob.step(tuple(ms.Tensor(x * 1024) for x in g), 1e-2, grad_scale=1024.0)
+    ob.step(tuple(ms.Tensor(x * 1024) for x in g), 1e-2, grad_scale=ms.Tensor(1024.0, ms.float32))
     for p, q in zip(a, b):
         np.testing.assert_allclose(p.asnumpy(), q.asnumpy(), rtol=1e-6)
     before = [p.asnumpy().copy() for p in a]
     norm, ok = oa.step(tuple(ms.Tensor(np.full_like(x, np.inf)) for x in g), 1e-2)
-    assert not ok and oa.t == 1
+    assert not bool(ok.asnumpy()) and int(oa.t.asnumpy()) == 1
     for p, x in zip(a, before):
         np.testing.assert_array_equal(p.asnumpy(), x)
+
+
+@pytest.mark.parametrize("bad_at", [0, 1])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_skipped_step_changes_nothing_and_the_run_goes_on_as_without_it(bad_at, clip):
+    """The skip happens on the device (lr 0, betas 1, zeroed gradients): weights, moments and the
+    applied-step count stay bit for bit, also for a first step, and the steps after it are those of
+    a run that never saw it."""
+    grads = [tuple(ms.Tensor(np.array(g[k], np.float32)) for k in ("w", "b")) for g in GOLDEN["grads"][:3]]
+    bad = tuple(ms.Tensor(np.where(np.arange(x.size).reshape(x.shape) % 2, np.nan, np.inf).astype(np.float32))
+                for x in grads[0])
+    a, b = _params(), _params()
+    oa, ob = (AdamW(p, TrainConfig(lr=1e-2, clip_grad=clip), RankInfo()) for p in (a, b))
+    for i, g in enumerate(grads):
+        if i == bad_at:
+            state = oa.state_dict()
+            _, ok = oa.step(bad, 1e-2)
+            assert not bool(ok.asnumpy())
+            assert all(np.array_equal(v, state[k]) for k, v in oa.state_dict().items())
+        oa.step(g, 1e-2)
+        ob.step(g, 1e-2)
+    assert int(oa.t.asnumpy()) == int(ob.t.asnumpy()) == 3
+    for p, q in zip(a, b):
+        np.testing.assert_array_equal(p.asnumpy(), q.asnumpy())
+    assert all(np.array_equal(v, ob.state_dict()[k]) for k, v in oa.state_dict().items())
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -74,14 +99,32 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 
 def test_loss_scaler_backs_off_and_grows():
     s = LossScaler(LossScaleConfig(initial=2.0 ** 16, growth_interval=2), enabled=True)
-    s.update(False)
-    assert s.scale == 2.0 ** 15
-    s.update(True)
-    s.update(True)
-    assert s.scale == 2.0 ** 16
+    yes, no = ms.Tensor(True), ms.Tensor(False)
+    s.update(no)
+    assert float(s.scale.asnumpy()) == 2.0 ** 15
+    s.update(yes)
+    s.update(yes)
+    assert float(s.scale.asnumpy()) == 2.0 ** 16 and s.state_dict() == {"scale": 2.0 ** 16, "good_steps": 0}
+    s.update(yes)
+    assert s.state_dict() == {"scale": 2.0 ** 16, "good_steps": 1}
+    low = LossScaler(LossScaleConfig(initial=1.0), enabled=True)
+    low.update(no)
+    assert float(low.scale.asnumpy()) == 1.0  # never below 1
     off = LossScaler(LossScaleConfig(), enabled=False)
-    off.update(False)
-    assert off.scale == 1.0
+    off.update(no)
+    assert float(off.scale.asnumpy()) == 1.0 and off.grad_scale is None
+
+
+def test_skipped_steps_are_counted_on_the_device_until_read():
+    from finetune.optim import SkippedSteps
+
+    s = SkippedSteps()
+    for ok in (True, False, False, True, False):
+        s.update(ms.Tensor(ok))
+    assert s.counts.asnumpy().tolist() == [3.0, 1.0, 2.0]  # skipped, current run, longest run
+    s.read()
+    s.update(ms.Tensor(False))
+    assert s.counts.asnumpy().tolist() == [1.0, 2.0, 2.0]
 
 
 @pytest.mark.parametrize("n", [5, 64, 1_216_681])
@@ -102,6 +145,6 @@ def test_the_gradient_norm_is_the_same_whatever_ran_before(n):
     for i in range(150):
         if i % 3 == 0:  # other reductions of random sizes in between, as a training step has
             ops.sum(ops.square(ms.Tensor(rng.standard_normal(int(rng.integers(1000, 2_000_000)), np.float32))))
-        seen.add(global_grad_norm(g, p, RankInfo()))
+        seen.add(float(global_grad_norm(g, p, RankInfo()).asnumpy()))
     assert len(seen) == 1
     assert seen.pop() == pytest.approx(want, rel=1e-6)

@@ -92,11 +92,11 @@ def main() -> None:
         sl = slice(rank.dp_rank * per, (rank.dp_rank + 1) * per)
         loss, grads = grad_fn(ms.Tensor(x[sl]), ms.Tensor(y[sl]))
         if shard:
-            norm, ok = opt.step(grads, CFG.lr)
+            norm = float(opt.step(grads, CFG.lr)[0].asnumpy())
         else:
             grads = sum_grads_over_dp(grads, rank)
-            gnorms.append(global_grad_norm(grads, params, rank))
-            norm, ok = opt.step(grads, CFG.lr)
+            gnorms.append(float(global_grad_norm(grads, params, rank).asnumpy()))
+            norm, _ = opt.step(grads, CFG.lr)
         losses.append(float(sum_grads_over_dp([loss.reshape(1)], rank)[0].asnumpy()[0]))
         norms.append(norm)
     out.mkdir(parents=True, exist_ok=True)
