@@ -56,8 +56,8 @@ class KernelScalars(NamedTuple):
 
 
 class BiasCorrection:
-    """Torch AdamW's bias corrections folded into the kernel's arguments, looked up on the device by
-    the count of applied steps (a device int32 scalar), so a skipped step needs no host read.
+    """The count of applied steps (a device int32) and torch AdamW's bias corrections folded into
+    the kernel's arguments, looked up on the device by that count, so a skipped step needs no host read.
 
     The kernel computes ``w -= lr' * (m / (sqrt(v) + eps') + wd' * w)`` without bias correction.
     With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
@@ -68,8 +68,10 @@ class BiasCorrection:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.steps = 0  # steps taken or skipped: an upper bound of the applied count
+        self.applied = ms.Tensor(0, ms.int32)
+        self.steps = 0  # steps taken or skipped: an upper bound of ``applied`` (sizes the table)
         self.table = ms.Tensor(np.zeros((0, 3), np.float32))
+        self.betas = tuple(ms.Tensor(b, ms.float32) for b in cfg.betas)
 
     def _rows(self, n: int) -> np.ndarray:
         b1, b2 = self.cfg.betas
@@ -77,15 +79,24 @@ class BiasCorrection:
         bc1, bc2 = 1.0 - b1 ** t, np.sqrt(1.0 - b2 ** t)
         return np.stack([bc2 / bc1, self.cfg.eps * bc2, bc1 / bc2], axis=1).astype(np.float32)
 
-    def scalars(self, lr: float, applied: ms.Tensor, ok: ms.Tensor) -> KernelScalars:
-        """The kernel's arguments for this step; ``applied`` counts this step when ``ok``."""
+    def step(self, lr: float, ok: ms.Tensor) -> KernelScalars:
+        """Count this step when ``ok``; the kernel's arguments for it."""
+        self.applied = self.applied + ok.astype(ms.int32)
         self.steps += 1
         if self.table.shape[0] <= self.steps:  # grown by doubling: a host-to-device copy, now and then
             self.table = ms.Tensor(self._rows(2 * self.steps + 2))
-        row = ops.gather(self.table, applied, 0)
-        b1, b2 = self.cfg.betas
-        return KernelScalars(ops.where(ok, row[0] * lr, 0.0), ops.where(ok, ms.Tensor(b1, ms.float32), 1.0),
-                             ops.where(ok, ms.Tensor(b2, ms.float32), 1.0), row[1], row[2])
+        row = ops.gather(self.table, self.applied, 0)
+        b1, b2 = self.betas
+        return KernelScalars(ops.where(ok, row[0] * lr, 0.0), ops.where(ok, b1, 1.0), ops.where(ok, b2, 1.0),
+                             row[1], row[2])
+
+    def count(self) -> np.ndarray:
+        """The applied steps, for a checkpoint (a host read)."""
+        return np.array(int(self.applied.asnumpy()), dtype=np.int64)
+
+    def restore(self, t) -> None:
+        self.steps = int(np.asarray(t).item())
+        self.applied = ms.Tensor(self.steps, ms.int32)
 
 
 class LossScaler:
@@ -166,8 +177,7 @@ class AdamW(CommClock):
         self.m = [self._zeros(p, "m") for p in self.params]
         self.v = [self._zeros(p, "v") for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
-        self.t = ms.Tensor(0, ms.int32)  # applied steps, on the device
-        self.corrections = BiasCorrection(cfg)
+        self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self._update = ops.AdamWeightDecay()  # in place; ~7x faster than composed ops on CPU
 
     @staticmethod
@@ -182,8 +192,7 @@ class AdamW(CommClock):
         self.comm_s += time.perf_counter() - t0
         norm = global_grad_norm(grads, self.params, self.rank)
         grads, norm, ok = unscale_and_clip(grads, norm, self.cfg.clip_grad, grad_scale)
-        self.t = self.t + ok.astype(ms.int32)
-        k = self.corrections.scalars(lr, self.t, ok)
+        k = self.corrections.step(lr, ok)
         wd_t = {d: k.decay_factor * d for d in set(self.decay)}  # one per distinct decay
         for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
             self._update(w, self.m[i], self.v[i], k.lr, k.beta1, k.beta2, k.eps, wd_t[self.decay[i]], g)
@@ -193,7 +202,7 @@ class AdamW(CommClock):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Moments (and masters when separate), keyed by parameter name."""
-        out: dict[str, np.ndarray] = {"t": np.array(int(self.t.asnumpy()), dtype=np.int64)}
+        out: dict[str, np.ndarray] = {"t": self.corrections.count()}
         for p, w, m, v in zip(self.params, self.master, self.m, self.v):
             out[f"m.{p.name}"] = m.asnumpy()
             out[f"v.{p.name}"] = v.asnumpy()
@@ -202,8 +211,7 @@ class AdamW(CommClock):
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
-        self.corrections.steps = int(np.asarray(d["t"]).item())
-        self.t = ms.Tensor(self.corrections.steps, ms.int32)
+        self.corrections.restore(d["t"])
         for i, p in enumerate(self.params):
             self.m[i].set_data(ms.Tensor(d[f"m.{p.name}"], ms.float32))
             self.v[i].set_data(ms.Tensor(d[f"v.{p.name}"], ms.float32))

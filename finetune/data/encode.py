@@ -204,9 +204,14 @@ def start_pool(args: tuple, workers: int, lib: Path | None = None) -> ProcessPoo
     return pool
 
 
+def _processes(pool: ProcessPoolExecutor) -> list:
+    """The pool's processes (the executor exposes them no other way)."""
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
 def stop_pool(pool: ProcessPoolExecutor) -> None:
     """Stop the tokenizer processes at once (their pending chunks are not needed)."""
-    procs = list(getattr(pool, "_processes", {}).values())  # the executor offers no terminate()
+    procs = _processes(pool)  # the executor offers no terminate()
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         if p.is_alive():
@@ -224,7 +229,7 @@ def pool_result(pool: ProcessPoolExecutor, fut: Future, poll_s: float = 1.0) -> 
         try:
             return fut.result(timeout=poll_s)
         except TimeoutError:
-            if any(p.exitcode is not None for p in list((pool._processes or {}).values())):
+            if any(p.exitcode is not None for p in _processes(pool)):
                 raise BrokenProcessPool("a tokenizer process exited") from None
 
 

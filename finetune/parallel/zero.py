@@ -64,8 +64,7 @@ class ShardedAdamW(CommClock):
         self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
-        self.t = ms.Tensor(0, ms.int32)  # applied steps, on the device
-        self.corrections = BiasCorrection(cfg)
+        self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self._update = ops.AdamWeightDecay()  # in place on (chunk, m, v)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
@@ -124,10 +123,9 @@ class ShardedAdamW(CommClock):
         shards = self.reduce(grads)
         self.comm_s += time.perf_counter() - t0
         shards, norm, ok = unscale_and_clip(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
-        self.t = self.t + ok.astype(ms.int32)
         # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
-        ks = self.corrections.scalars(lr, self.t, ok)
+        ks = self.corrections.step(lr, ok)
         no_wd = ms.Tensor(0.0, ms.float32)
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
@@ -190,8 +188,7 @@ class ShardedAdamW(CommClock):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Only this DP rank's shard: ``shard.{master,m,v}.<bucket>`` plus the step and layout."""
-        out: dict[str, np.ndarray] = {"t": np.array(int(self.t.asnumpy()), dtype=np.int64),
-                                      "shard.layout": self._meta()}
+        out: dict[str, np.ndarray] = {"t": self.corrections.count(), "shard.layout": self._meta()}
         for k in range(len(self.buckets)):
             if self.keep_master:
                 out[f"shard.master.{k}"] = self.master[k].asnumpy()
@@ -206,8 +203,7 @@ class ShardedAdamW(CommClock):
             raise ValueError(f"optimizer shard layout {None if got is None else list(got)} does not match this "
                              f"run's [dp, dp_rank, params, buckets]={list(self._meta())}; resume with the same "
                              "parallel.tp/parallel.dp as the checkpoint, or train.resume=never")
-        self.corrections.steps = int(d["t"])
-        self.t = ms.Tensor(self.corrections.steps, ms.int32)
+        self.corrections.restore(d["t"])
         if self.keep_master:
             self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
         self.m = [ms.Tensor(d[f"shard.m.{k}"], ms.float32) for k in range(len(self.buckets))]
