@@ -144,6 +144,7 @@ class ParallelConfig:
     pp: int = 1
     shard_optimizer: bool | None = None  # None: on when dp > 1
     vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
+    overlap_grad_reduce: bool = True  # dp > 1: each gradient bucket's reduction starts during the backward
 
     def world_problems(self, world: int) -> list[Problem]:
         """Why this layout cannot run on ``world`` workers (nodes x workers per node), each with the fix."""

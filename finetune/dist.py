@@ -153,8 +153,7 @@ def _prim(op: str, group: str) -> Any:
     key = (op, group)
     if key not in _PRIMS:
         _PRIMS[key] = {"allreduce": lambda: ops.AllReduce(group=group),
-                       "allgather": lambda: ops.AllGather(group=group),
-                       "reducescatter": lambda: ops.ReduceScatter(group=group)}[op]()
+                       "allgather": lambda: ops.AllGather(group=group)}[op]()
     return _PRIMS[key]
 
 
@@ -186,17 +185,55 @@ def native_collectives(rank: RankInfo, group: str | None) -> dict[str, bool]:
     return {"allgather": group is not None and group == rank.world_group, "reducescatter": False}
 
 
-def reduce_scatter_sum(flat: Any, size: int, index: int, group: str | None, native: bool) -> Any:
-    """Sum a 1-D ``flat`` (length divisible by ``size``) over ``group`` and keep chunk ``index``.
+class Ready:
+    """A result that needed no collective (a group of one): ``wait`` returns it."""
 
-    ``native=False``: AllReduce then slice (same sums; more traffic, used where ReduceScatter is missing).
+    def __init__(self, value: Any):
+        self.value = value
+
+    def wait(self) -> Any:
+        return self.value
+
+
+class InFlight:
+    """An asynchronous collective writing into ``out``: ``wait`` waits for it and returns ``out[lo:hi]``."""
+
+    def __init__(self, handle: Any, out: Any, lo: int = 0, hi: int | None = None):
+        self.handle, self.out, self.lo, self.hi = handle, out, lo, hi
+
+    def wait(self) -> Any:
+        self.handle.wait()
+        return self.out if self.lo == 0 and self.hi is None else self.out[self.lo:self.hi]
+
+
+def all_reduce_sum_async(buf: Any, group: str | None, lo: int = 0, hi: int | None = None) -> Ready | InFlight:
+    """Start summing the 1-D ``buf`` over ``group`` IN PLACE (``mint.distributed.all_reduce`` with
+    ``async_op=True``: on Ascend it runs on the communication stream while later kernels run);
+    ``wait()`` gives the sum's ``[lo:hi]``. ``buf`` must be a buffer no one else reads."""
+    if group is None:
+        return Ready(buf if lo == 0 and hi is None else buf[lo:hi])
+    from mindspore.mint import distributed
+
+    return InFlight(distributed.all_reduce(buf, op="sum", group=group, async_op=True), buf, lo, hi)
+
+
+def reduce_scatter_sum_async(buf: Any, size: int, index: int, group: str | None, native: bool) -> Ready | InFlight:
+    """Start summing the 1-D ``buf`` (length divisible by ``size``) over ``group``; ``wait()`` gives
+    chunk ``index`` of the sum. ``buf`` must be a buffer no one else reads.
+
+    ``native=False``: an AllReduce of ``buf``, then the slice (same sums; more traffic, used where
+    ReduceScatter is missing).
     """
     if group is None:
-        return flat
-    if native:
-        return _prim("reducescatter", group)(flat)
-    n = flat.shape[0] // size
-    return all_reduce_sum(flat, group)[index * n:(index + 1) * n]
+        return Ready(buf)
+    n = buf.shape[0] // size
+    if not native:
+        return all_reduce_sum_async(buf, group, index * n, (index + 1) * n)
+    from mindspore import ops
+    from mindspore.mint import distributed
+
+    out = ops.zeros((n,), buf.dtype)
+    return InFlight(distributed.reduce_scatter_tensor(out, buf, op="sum", group=group, async_op=True), out)
 
 
 def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native: bool) -> Any:

@@ -8,7 +8,6 @@ the loss scale are device scalars, read at the training loop's sync points).
 from __future__ import annotations
 
 import math
-import time
 from typing import NamedTuple
 
 import mindspore as ms
@@ -16,8 +15,9 @@ import numpy as np
 from mindspore import ops
 
 from finetune.config import LossScaleConfig, TrainConfig
-from finetune.dist import RankInfo
-from finetune.parallel.grads import global_grad_norm, sum_grads_over_dp
+from finetune.dist import BUCKET_BYTES, RankInfo, Ready
+from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
+from finetune.parallel.overlap import reduce_now
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -152,31 +152,21 @@ class SkippedSteps:
         self.counts = self.counts * ms.Tensor(np.array([0.0, 1.0, 0.0], np.float32))
 
 
-class CommClock:
-    """``comm_s``: host seconds an optimizer spent reducing gradients over DP (on Ascend: launch time)."""
-
-    comm_s = 0.0
-
-    def take_comm_s(self) -> float:
-        """The seconds since the last call."""
-        spent, self.comm_s = self.comm_s, 0.0
-        return spent
-
-
-class AdamW(CommClock):
+class AdamW:
     """torch.optim.AdamW semantics (decoupled weight decay), gradients clipped by global norm.
 
     Parameters that are not fp32 (bf16 on Ascend) get an fp32 master copy; fp32 parameters are
     their own master. Norm and bias parameters (1-D) get no weight decay.
     """
 
-    def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo):
+    def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
         self.params, self.cfg, self.rank = list(params), cfg, rank
         self.master = [p if p.dtype == ms.float32 else ms.Parameter(p.astype(ms.float32), name="master." + p.name)
                        for p in self.params]
         self.m = [self._zeros(p, "m") for p in self.params]
         self.v = [self._zeros(p, "v") for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
+        self.bucket_params = buckets_by_bytes([int(np.prod(p.shape)) for p in self.params], 4, bucket_bytes)
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self._update = ops.AdamWeightDecay()  # in place; ~7x faster than composed ops on CPU
 
@@ -184,12 +174,24 @@ class AdamW(CommClock):
     def _zeros(p, kind: str) -> ms.Parameter:
         return ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"{kind}.{p.name}", requires_grad=False)
 
-    def step(self, grads: tuple, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
-        """Reduce, unscale, clip and apply ``grads``; returns (grad_norm, applied) as device scalars,
-        read by no one here: a step whose norm is not finite changes nothing (see BiasCorrection)."""
-        t0 = time.perf_counter()
-        grads = sum_grads_over_dp(grads, self.rank)  # fp32
-        self.comm_s += time.perf_counter() - t0
+    def launch(self, k: int, grads) -> BucketSum | Ready:
+        """Start the DP sum of bucket ``k`` of ``grads`` (see overlap.GradReduction); ``wait()`` gives
+        its gradients in fp32."""
+        return sum_bucket_over_dp([grads[i] for i in self.bucket_params[k]], self.rank)
+
+    def reduce(self, grads: tuple | list) -> list:
+        """Every bucket of ``grads`` summed over DP, after the backward (no overlap)."""
+        return reduce_now(self, grads)
+
+    def step(self, grads: tuple | list, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """``apply`` of the DP-reduced ``grads``."""
+        return self.apply(self.reduce(grads), lr, grad_scale)
+
+    def apply(self, buckets: list, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """Unscale, clip and apply the DP-reduced gradients (``reduce`` or GradReduction.finish);
+        returns (grad_norm, applied) as device scalars, read by no one here: a step whose norm is
+        not finite changes nothing (see BiasCorrection)."""
+        grads = [g for bucket in buckets for g in bucket]
         norm = global_grad_norm(grads, self.params, self.rank)
         grads, norm, ok = unscale_and_clip(grads, norm, self.cfg.clip_grad, grad_scale)
         k = self.corrections.step(lr, ok)

@@ -20,6 +20,7 @@ from mindspore import ops
 from finetune.config import Recipe
 from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
 from finetune.optim import SkippedSteps, lr_at
+from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
 from finetune.trainer import Trainer, batch_tensors, setup
@@ -46,16 +47,23 @@ class StopFlag:
         self.set = True
 
 
-def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Tensor) -> tuple[list, ms.Tensor]:
-    """Gradients summed over the micro-batches in fp32 (whatever the compute dtype), and the summed
-    scaled loss; both stay on the device."""
-    grads, loss_sum = None, None
-    for mb in micro_batches:
+def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Tensor, reduction: GradReduction
+               ) -> tuple[list, ms.Tensor]:
+    """The gradients summed over the micro-batches in fp32 (whatever the compute dtype) and reduced
+    over DP (the reduction's buckets, started by the last micro-batch's backward when it overlaps),
+    and the summed scaled loss; both stay on the device."""
+    acc, loss_sum = None, None
+    for n, mb in enumerate(micro_batches):
+        last = n == len(micro_batches) - 1
+        if last:
+            reduction.arm(acc)
         loss, g = grad_fn(*batch_tensors(mb), scale)
-        g = [x if x.dtype == ms.float32 else x.astype(ms.float32) for x in g]
-        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         loss_sum = loss if loss_sum is None else loss_sum + loss
-    return grads, loss_sum
+        if last:
+            return reduction.finish(g), loss_sum
+        g = [x if x.dtype == ms.float32 else x.astype(ms.float32) for x in g]
+        acc = g if acc is None else [a + b for a, b in zip(acc, g)]
+    raise ValueError("a step needs at least one micro-batch")
 
 
 def run(recipe: Recipe) -> int:
@@ -89,9 +97,10 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
         batch = next(batches)
         timer.mark("data")
         lr, loss_scale = lr_at(t.step, tc, t.total_steps), t.scaler.scale
-        grads, loss = accumulate(grad_fn, batch.micro_batches, t.scaler.loss_factor(batch.global_label_tokens))
+        grads, loss = accumulate(grad_fn, batch.micro_batches, t.scaler.loss_factor(batch.global_label_tokens),
+                                 t.reduction)
         timer.mark("fwd_bwd")
-        grad_norm, applied = t.opt.step(grads, lr, t.scaler.grad_scale)
+        grad_norm, applied = t.opt.apply(grads, lr, t.scaler.grad_scale)
         timer.mark("optimizer")
         t.scaler.update(applied)
         skipped.update(applied)

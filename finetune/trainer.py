@@ -22,6 +22,7 @@ from finetune.data.batching import BatchLoader
 from finetune.data.cache import cache_dir_for
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler
+from finetune.parallel.overlap import GradReduction
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -45,6 +46,7 @@ class Trainer:
     model_dir: Path
     params: list
     opt: Any  # AdamW or ShardedAdamW
+    reduction: GradReduction  # the DP gradient reduction by the optimizer's buckets
     scaler: LossScaler
     loader: BatchLoader
     val_loader: BatchLoader | None  # the validation set (data.val_size / data.val_paths), if any
@@ -118,9 +120,14 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
                          "sequences: lower train.micro_batch_size / train.grad_accum or add data")
     model, params = build_model(recipe, rank, model_dir, dtype)
-    shard = recipe.parallel.shard_optimizer
-    trainer = Trainer(recipe, rank, model, model_dir, params, build_optimizer(params, tc, rank, shard),
+    opt = build_optimizer(params, tc, rank, recipe.parallel.shard_optimizer)
+    overlap = recipe.parallel.overlap_grad_reduce and rank.dp > 1
+    trainer = Trainer(recipe, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
+    if rank.dp > 1:
+        rank.log(f"[train] DP gradient reduction in {len(opt.bucket_params)} bucket(s), "
+                 + ("each started by the backward as soon as its gradients exist" if overlap else
+                    "after the backward (parallel.overlap_grad_reduce: false)"))
     n_params = sum(int(np.prod(p.shape)) for p in params)
     rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
              f"({loader.steps_per_epoch} per epoch), global batch "

@@ -83,6 +83,7 @@ class Ours:
         from finetune.dist import RankInfo
         from finetune.hf_io import load_weights
         from finetune.model import Qwen2Config, Qwen2ForCausalLM
+        from finetune.parallel.overlap import GradReduction
         from finetune.trainer import build_optimizer
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -95,6 +96,7 @@ class Ours:
             self.model.model.compile_layers()
         self.params = self.model.trainable_params()
         self.opt = build_optimizer(self.params, TrainConfig(lr=LR, weight_decay=0.0, clip_grad=0.0), rank, False)
+        self.reduction = GradReduction(self.params, self.opt, overlap=False)  # one process: nothing to overlap
         self.mb = {"input_ids": batch["ids"], "labels": batch["labels"], "position_ids": batch["pos"],
                    "segment_ids": batch["seg"]}
         n = int((batch["labels"][:, 1:] != -100).sum())
@@ -106,8 +108,8 @@ class Ours:
         from finetune.train import accumulate
 
         t = time.perf_counter()
-        grads, loss = accumulate(self.grad_fn, [self.mb], self.scale)
-        self.opt.step(grads, LR)
+        grads, loss = accumulate(self.grad_fn, [self.mb], self.scale, self.reduction)
+        self.opt.apply(grads, LR)
         value = float(loss.asnumpy())
         return time.perf_counter() - t, value
 

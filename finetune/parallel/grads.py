@@ -13,9 +13,10 @@ tp > num_key_value_heads), which are counted on their owner rank only. Parameter
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 
-from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum
+from finetune.dist import BUCKET_BYTES, RankInfo, Ready, all_reduce_sum, all_reduce_sum_async
 
 
 def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES) -> list[list[int]]:
@@ -34,22 +35,30 @@ def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES)
     return out
 
 
-def sum_grads_over_dp(grads: tuple | list, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES) -> list:
-    """SUM gradients over the DP group in fp32, whatever their dtype (one flat AllReduce per ~25 MB
-    bucket); in one DP rank only the fp32 cast."""
-    grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
-    if rank.dp == 1:
-        return grads
-    out = list(grads)
-    for idx in buckets_by_bytes([g.size for g in grads], 4, bucket_bytes):
-        flat = ops.cat([grads[i].reshape(-1) for i in idx]) if len(idx) > 1 else grads[idx[0]].reshape(-1)
-        total = all_reduce_sum(flat, rank.dp_group)
-        offset = 0
-        for i in idx:
-            n = grads[i].size
-            out[i] = total[offset:offset + n].reshape(grads[i].shape)
+class BucketSum:
+    """The DP sum of one bucket of fp32 gradients, in flight; ``wait()`` gives one tensor per gradient."""
+
+    def __init__(self, grads: list, group: str | None):
+        self.shapes = [g.shape for g in grads]
+        flat = ops.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+        self.flight = all_reduce_sum_async(flat, group)  # in place: the flat copy, or a lone gradient
+
+    def wait(self) -> list:
+        total = self.flight.wait()
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = int(np.prod(shape))
+            out.append(total[offset:offset + n].reshape(shape))
             offset += n
-    return out
+        return out
+
+
+def sum_bucket_over_dp(grads: list, rank: RankInfo) -> BucketSum | Ready:
+    """Start the SUM of one bucket of gradients over the DP group in fp32, whatever their dtype (one
+    flat asynchronous AllReduce); in one DP rank only the fp32 cast. A gradient that is fp32 already
+    may be overwritten with the sum."""
+    grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
+    return Ready(grads) if rank.dp == 1 else BucketSum(grads, rank.dp_group)
 
 
 def is_tp_partitioned(param) -> bool:

@@ -21,17 +21,17 @@ equivalents give the same numbers; the choice is logged once.
 from __future__ import annotations
 
 import math
-import time
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
 from finetune.config import TrainConfig
-from finetune.dist import (BUCKET_BYTES, RankInfo, all_gather_flat, all_reduce_sum, native_collectives,
-                           reduce_scatter_sum)
-from finetune.optim import BiasCorrection, CommClock, unscale_and_clip
+from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
+                           native_collectives, reduce_scatter_sum_async)
+from finetune.optim import BiasCorrection, unscale_and_clip
 from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
+from finetune.parallel.overlap import reduce_now
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
@@ -46,7 +46,7 @@ def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Pi
     return out
 
 
-class ShardedAdamW(CommClock):
+class ShardedAdamW:
     """AdamW whose fp32 state is partitioned over the DP group; same interface as ``optim.AdamW``."""
 
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
@@ -55,6 +55,7 @@ class ShardedAdamW(CommClock):
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).tolist())
         total, per = sum(self.sizes), max(1, bucket_bytes // 4)
         self.buckets = [(a, min(a + per, total)) for a in range(0, total, per)]  # flat [lo, hi)
+        self.bucket_params = [[i for i, _, _ in pieces_in(self.offsets, self.sizes, lo, hi)] for lo, hi in self.buckets]
         dp, r = rank.dp, rank.dp_rank
         self.chunk = [math.ceil((hi - lo) / dp) for lo, hi in self.buckets]
         self.mine = [pieces_in(self.offsets, self.sizes, lo + r * c, min(lo + (r + 1) * c, hi))
@@ -102,26 +103,33 @@ class ShardedAdamW(CommClock):
             pos += b - a
         return out
 
-    def _bucket_flat(self, grads: list, k: int) -> ms.Tensor:
+    def _bucket_flat(self, grads, k: int) -> ms.Tensor:
         """Bucket ``k`` of the gradients as one flat fp32 buffer, zero-padded to dp chunks."""
         lo, hi = self.buckets[k]
         found = pieces_in(self.offsets, self.sizes, lo, hi)
         parts = [grads[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in found]
         return self._pad(parts, self.chunk[k] * self.rank.dp, ms.float32)
 
-    def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
-        """This rank's chunk of every bucket of the gradients summed over DP, in fp32."""
+    def launch(self, k: int, grads) -> InFlight | Ready:
+        """Start reducing bucket ``k`` of ``grads`` over DP (see overlap.GradReduction); ``wait()``
+        gives this rank's chunk of the sum, fp32. An fp32 gradient filling a bucket alone may be
+        overwritten with the sum."""
         rk = self.rank
-        return [reduce_scatter_sum(self._bucket_flat(list(grads), k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
-                for k in range(len(self.buckets))]
+        return reduce_scatter_sum_async(self._bucket_flat(grads, k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
+
+    def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
+        """This rank's chunk of every bucket of the gradients summed over DP, in fp32, after the backward."""
+        return reduce_now(self, grads)
 
     # ---------------------------------------------------------------- step
-    def step(self, grads: tuple, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
-        """Reduce-scatter, unscale, clip and apply ``grads``; returns (global grad_norm, applied) as
+    def step(self, grads: tuple | list, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """``apply`` of the DP-reduced ``grads``."""
+        return self.apply(self.reduce(grads), lr, grad_scale)
+
+    def apply(self, shards: list, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """Unscale, clip and apply this rank's chunks of the DP-reduced gradients (``reduce`` or
+        GradReduction.finish), all-gather the new weights; returns (global grad_norm, applied) as
         device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
-        t0 = time.perf_counter()
-        shards = self.reduce(grads)
-        self.comm_s += time.perf_counter() - t0
         shards, norm, ok = unscale_and_clip(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
         # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.

@@ -3,9 +3,12 @@
     grad_worker.py <out_dir>
 
 Each DP rank runs the toy model in fp16 over MICRO micro-batches of its own data, accumulates with
-``finetune.train.accumulate`` and reduces with both DP paths (``sum_grads_over_dp`` and
-``ShardedAdamW.reduce``). Writes ``rank<r>.npz``: the raw fp16 micro-batch gradients (``raw.<mb>.<i>``)
-and both reduced results (``sum.<i>``, ``shard.<bucket>``).
+``finetune.train.accumulate`` and reduces with both DP paths (``AdamW``'s all-reduce and
+``ShardedAdamW``'s reduce-scatter, 256-byte buckets), each after the backward and overlapped with
+the last micro-batch's backward (``GradReduction``). Writes ``rank<r>.npz``: the raw fp16
+micro-batch gradients (``raw.<mb>.<i>``), the reduced results (``sum.<i>``, ``shard.<bucket>``;
+overlapped: ``overlap-sum.<i>``, ``overlap-shard.<bucket>``) and, per overlapped launch, how many
+gradients the backward had produced (``launched_after.sum``, ``launched_after.shard``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 
 from finetune.dist import init_distributed, launched_world  # noqa: E402
-from finetune.parallel.grads import sum_grads_over_dp  # noqa: E402
+from finetune.optim import AdamW  # noqa: E402
+from finetune.parallel.overlap import GradReduction  # noqa: E402
 from finetune.parallel.zero import ShardedAdamW  # noqa: E402
 from finetune.train import accumulate  # noqa: E402
 from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402
@@ -46,27 +50,32 @@ def micro_batches(dp_rank: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def grads_of(model: Toy, params: list, batches: list[dict]) -> tuple[list, list[list[np.ndarray]]]:
-    """(accumulated fp32 gradients, each micro-batch's raw fp16 gradients)."""
-    grad_fn = ms.value_and_grad(lambda x, y, pos, seg, scale: model(x, y) * scale, None, params)
+def raw_grads(grad_fn, batches: list[dict]) -> list[list[np.ndarray]]:
+    """Each micro-batch's raw fp16 gradients."""
     raw = []
     for mb in batches:
         _, g = grad_fn(*(ms.Tensor(mb[k]) for k in ("input_ids", "labels", "position_ids", "segment_ids")),
                        ms.Tensor(1.0, ms.float32))
         raw.append([x.asnumpy() for x in g])
-    acc, _ = accumulate(grad_fn, batches, ms.Tensor(1.0, ms.float32))
-    return acc, raw
+    return raw
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     rank = init_distributed(tp=1, dp=launched_world(), device_target="CPU")
     model, params = fp16_toy()
-    acc, raw = grads_of(model, params, micro_batches(rank.dp_rank))
-    sharded = ShardedAdamW(params, CFG, rank, bucket_bytes=256)
-    result = {f"raw.{m}.{i}": g for m, gs in enumerate(raw) for i, g in enumerate(gs)}
-    result.update({f"sum.{i}": g.asnumpy() for i, g in enumerate(sum_grads_over_dp(acc, rank))})
-    result.update({f"shard.{k}": g.asnumpy() for k, g in enumerate(sharded.reduce(acc))})
+    grad_fn = ms.value_and_grad(lambda x, y, pos, seg, scale: model(x, y) * scale, None, params)
+    batches = micro_batches(rank.dp_rank)
+    result = {f"raw.{m}.{i}": g for m, gs in enumerate(raw_grads(grad_fn, batches)) for i, g in enumerate(gs)}
+    for name, opt in (("sum", AdamW(params, CFG, rank, bucket_bytes=256)),
+                      ("shard", ShardedAdamW(params, CFG, rank, bucket_bytes=256))):
+        for prefix, overlap in (("", False), ("overlap-", True)):
+            reduction = GradReduction(params, opt, overlap)
+            buckets, _ = accumulate(grad_fn, batches, ms.Tensor(1.0, ms.float32), reduction)
+            got = [g for b in buckets for g in b] if name == "sum" else buckets
+            result.update({f"{prefix}{name}.{i}": g.asnumpy() for i, g in enumerate(got)})
+            if overlap:
+                result[f"launched_after.{name}"] = np.array(reduction.launched_after)
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"rank{rank.rank}.npz", **result)
 

@@ -1,4 +1,5 @@
-"""Issue 9 defect 9: fp16 gradients are accumulated over micro-batches and DP-reduced in fp32.
+"""Issue 9 defect 9: fp16 gradients are accumulated over micro-batches and DP-reduced in fp32;
+issue 12 item 8: the reduction overlapped with the backward equals the one after it.
 
 Reference: the same fp16 micro-batch gradients summed in float64. The trainer's result must match
 it within fp32 rounding; the same sums taken in fp16 (what the loop did before) miss that
@@ -11,7 +12,10 @@ import pytest
 import grad_worker
 import harness
 from finetune.dist import RankInfo
+from finetune.optim import AdamW
+from finetune.parallel.overlap import GradReduction
 from finetune.parallel.zero import ShardedAdamW
+from finetune.train import accumulate
 from toy_worker import CFG
 
 DP = 2
@@ -33,7 +37,13 @@ def _fp16_sum(arrays: list[np.ndarray]) -> np.ndarray:
 def test_micro_batch_accumulation_is_fp32():
     model, params = grad_worker.fp16_toy()
     assert {p.dtype for p in params} == {ms.float16}
-    acc, raw = grad_worker.grads_of(model, params, grad_worker.micro_batches(0))
+    grad_fn = ms.value_and_grad(lambda x, y, pos, seg, scale: model(x, y) * scale, None, params)
+    batches = grad_worker.micro_batches(0)
+    raw = grad_worker.raw_grads(grad_fn, batches)
+    opt = AdamW(params, CFG, RankInfo())
+    buckets, _ = accumulate(grad_fn, batches, ms.Tensor(1.0, ms.float32), GradReduction(params, opt, False))
+    acc = [g for b in buckets for g in b]
+    assert len(acc) == len(params)
     for i, g in enumerate(acc):
         parts = [r[i] for r in raw]
         assert parts[0].dtype == np.float16
@@ -42,11 +52,17 @@ def test_micro_batch_accumulation_is_fp32():
         assert not _close_in_fp32(_fp16_sum(parts).astype(np.float32), ref, len(parts)), i  # the test can fail
 
 
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory) -> list[dict[str, np.ndarray]]:
+    """Every rank's npz from grad_worker.py under msrun (DP=2)."""
+    tmp = tmp_path_factory.mktemp("grads")
+    harness.msrun(harness.REPO / "tests" / "finetune" / "dist" / "grad_worker.py", [str(tmp / "out")], DP, tmp)
+    return [dict(np.load(tmp / "out" / f"rank{r}.npz")) for r in range(DP)]
+
+
 @pytest.mark.slow
-def test_dp_reduction_of_fp16_gradients_is_fp32(tmp_path):
-    script = harness.REPO / "tests" / "finetune" / "dist" / "grad_worker.py"
-    harness.msrun(script, [str(tmp_path / "out")], DP, tmp_path)
-    got = [dict(np.load(tmp_path / "out" / f"rank{r}.npz")) for r in range(DP)]
+def test_dp_reduction_of_fp16_gradients_is_fp32(reduced):
+    got = reduced
     n_params = len([k for k in got[0] if k.startswith("sum.")])
     raw = [[got[r][f"raw.{m}.{i}"] for r in range(DP) for m in range(grad_worker.MICRO)] for i in range(n_params)]
     ref = [np.sum([x.astype(np.float64) for x in parts], axis=0) for parts in raw]
@@ -62,3 +78,21 @@ def test_dp_reduction_of_fp16_gradients_is_fp32(tmp_path):
         for k, ((lo, hi), c) in enumerate(zip(layout.buckets, layout.chunk)):
             want = np.pad(flat[lo:hi], (0, c * DP - (hi - lo)))[r * c:(r + 1) * c]
             assert _close_in_fp32(got[r][f"shard.{k}"], want, terms), (r, k)
+
+
+@pytest.mark.slow
+def test_the_reduction_overlapped_with_the_backward_equals_the_one_after_it(reduced):
+    """Both DP paths, several buckets each: the buckets started from the backward's hooks hold the
+    same bits as those reduced after the backward, and the first started before the backward had
+    produced every gradient (it overlapped)."""
+    _, params = grad_worker.fp16_toy()
+    for r in range(DP):
+        for name in ("sum", "shard"):
+            keys = sorted(k for k in reduced[r] if k.startswith(name + "."))
+            assert len(keys) >= 3, keys
+            for k in keys:
+                np.testing.assert_array_equal(reduced[r]["overlap-" + k], reduced[r][k], err_msg=f"rank {r} {k}")
+            launched = reduced[r][f"launched_after.{name}"]
+            buckets = len(keys) if name == "shard" else len(AdamW(params, CFG, RankInfo(), bucket_bytes=256).bucket_params)
+            assert len(launched) == buckets
+            assert launched[0] < len(params) and list(launched) == sorted(launched), (name, launched)

@@ -109,6 +109,21 @@ def test_dp2_sharded_and_unsharded_equal_one_process(tmp):
         assert abs(b - full[0] / 2) / (full[0] / 2) < 0.01, (sharded, full)
 
 
+def test_dp2_reduction_after_the_backward_equals_the_overlapped_one_bit_for_bit(tmp):
+    """parallel.overlap_grad_reduce (on by default) starts each bucket's reduction from the backward's
+    hooks; off, the same buckets are reduced after it: the same sums, so the same run."""
+    for name in ("dp2", "dp2-full"):
+        shard = "true" if name == "dp2" else "false"
+        sync = _run_once(tmp, name + "-sync", 1, 2, 2, **{"parallel.overlap_grad_reduce": "false",
+                                                        "parallel.shard_optimizer": shard})
+        overlapped = _run_once(tmp, name, 1, 2, 2, **{"parallel.shard_optimizer": shard})
+        assert _losses(sync) == _losses(overlapped)
+        a, b = _hf(sync), _hf(overlapped)
+        assert a.keys() == b.keys() and a
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
+
+
 def test_tp2_equals_one_process(tmp):
     """Vocab-parallel embedding/LM head with the parallel cross-entropy (the default), and replicated."""
     _assert_same_run(_run_once(tmp, "tp2", 2, 1, 2), tmp / "one")

@@ -22,7 +22,7 @@ from mindspore import nn, ops  # noqa: E402
 
 from finetune.config import TrainConfig  # noqa: E402
 from finetune.dist import init_distributed, launched_world  # noqa: E402
-from finetune.parallel.grads import global_grad_norm, sum_grads_over_dp  # noqa: E402
+from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp  # noqa: E402
 from finetune.parallel.zero import ShardedAdamW  # noqa: E402
 
 VOCAB, HID, CLASSES, GLOBAL_BATCH = 50, 16, 7, 8
@@ -94,10 +94,10 @@ def main() -> None:
         if shard:
             norm = float(opt.step(grads, CFG.lr)[0].asnumpy())
         else:
-            grads = sum_grads_over_dp(grads, rank)
+            grads = sum_bucket_over_dp(list(grads), rank).wait()  # one bucket
             gnorms.append(float(global_grad_norm(grads, params, rank).asnumpy()))
             norm, _ = opt.step(grads, CFG.lr)
-        losses.append(float(sum_grads_over_dp([loss.reshape(1)], rank)[0].asnumpy()[0]))
+        losses.append(float(sum_bucket_over_dp([loss.reshape(1)], rank).wait()[0].asnumpy()[0]))
         norms.append(norm)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank.rank}.json").write_text(json.dumps(
