@@ -62,8 +62,8 @@ class BiasCorrection:
     The kernel computes ``w -= lr' * (m / (sqrt(v) + eps') + wd' * w)`` without bias correction.
     With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
     Row t of the table: (sqrt(bc2)/bc1, eps*sqrt(bc2), bc1/sqrt(bc2)) of step t, in float64 made fp32.
-    A skipped step gets lr' 0 and betas 1 with zeroed gradients: the kernel then leaves the weights
-    and moments bit for bit as they were.
+    A skipped step gets lr' 0 with zeroed gradients, so the kernel leaves the weights bit for bit as
+    they were; the moments are kept by ``kernel_step`` (the kernel's betas must stay in (0, 1)).
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -86,9 +86,7 @@ class BiasCorrection:
         if self.table.shape[0] <= self.steps:  # grown by doubling: a host-to-device copy, now and then
             self.table = ms.Tensor(self._rows(2 * self.steps + 2))
         row = ops.gather(self.table, self.applied, 0)
-        b1, b2 = self.betas
-        return KernelScalars(ops.where(ok, row[0] * lr, 0.0), ops.where(ok, b1, 1.0), ops.where(ok, b2, 1.0),
-                             row[1], row[2])
+        return KernelScalars(ops.where(ok, row[0] * lr, 0.0), *self.betas, row[1], row[2])
 
     def count(self) -> np.ndarray:
         """The applied steps, for a checkpoint (a host read)."""
@@ -97,6 +95,18 @@ class BiasCorrection:
     def restore(self, t) -> None:
         self.steps = int(np.asarray(t).item())
         self.applied = ms.Tensor(self.steps, ms.int32)
+
+
+def kernel_step(update, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
+                ) -> tuple[ms.Tensor, ms.Tensor]:
+    """One in-place AdamWeightDecay call (``update``) on ``w`` and on copies of the moments ``m``, ``v``;
+    returns the moments to keep: the new ones, or ``m`` and ``v`` themselves when the step is skipped
+    (``ok`` False; ``w`` is then unchanged: lr' 0, zeroed gradients). The kernel raises ValueError for
+    betas outside (0, 1) (MindSpore's ops.AdamWeightDecay), so betas of 1 cannot keep the moments."""
+    m_new, v_new = ops.where(ok, m, m), ops.where(ok, v, v)  # bit copies on the device (Tensor.copy reads
+    # through the host; mint.clone has no CPU kernel)
+    update(w, m_new, v_new, k.lr, k.beta1, k.beta2, k.eps, wd, g)
+    return ops.where(ok, m_new, m), ops.where(ok, v_new, v)
 
 
 class LossScaler:
@@ -197,7 +207,9 @@ class AdamW:
         k = self.corrections.step(lr, ok)
         wd_t = {d: k.decay_factor * d for d in set(self.decay)}  # one per distinct decay
         for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
-            self._update(w, self.m[i], self.v[i], k.lr, k.beta1, k.beta2, k.eps, wd_t[self.decay[i]], g)
+            m, v = kernel_step(self._update, w, self.m[i], self.v[i], k, wd_t[self.decay[i]], g, ok)
+            self.m[i].set_data(m)
+            self.v[i].set_data(v)
             if w is not p:
                 p.set_data(w.astype(p.dtype))
         return norm, ok

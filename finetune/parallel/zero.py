@@ -29,7 +29,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
                            native_collectives, reduce_scatter_sum_async)
-from finetune.optim import BiasCorrection, unscale_and_clip
+from finetune.optim import BiasCorrection, kernel_step, unscale_and_clip
 from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
 from finetune.parallel.overlap import reduce_now
 
@@ -145,7 +145,7 @@ class ShardedAdamW:
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
                 w = self._decayed(w, k, keep_t)
-            self._update(w, self.m[k], self.v[k], ks.lr, ks.beta1, ks.beta2, ks.eps, wd, g)
+            self.m[k], self.v[k] = kernel_step(self._update, w, self.m[k], self.v[k], ks, wd, g, ok)
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w, pending)

@@ -184,6 +184,36 @@ def test_optimizer_kernel_under_its_twin(twins):
     assert all(not np.array_equal(p.asnumpy(), before[p.name]) for p in model.trainable_params())
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_skipped_step_calls_the_optimizer_kernel_within_its_contract(twins, sharded):
+    """A step with non-finite gradients is skipped on the device by the same kernel call: its betas
+    must stay in (0, 1) (ops.AdamWeightDecay raises ValueError otherwise; betas of 1 were passed
+    once), and weights and moments stay bit for bit as they were."""
+    ms = __import__("mindspore")
+    from finetune.config import TrainConfig
+    from finetune.optim import AdamW
+    from finetune.parallel.zero import ShardedAdamW
+
+    model = _hd16_model(ASCEND, "float16")
+    params = model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda *a: model(*a), None, params)
+    _, grads = grad_fn(*(ms.Tensor(x) for x in _packed_batch()))
+    cfg = TrainConfig(lr=1e-2)
+    opt = ShardedAdamW(params, cfg, ASCEND, bucket_bytes=4096) if sharded else AdamW(params, cfg, ASCEND)
+    opt.step(grads, 1e-2)
+    weights = [p.asnumpy().copy() for p in params]
+    state = {k: v.copy() for k, v in opt.state_dict().items()}
+    bad = [g * float("nan") if i == 3 else g for i, g in enumerate(grads)]
+    _, applied = opt.step(bad, 1e-2)
+    assert not bool(applied.asnumpy())
+    for p, w in zip(params, weights):
+        np.testing.assert_array_equal(p.asnumpy(), w, err_msg=p.name)
+    after = opt.state_dict()
+    assert after.keys() == state.keys()
+    for k in state:
+        np.testing.assert_array_equal(after[k], state[k], err_msg=k)
+
+
 def test_recomputed_layers_on_the_ascend_path(twins):
     """train.recompute with TND flash attention: every gradient equals the one without recompute (a
     Tensor in the attention spec, an argument of the recomputed layer, once shifted the gradients
