@@ -29,7 +29,7 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
                            native_collectives, reduce_scatter_sum_async)
-from finetune.optim import BiasCorrection, kernel_step, unscale_and_clip
+from finetune.optim import BiasCorrection, StepGate
 from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
 from finetune.parallel.overlap import reduce_now
 
@@ -66,6 +66,7 @@ class ShardedAdamW:
         self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
+        self.gate = StepGate(rank)
         self._update = ops.AdamWeightDecay()  # in place on (chunk, m, v)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
@@ -130,10 +131,12 @@ class ShardedAdamW:
         """Unscale, clip and apply this rank's chunks of the DP-reduced gradients (``reduce`` or
         GradReduction.finish), all-gather the new weights; returns (global grad_norm, applied) as
         device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
-        shards, norm, ok = unscale_and_clip(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
+        shards, norm, ok = self.gate.gradients(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
         # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
         ks = self.corrections.step(lr, ok)
+        if shards is None:  # skipped on the host: nothing to run
+            return norm, ok
         no_wd = ms.Tensor(0.0, ms.float32)
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
@@ -145,7 +148,7 @@ class ShardedAdamW:
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
                 w = self._decayed(w, k, keep_t)
-            self.m[k], self.v[k] = kernel_step(self._update, w, self.m[k], self.v[k], ks, wd, g, ok)
+            self.m[k], self.v[k] = self.gate.update(self._update, w, self.m[k], self.v[k], ks, wd, g, ok)
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w, pending)

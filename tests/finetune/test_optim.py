@@ -47,29 +47,39 @@ def test_grad_scale_unscales_and_overflow_skips():
         np.testing.assert_array_equal(p.asnumpy(), x)
 
 
-@pytest.mark.parametrize("bad_at", [0, 1])
-@pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_a_skipped_step_changes_nothing_and_the_run_goes_on_as_without_it(bad_at, clip):
-    """The skip happens on the device (lr 0, betas 1, zeroed gradients): weights, moments and the
-    applied-step count stay bit for bit, also for a first step, and the steps after it are those of
-    a run that never saw it."""
+def _run_with_a_bad_step(bad_at: int | None, clip: float, on_device: bool) -> tuple[list, dict, int]:
+    """Three golden steps (a non-finite one before step ``bad_at``): (weights, optimizer state, applied steps)."""
     grads = [tuple(ms.Tensor(np.array(g[k], np.float32)) for k in ("w", "b")) for g in GOLDEN["grads"][:3]]
     bad = tuple(ms.Tensor(np.where(np.arange(x.size).reshape(x.shape) % 2, np.nan, np.inf).astype(np.float32))
                 for x in grads[0])
-    a, b = _params(), _params()
-    oa, ob = (AdamW(p, TrainConfig(lr=1e-2, clip_grad=clip), RankInfo()) for p in (a, b))
+    params = _params()
+    opt = AdamW(params, TrainConfig(lr=1e-2, clip_grad=clip), RankInfo())
+    opt.gate.on_device = on_device
     for i, g in enumerate(grads):
         if i == bad_at:
-            state = oa.state_dict()
-            _, ok = oa.step(bad, 1e-2)
+            state = opt.state_dict()
+            _, ok = opt.step(bad, 1e-2)
             assert not bool(ok.asnumpy())
-            assert all(np.array_equal(v, state[k]) for k, v in oa.state_dict().items())
-        oa.step(g, 1e-2)
-        ob.step(g, 1e-2)
-    assert int(oa.corrections.count()) == int(ob.corrections.count()) == 3
-    for p, q in zip(a, b):
-        np.testing.assert_array_equal(p.asnumpy(), q.asnumpy())
-    assert all(np.array_equal(v, ob.state_dict()[k]) for k, v in oa.state_dict().items())
+            assert all(np.array_equal(v, state[k]) for k, v in opt.state_dict().items())
+        opt.step(g, 1e-2)
+    return [p.asnumpy() for p in params], opt.state_dict(), int(opt.corrections.count())
+
+
+@pytest.mark.parametrize("bad_at", [0, 1])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_skipped_step_changes_nothing_and_the_run_goes_on_as_without_it(bad_at, clip):
+    """Decided on the device (Ascend: zeroed gradients, lr 0, the old moments kept) or on the host
+    (CPU: no kernel call): weights, moments and the applied-step count stay bit for bit, also for a
+    first step, and the steps after it are those of a run that never saw it, in both gates alike."""
+    ref_w, ref_state, ref_count = _run_with_a_bad_step(None, clip, on_device=False)
+    assert ref_count == 3
+    for on_device in (True, False):
+        w, state, count = _run_with_a_bad_step(bad_at, clip, on_device)
+        assert count == 3
+        for a, b in zip(w, ref_w):
+            np.testing.assert_array_equal(a, b, err_msg=f"on_device={on_device}")
+        assert state.keys() == ref_state.keys()
+        assert all(np.array_equal(v, ref_state[k]) for k, v in state.items()), on_device
 
 
 def test_state_dict_round_trip_continues_identically():
