@@ -54,6 +54,19 @@ def _adam(**over):
     return args
 
 
+def _f32(v: float):
+    import mindspore as ms
+
+    return ms.Tensor(v, ms.float32)
+
+
+def _rs(**over):
+    """A reduce-scatter of 8 floats over a group of 2, one argument changed."""
+    args = dict(output=T((4,), "float32"), input=T((8,), "float32"), op="sum", group="dp_0", async_op=True)
+    args.update(over)
+    return args
+
+
 # (op, rule key, the call's keyword arguments as a thunk)
 VIOLATIONS = [
     ("flash_attention_score", "dtype", lambda: _fa(query=T((8, 4, 16), "float32"))),
@@ -106,6 +119,12 @@ VIOLATIONS = [
     ("AdamWeightDecay", "shape", lambda: _adam(gradient=T((4, 3), "float32"))),
     ("AdamWeightDecay", "scalars", lambda: _adam(lr=1e-3)),
     ("AdamWeightDecay", "scalars", lambda: _adam(decay=T((), "float32") * 0 - 1)),
+    ("AdamWeightDecay", "scalars", lambda: _adam(beta1=_f32(1.0))),  # once passed on a skipped step
+    ("reduce_scatter_tensor", "args", lambda: _rs(output=T((4,), "float16"))),
+    ("reduce_scatter_tensor", "args", lambda: _rs(group=None)),
+    ("reduce_scatter_tensor", "args", lambda: _rs(op="mean")),
+    ("reduce_scatter_tensor", "shape", lambda: _rs(input=T((7,), "float32"))),
+    ("reduce_scatter_tensor", "shape", lambda: _rs(output=T((8,), "float32"))),
 ]
 
 
@@ -116,6 +135,8 @@ def _call(op: str, kwargs: dict):
 
     if op == "AdamWeightDecay":
         return twins.adam_weight_decay_twin(ops.AdamWeightDecay, {})()(**kwargs)
+    if op == "reduce_scatter_tensor":  # refused before any collective runs
+        return twins.reduce_scatter_tensor_twin(None, lambda group: 2, lambda group: 0, {})(**kwargs)
     return getattr(twins, op)(**kwargs)
 
 

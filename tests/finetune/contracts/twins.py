@@ -11,6 +11,9 @@ source so that a reader can check it against the documents:
   ``ops.rotary_position_embedding`` / ``ops.swiglu`` docstrings (``mindspore/ops/auto_generate/gen_ops_def.py``).
 - ``MS-ADAMWD``: MindSpore 2.10 ``ops.AdamWeightDecay`` docstring and ``__mindspore_signature__``
   (``mindspore/ops/auto_generate/gen_ops_prim.py``).
+- ``MS-COMM``: MindSpore 2.10 ``mint.distributed.reduce_scatter_tensor`` docstring
+  (``mindspore/mint/distributed/distributed.py``): the native reduce-scatter of the sharded
+  optimizer's gradient buckets on Ascend (the CPU backend has no ReduceScatter kernel).
 - ``ACLNN-RMS``: CANN ops-nn ``norm/rms_norm/docs/aclnnRmsNorm.md``, "Constraints": the (x, gamma)
   dtype table for Atlas A2/A3 training products.
 - ``ACLNN-ROPE``: CANN ops-transformer ``posembedding/rotary_position_embedding/docs/
@@ -94,6 +97,12 @@ CONTRACTS: dict[tuple[str, str], Rule] = {
     ("AdamWeightDecay", "shape"): Rule("m, v and gradient have var's shape", "MS-ADAMWD Inputs"),
     ("AdamWeightDecay", "scalars"): Rule("lr, beta1, beta2, epsilon, decay are float32 scalars; epsilon > 0, "
                                          "beta1/beta2 in (0, 1), decay >= 0", "MS-ADAMWD Inputs, Raises"),
+    # mint.distributed.reduce_scatter_tensor
+    ("reduce_scatter_tensor", "args"): Rule("output and input are Tensors of the same dtype; op is one of sum, "
+                                            "prod, min, max, avg; group is a str; async_op is a bool",
+                                            "MS-COMM Args output/input/op/group/async_op, Raises TypeError"),
+    ("reduce_scatter_tensor", "shape"): Rule("input is (N, *) with N divisible by the group size; output is "
+                                             "(N / group size, *)", "MS-COMM Args output/input"),
 }
 
 
@@ -272,3 +281,38 @@ def install(patch=setattr) -> dict[str, int]:
         patch(ops, name, counted(name, fn))
     patch(ops, "AdamWeightDecay", adam_weight_decay_twin(ops.AdamWeightDecay, calls))
     return calls
+
+
+def reduce_scatter_tensor_twin(all_reduce, group_size, group_rank, calls: dict[str, int]):
+    """A function standing in for ``mint.distributed.reduce_scatter_tensor``: checks each call, then
+    sums a copy of ``input`` with the real (CPU) ``all_reduce`` and writes this rank's chunk into
+    ``output`` when the handle is waited for. ``group_size``/``group_rank``: of a group name."""
+
+    class Handle:
+        def __init__(self, pending, total, output, lo: int, hi: int):
+            self.pending, self.total, self.output, self.lo, self.hi = pending, total, output, lo, hi
+
+        def wait(self) -> None:
+            self.pending.wait()
+            chunk = self.total[self.lo:self.hi]
+            self.output.copy_(ops.where(Tensor(True), chunk, chunk))  # a slice view: the CPU copy_ wants a tensor
+
+    def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):  # noqa: A002
+        name = "reduce_scatter_tensor"
+        calls[name] = calls.get(name, 0) + 1
+        need(name, "args", isinstance(output, Tensor) and isinstance(input, Tensor) and output.dtype == input.dtype
+             and op in ("sum", "prod", "min", "max", "avg") and isinstance(group, str) and isinstance(async_op, bool),
+             f"output {getattr(output, 'dtype', type(output))}, input {getattr(input, 'dtype', type(input))}, "
+             f"op {op!r}, group {group!r}, async_op {async_op!r}")
+        size, n = group_size(group), input.shape[0]
+        need(name, "shape", n % size == 0 and tuple(output.shape) == (n // size, *input.shape[1:]),
+             f"input {input.shape}, output {output.shape}, group size {size}")
+        total = ops.where(Tensor(True), input, input)  # a copy: all_reduce works in place
+        lo = group_rank(group) * (n // size)
+        handle = Handle(all_reduce(total, op=op, group=group, async_op=True), total, output, lo, lo + n // size)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    return reduce_scatter_tensor

@@ -7,8 +7,10 @@ Each DP rank runs the toy model in fp16 over MICRO micro-batches of its own data
 ``ShardedAdamW``'s reduce-scatter, 256-byte buckets), each after the backward and overlapped with
 the last micro-batch's backward (``GradReduction``). Writes ``rank<r>.npz``: the raw fp16
 micro-batch gradients (``raw.<mb>.<i>``), the reduced results (``sum.<i>``, ``shard.<bucket>``;
-overlapped: ``overlap-sum.<i>``, ``overlap-shard.<bucket>``) and, per overlapped launch, how many
-gradients the backward had produced (``launched_after.sum``, ``launched_after.shard``).
+overlapped: ``overlap-sum.<i>``, ``overlap-shard.<bucket>``; overlapped through Ascend's native
+reduce-scatter, here its contract twin: ``native-shard.<bucket>``, ``calls.reduce_scatter_tensor``)
+and, per overlapped launch, how many gradients the backward had produced (``launched_after.sum``,
+``launched_after.shard``).
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
+from mindspore.communication import get_group_size, get_rank  # noqa: E402
+from mindspore.mint import distributed  # noqa: E402
 
 from finetune.dist import init_distributed, launched_world  # noqa: E402
 from finetune.optim import AdamW  # noqa: E402
 from finetune.parallel.overlap import GradReduction  # noqa: E402
 from finetune.parallel.zero import ShardedAdamW  # noqa: E402
 from finetune.train import accumulate  # noqa: E402
+from tests.finetune.contracts import twins  # noqa: E402
 from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402
 
 MICRO = 8
@@ -67,15 +72,23 @@ def main() -> None:
     grad_fn = ms.value_and_grad(lambda x, y, pos, seg, scale: model(x, y) * scale, None, params)
     batches = micro_batches(rank.dp_rank)
     result = {f"raw.{m}.{i}": g for m, gs in enumerate(raw_grads(grad_fn, batches)) for i, g in enumerate(gs)}
-    for name, opt in (("sum", AdamW(params, CFG, rank, bucket_bytes=256)),
-                      ("shard", ShardedAdamW(params, CFG, rank, bucket_bytes=256))):
-        for prefix, overlap in (("", False), ("overlap-", True)):
+    native = ShardedAdamW(params, CFG, rank, bucket_bytes=256)
+    native.native_rs = True  # Ascend's reduce_scatter_tensor, here its contract twin (CPU has no kernel)
+    calls: dict[str, int] = {}
+    distributed.reduce_scatter_tensor = twins.reduce_scatter_tensor_twin(distributed.all_reduce, get_group_size,
+                                                                         get_rank, calls)
+    for name, opt, variants in (("sum", AdamW(params, CFG, rank, bucket_bytes=256), (("", False), ("overlap-", True))),
+                                ("shard", ShardedAdamW(params, CFG, rank, bucket_bytes=256),
+                                 (("", False), ("overlap-", True))),
+                                ("shard", native, (("native-", True),))):
+        for prefix, overlap in variants:
             reduction = GradReduction(params, opt, overlap)
             buckets, _ = accumulate(grad_fn, batches, ms.Tensor(1.0, ms.float32), reduction)
             got = [g for b in buckets for g in b] if name == "sum" else buckets
             result.update({f"{prefix}{name}.{i}": g.asnumpy() for i, g in enumerate(got)})
-            if overlap:
+            if prefix == "overlap-":
                 result[f"launched_after.{name}"] = np.array(reduction.launched_after)
+    result["calls.reduce_scatter_tensor"] = np.array(calls.get("reduce_scatter_tensor", 0))
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"rank{rank.rank}.npz", **result)
 
