@@ -1,9 +1,11 @@
 """AdamW with fp32 master weights, the learning-rate schedule and dynamic loss scaling.
 
 The optimizer owns everything between "gradients of the scaled loss" and "updated parameters":
-reduce over data-parallel ranks, unscale, global-norm clip, skip on overflow, update, write back;
-all on the device (the step reads nothing on the host: the norm, whether the step was applied and
-the loss scale are device scalars, read at the training loop's sync points).
+reduce over data-parallel ranks (``reduce``, or the buckets ``GradReduction`` started during the
+backward), unscale, global-norm clip, skip on overflow, update, write back. On Ascend all of it on
+the device (the step reads nothing on the host: the norm, whether the step was applied and the
+loss scale are device scalars, read at the training loop's sync points); on CPU the skip and clip
+decisions read the norm (``StepGate``).
 """
 from __future__ import annotations
 

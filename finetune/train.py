@@ -3,8 +3,9 @@
 Configured only by the resolved recipe and the rank environment msrun gives the process. The
 setup (model, optimizer, data, resume) is ``finetune/trainer.py``; this module runs the steps.
 
-Host syncs: a step copies nothing from the device. Clipping, skipping a non-finite step and the
-fp16 loss scale happen on the device (finetune/optim.py); the loss, grad norm, loss scale, skipped
+Host syncs: on Ascend a step copies nothing from the device. Clipping, skipping a non-finite step
+and the fp16 loss scale happen on the device (finetune/optim.py ``StepGate``; on CPU, whose kernels
+are synchronous, the norm is read once per step instead); the loss, grad norm, loss scale, skipped
 steps, token counts and the stop request reach the host only at a *sync point*: a logged,
 checkpoint, eval or last step, in one read. So a SIGTERM, and a run of train.max_bad_steps
 non-finite steps, are acted on at the next sync point, at most train.log_every steps later.
