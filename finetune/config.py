@@ -159,10 +159,13 @@ class ParallelConfig:
         return []
 
     def for_world(self, world: int) -> ParallelConfig:
-        """dp derived (0: world / (tp x pp)), shard_optimizer decided (None: dp > 1), vocab_parallel only with tp > 1."""
+        """dp derived (0: world / (tp x pp)), shard_optimizer decided (None: dp > 1), vocab_parallel only with
+        tp > 1, overlap_grad_reduce only with dp > 1."""
         dp = self.dp or world // (self.tp * self.pp)
         shard = self.shard_optimizer if self.shard_optimizer is not None else dp > 1
-        return dataclasses.replace(self, dp=dp, shard_optimizer=shard, vocab_parallel=self.vocab_parallel and self.tp > 1)
+        return dataclasses.replace(self, dp=dp, shard_optimizer=shard,
+                                   vocab_parallel=self.vocab_parallel and self.tp > 1,
+                                   overlap_grad_reduce=self.overlap_grad_reduce and dp > 1)
 
 
 @dataclass

@@ -64,8 +64,8 @@ class BiasCorrection:
     The kernel computes ``w -= lr' * (m / (sqrt(v) + eps') + wd' * w)`` without bias correction.
     With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
     Row t of the table: (sqrt(bc2)/bc1, eps*sqrt(bc2), bc1/sqrt(bc2)) of step t, in float64 made fp32.
-    A skipped step gets lr' 0 with zeroed gradients, so the kernel leaves the weights bit for bit as
-    they were; the moments are kept by ``kernel_step`` (the kernel's betas must stay in (0, 1)).
+    A skipped step gets lr' 0 (on the device gate the kernel then leaves the weights as they were and
+    ``kernel_step`` keeps the moments; on the host gate no kernel runs; see StepGate).
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -215,17 +215,13 @@ class AdamW:
         self.params, self.cfg, self.rank = list(params), cfg, rank
         self.master = [p if p.dtype == ms.float32 else ms.Parameter(p.astype(ms.float32), name="master." + p.name)
                        for p in self.params]
-        self.m = [self._zeros(p, "m") for p in self.params]
-        self.v = [self._zeros(p, "v") for p in self.params]
+        self.m = [ops.zeros(p.shape, ms.float32) for p in self.params]  # replaced each step (StepGate.update)
+        self.v = [ops.zeros(p.shape, ms.float32) for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
         self.bucket_params = buckets_by_bytes([int(np.prod(p.shape)) for p in self.params], 4, bucket_bytes)
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
         self._update = ops.AdamWeightDecay()  # in place; ~7x faster than composed ops on CPU
-
-    @staticmethod
-    def _zeros(p, kind: str) -> ms.Parameter:
-        return ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"{kind}.{p.name}", requires_grad=False)
 
     def launch(self, k: int, grads) -> BucketSum | Ready:
         """Start the DP sum of bucket ``k`` of ``grads`` (see overlap.GradReduction); ``wait()`` gives
@@ -252,10 +248,8 @@ class AdamW:
             return norm, ok
         wd_t = {d: k.decay_factor * d for d in set(self.decay)}  # one per distinct decay
         for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
-            m, v = self.gate.update(self._update, w, self.m[i], self.v[i], k, wd_t[self.decay[i]], g, ok)
-            if m is not self.m[i]:
-                self.m[i].set_data(m)
-                self.v[i].set_data(v)
+            wd = wd_t[self.decay[i]]
+            self.m[i], self.v[i] = self.gate.update(self._update, w, self.m[i], self.v[i], k, wd, g, ok)
             if w is not p:
                 p.set_data(w.astype(p.dtype))
         return norm, ok
@@ -273,8 +267,8 @@ class AdamW:
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
         self.corrections.restore(d["t"])
         for i, p in enumerate(self.params):
-            self.m[i].set_data(ms.Tensor(d[f"m.{p.name}"], ms.float32))
-            self.v[i].set_data(ms.Tensor(d[f"v.{p.name}"], ms.float32))
+            self.m[i] = ms.Tensor(d[f"m.{p.name}"], ms.float32)
+            self.v[i] = ms.Tensor(d[f"v.{p.name}"], ms.float32)
             if self.master[i] is not p:
                 self.master[i].set_data(ms.Tensor(d[f"master.{p.name}"], ms.float32))
 

@@ -121,7 +121,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
                          "sequences: lower train.micro_batch_size / train.grad_accum or add data")
     model, params = build_model(recipe, rank, model_dir, dtype)
     opt = build_optimizer(params, tc, rank, recipe.parallel.shard_optimizer)
-    overlap = recipe.parallel.overlap_grad_reduce and rank.dp > 1
+    overlap = recipe.parallel.overlap_grad_reduce  # resolved: only with dp > 1
     trainer = Trainer(recipe, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
     if rank.dp > 1:

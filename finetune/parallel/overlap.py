@@ -48,6 +48,7 @@ class GradReduction:
 
     def __init__(self, params: list, opt: Bucketed, overlap: bool):
         self.opt, self.overlap = opt, overlap
+        self.names = [p.name for p in params]
         self.users = [[] for _ in params]  # the buckets reading each parameter
         for k, idx in enumerate(opt.bucket_params):
             for i in idx:
@@ -80,7 +81,9 @@ class GradReduction:
 
     def _arrive(self, i: int, grad: ms.Tensor) -> None:
         if self.arrived[i]:
-            raise RuntimeError(f"gradient of parameter {i} arrived twice in one backward")
+            raise RuntimeError(f"the backward hook of {self.names[i]} ran twice in one backward: this MindSpore "
+                               "version's hooks do not give one final gradient per parameter; set "
+                               "OVERRIDES='parallel.overlap_grad_reduce=false' (reduce after the backward)")
         self.arrived[i] = True
         g = grad if grad.dtype == ms.float32 else grad.astype(ms.float32)
         self.totals[i] = g if self.acc is None else self.acc[i] + g

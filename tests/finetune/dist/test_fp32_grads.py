@@ -97,5 +97,5 @@ def test_the_reduction_overlapped_with_the_backward_equals_the_one_after_it(redu
             launched = reduced[r][f"launched_after.{name}"]
             buckets = len(keys) if name == "shard" else len(AdamW(params, CFG, RankInfo(), bucket_bytes=256).bucket_params)
             assert len(launched) == buckets
-            assert launched[0] < len(params) and list(launched) == sorted(launched), (name, launched)
+            assert launched[0] < len(params), (name, launched)  # started before the last gradient arrived
         assert int(reduced[r]["calls.reduce_scatter_tensor"]) == len(keys)  # one per bucket of the native run

@@ -8,6 +8,9 @@ from finetune.dist import check_world, dp_group_ranks, group_name, init_distribu
 def test_the_layout_is_derived_once_and_the_worker_only_checks():
     assert ParallelConfig(tp=2).for_world(8).dp == 4
     assert ParallelConfig(tp=2, dp=2).for_world(4).dp == 2
+    # the gradient reduction overlaps the backward only where there is a DP reduction
+    assert [ParallelConfig(tp=2).for_world(w).overlap_grad_reduce for w in (2, 4)] == [False, True]
+    assert ParallelConfig(overlap_grad_reduce=False).for_world(4).overlap_grad_reduce is False
     assert "TP=2 x DP=4 x PP=1 = 8 != world 4" in ParallelConfig(tp=2, dp=4).world_problems(4)[0].message
     assert "TP x PP = 3 does not divide the 4 worker(s)" in ParallelConfig(tp=3).world_problems(4)[0].message
     check_world(8, 2, 4)

@@ -57,6 +57,10 @@ def _evals(out: Path) -> list[float]:
     return [r["eval_loss"] for r in records if "eval_loss" in r]
 
 
+def _rank0_log(out: Path) -> str:
+    return (out / "msrun-logs-0" / "worker_0.log").read_text(errors="replace")
+
+
 def _hf(out: Path) -> dict[str, np.ndarray]:
     w: dict[str, np.ndarray] = {}
     for f in sorted((out / "hf").glob("*.safetensors")):
@@ -117,6 +121,8 @@ def test_dp2_reduction_after_the_backward_equals_the_overlapped_one_bit_for_bit(
         sync = _run_once(tmp, name + "-sync", 1, 2, 2, **{"parallel.overlap_grad_reduce": "false",
                                                         "parallel.shard_optimizer": shard})
         overlapped = _run_once(tmp, name, 1, 2, 2, **{"parallel.shard_optimizer": shard})
+        assert "each started by the backward" in _rank0_log(overlapped)  # the two runs took different paths
+        assert "after the backward (parallel.overlap_grad_reduce: false)" in _rank0_log(sync)
         assert _losses(sync) == _losses(overlapped)
         a, b = _hf(sync), _hf(overlapped)
         assert a.keys() == b.keys() and a
