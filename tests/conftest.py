@@ -1,6 +1,7 @@
 """Shared fixtures. Nothing here imports mindspore at collection time (launcher tests check that)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,21 @@ def ms_cpu():
 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     return ms
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request) -> Path:
+    """A directory for one module's shared fixtures, removed after the module unless a test failed.
+
+    The disk counterpart of tmp_path_retention_policy = "failed" (pyproject.toml), which pytest
+    applies only to function-scoped tmp_path: kept for the whole session, the msrun modules' runs
+    added up to 6 GB by the time tests/test_image.py builds the image (a CI machine ran out there).
+    """
+    path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    failed_before = request.session.testsfailed
+    yield path
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -26,10 +26,9 @@ def _losses(out):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight")
-    assert run(_recipe(out, **{"train.profile_steps": "2,3"})) == 0
-    return out
+def straight(module_tmp):
+    assert run(_recipe(module_tmp, **{"train.profile_steps": "2,3"})) == 0
+    return module_tmp
 
 
 def test_logged_steps_carry_mfu_time_breakdown_memory_and_eval(straight):

@@ -183,8 +183,8 @@ FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("inputs")
+def inputs(module_tmp) -> Path:
+    root = module_tmp
     for make in FIXTURES:
         make(root)
     return root

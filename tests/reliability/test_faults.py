@@ -43,8 +43,8 @@ def _no_leftovers(out: Path, within_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny"
+def model(module_tmp) -> Path:
+    path = module_tmp / "tiny"
     ensure_tiny_model(path, jobs.TINY, 0)
     return path
 

@@ -4,7 +4,9 @@
 # chroot isolation and vfs storage: no Docker engine, no cgroups needed), then run the entrypoint
 # inside it: the environment it gives programs, `plan`, and the embedded default training end to end.
 #   tools/image/test.sh [PYTHON]     # env: CACHE_DIR (debootstrap cache), TRAIN_TIMEOUT (seconds),
-#                                    #      TRAIN_OVERRIDES (the training run's OVERRIDES; "" = the full default)
+#                                    #      TRAIN_OVERRIDES (the training run's OVERRIDES; "" = the full default),
+#                                    #      KEEP_IMAGE=1 (keep the tested image; default: removed at the end),
+#                                    #      MIN_FREE_GB (free disk asked for before the build; default 13)
 set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -38,12 +40,38 @@ log "1/5 base image $BASE_TAG (debootstrap cache: $CACHE_DIR)"
 tools/image/base.sh
 log "2/5 wheels (downloaded once into build/wheels)"
 WHEEL_DIR=build/wheels tools/image/wheels.sh "$PY"
-log "3/5 buildah bud $IMAGE"
+# Disk: with vfs storage, committing the ~3.4 GB image holds the build container, the layer written
+# under TMPDIR (/var/tmp) and the new image's own copy at once: 12.9 GB at the peak, measured on
+# 2026-12-04 (a CI machine ran out of space there). Said before the build, not deep inside buildah.
+"${BUILDAH[@]}" rmi "$IMAGE" >/dev/null 2>&1 && log "removed the previous $IMAGE"
+graph="$("${BUILDAH[@]}" info --format '{{.store.GraphRoot}}')"
+tmp_dir="${TMPDIR:-/var/tmp}"
+free_gb() { df -P -B1G "$1" | awk 'NR == 2 { print $4 }'; }
+need="${MIN_FREE_GB:-13}"
+if [[ "$(stat -c %d "$graph")" == "$(stat -c %d "$tmp_dir")" ]]; then
+    have="$(free_gb "$graph")"
+    where="$graph and $tmp_dir (one filesystem)"
+else
+    have="$(( $(free_gb "$graph") + $(free_gb "$tmp_dir") ))"
+    where="$graph plus $tmp_dir"
+fi
+(( have >= need )) || fail "the image build needs ${need} GB free in $where; ${have} GB are free." \
+    "Free some (buildah --storage-driver vfs images; buildah --storage-driver vfs rmi IMAGE)" \
+    "or skip this test with SKIP_IMAGE_TEST=1"
+log "3/5 buildah bud $IMAGE (${have} GB free in $where)"
 IMAGE="$IMAGE" BASE_IMAGE="$BASE_TAG" ENGINE=buildah LAYERS="${LAYERS:-false}" PIP_CA=/etc/ssl/certs/ca-certificates.crt \
     WHEEL_DIR=build/wheels tools/image/build.sh
 
 ctr=$("${BUILDAH[@]}" from --pull-never "$IMAGE")
-trap '"${BUILDAH[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT
+cleanup() {  # the test's container always; its image (3.4 GB) unless KEEP_IMAGE=1
+    "${BUILDAH[@]}" rm "$ctr" >/dev/null 2>&1 || true
+    if [[ "${KEEP_IMAGE:-0}" == 1 ]]; then
+        log "kept $IMAGE (KEEP_IMAGE=1)"
+    else
+        "${BUILDAH[@]}" rmi "$IMAGE" >/dev/null 2>&1 || true
+    fi
+}
+trap cleanup EXIT
 rm -rf "$OUT" && mkdir -p "$OUT/plan" "$OUT/train"
 in_image() {  # in_image <host output dir> <timeout> <entrypoint args...>; env OVERRIDES passes through
     local dir="$1" limit="$2"

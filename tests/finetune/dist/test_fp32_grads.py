@@ -53,11 +53,11 @@ def test_micro_batch_accumulation_is_fp32():
 
 
 @pytest.fixture(scope="module")
-def reduced(tmp_path_factory) -> list[dict[str, np.ndarray]]:
+def reduced(module_tmp) -> list[dict[str, np.ndarray]]:
     """Every rank's npz from grad_worker.py under msrun (DP=2)."""
-    tmp = tmp_path_factory.mktemp("grads")
-    harness.msrun(harness.REPO / "tests" / "finetune" / "dist" / "grad_worker.py", [str(tmp / "out")], DP, tmp)
-    return [dict(np.load(tmp / "out" / f"rank{r}.npz")) for r in range(DP)]
+    out = module_tmp / "out"
+    harness.msrun(harness.REPO / "tests" / "finetune" / "dist" / "grad_worker.py", [str(out)], DP, module_tmp)
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(DP)]
 
 
 @pytest.mark.slow

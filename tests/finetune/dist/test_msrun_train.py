@@ -94,9 +94,9 @@ def _optim_bytes(out: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
+def tmp(module_tmp) -> Path:
     """The one-process reference run (it also creates the tiny model and the token cache)."""
-    tmp = tmp_path_factory.mktemp("msrun")
+    tmp = module_tmp
     from finetune.tiny import ensure_tiny_model
 
     ensure_tiny_model(tmp / "base-model", load_recipe("tiny-cpu").model.init, 0)

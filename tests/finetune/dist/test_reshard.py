@@ -66,9 +66,9 @@ def _assert_continues(got: Path, ref: Path, after: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
+def tmp(module_tmp) -> Path:
     """The TP2 x DP2 run (4 workers, checkpoints at steps 2, 4 and 5)."""
-    tmp = tmp_path_factory.mktemp("reshard")
+    tmp = module_tmp
     from finetune.tiny import ensure_tiny_model
 
     ensure_tiny_model(tmp / "base-model", load_recipe("tiny-cpu").model.init, 0)
