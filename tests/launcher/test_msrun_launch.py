@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -227,18 +228,17 @@ def test_sigterm_reaches_the_child_and_its_exit_code_propagates(tmp_path):
 
 
 def test_plan_is_fast_and_never_imports_mindspore(tmp_path):
+    """CPU seconds, not wall time: a shared CI machine stretches wall time, not the work done (0.4 s here;
+    importing mindspore alone costs several)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OUTPUT_DIR": str(tmp_path / "o")}
-    times = []
-    for _ in range(2):  # best of two: the CI machine is shared
-        t = time.monotonic()
-        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "plan"], env=env,
-                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
-        times.append(time.monotonic() - t)
-        assert r.returncode == 0, r.stderr
-        assert "mindspore" not in r.stderr  # -X importtime lists every imported module on stderr
-        if times[-1] < 2.0:
-            break
-    assert min(times) < 2.0, f"launcher plan took {min(times):.2f}s"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "plan"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert r.returncode == 0, r.stderr
+    assert "mindspore" not in r.stderr  # -X importtime lists every imported module on stderr
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu_s < 2.0, f"launcher plan used {cpu_s:.2f} CPU seconds"
 
 
 @pytest.mark.parametrize("mode", ["affinity", "numactl"])
