@@ -61,6 +61,13 @@ def test_straight_run_writes_metrics_checkpoints_and_export(straight):
     assert len(samples) == 5 and all(r["response"] for r in samples)  # the inference check on the export
 
 
+def test_compiled_layers_train_as_the_op_by_op_layers(straight, tmp_path, capsys):
+    """train.compile_layers: each decoder layer one mindspore.jit graph; same losses within fp32 rounding."""
+    assert run(_recipe(tmp_path, **{"train.compile_layers": "true", "train.max_steps": "3"})) == 0
+    assert "each of the 2 decoder layers runs as one graph" in capsys.readouterr().out
+    np.testing.assert_allclose(_losses(tmp_path), _losses(straight)[:3], rtol=1e-5)
+
+
 def test_resume_from_a_mid_run_checkpoint_is_exact(straight, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(straight, out)

@@ -109,3 +109,13 @@ def test_problems_come_structured_and_are_worded_by_origin():
     assert (items["parallel.tp"].message, items["parallel.tp"].example) == ("expected an integer", "8")
     assert "OVERRIDES: train.eps=-1.0: must be > 0 (e.g. train.eps=1e-6)" in e.value.problems
     assert "train.lr='inf': expected a finite number (e.g. train.lr=2e-5)" in e.value.problems
+
+
+def test_compiled_layers_are_refused_where_they_were_not_shown_equal():
+    with pytest.raises(ConfigError) as e:
+        load({"TP": "2", "OVERRIDES": "train.compile_layers=true train.recompute=true data.max_tokens_per_batch=4096"})
+    p = [x for x in e.value.problems if x.startswith("OVERRIDES: train.compile_layers=true: not with ")]
+    assert len(p) == 3 and all(x.endswith("(e.g. train.compile_layers=false)") for x in p)
+    assert [w in x for w, x in zip(("train.recompute=true", "parallel.tp=2", "data.max_tokens_per_batch=4096"), p)] \
+        == [True] * 3
+    assert load({"OVERRIDES": "train.compile_layers=true"}).train.compile_layers is True
