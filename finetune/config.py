@@ -226,6 +226,16 @@ class Recipe:
         r.parallel = self.parallel.for_world(world)
         r.train.precision = self.train.precision_on(device)
         r.launch.device = device
+        if r.train.compile_layers:  # shown equal to the op-by-op layers for one fp32 process only
+            stale = "(Parameter.set_data), which a compiled layer does not see: its weights would stay frozen"
+            why = {f"data parallel {r.parallel.dp}: not shown equal there; the sharded optimizer gives each weight "
+                   f"new storage {stale} (seen in a DP2 run)": r.parallel.dp > 1,
+                   f"train.precision={r.train.precision}: the fp32 masters are copied into new storage of the "
+                   "low-precision weights (Parameter.set_data), as the sharded optimizer does": r.train.precision != "fp32"}
+            problems = [Problem("train.compile_layers", f"not with {what}", "false", "true")
+                        for what, on in why.items() if on]
+            if problems:
+                raise ConfigError(problems)
         return r
 
 

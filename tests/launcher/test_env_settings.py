@@ -118,4 +118,10 @@ def test_compiled_layers_are_refused_where_they_were_not_shown_equal():
     assert len(p) == 3 and all(x.endswith("(e.g. train.compile_layers=false)") for x in p)
     assert [w in x for w, x in zip(("train.recompute=true", "parallel.tp=2", "data.max_tokens_per_batch=4096"), p)] \
         == [True] * 3
-    assert load({"OVERRIDES": "train.compile_layers=true"}).train.compile_layers is True
+    one = load({"OVERRIDES": "train.compile_layers=true"})
+    assert one.resolved(1, "cpu").train.compile_layers is True
+    # resolved for the world: the sharded optimizer's and fp16's set_data leave compiled layers' weights stale
+    with pytest.raises(ConfigError, match=r"train.compile_layers=true: not with data parallel 2: .*set_data"):
+        one.resolved(2, "cpu")
+    with pytest.raises(ConfigError, match=r"train.compile_layers=true: not with train.precision=fp16: .*set_data"):
+        load({"OVERRIDES": "train.compile_layers=true train.precision=fp16"}).resolved(1, "cpu")
