@@ -61,11 +61,18 @@ def test_straight_run_writes_metrics_checkpoints_and_export(straight):
     assert len(samples) == 5 and all(r["response"] for r in samples)  # the inference check on the export
 
 
-def test_compiled_layers_train_as_the_op_by_op_layers(straight, tmp_path, capsys):
-    """train.compile_layers: each decoder layer one mindspore.jit graph; same losses within fp32 rounding."""
-    assert run(_recipe(tmp_path, **{"train.compile_layers": "true", "train.max_steps": "3"})) == 0
+def test_compiled_layers_train_and_resume_as_the_op_by_op_layers(straight, tmp_path, capsys):
+    """train.compile_layers: each decoder layer one mindspore.jit graph; the same losses within fp32
+    rounding, also resumed from the op-by-op run's checkpoint (restored before the graphs first run)."""
+    fresh, resumed = tmp_path / "fresh", tmp_path / "resumed"
+    assert run(_recipe(fresh, **{"train.compile_layers": "true", "train.max_steps": "3"})) == 0
     assert "each of the 2 decoder layers runs as one graph" in capsys.readouterr().out
-    np.testing.assert_allclose(_losses(tmp_path), _losses(straight)[:3], rtol=1e-5)
+    np.testing.assert_allclose(_losses(fresh), _losses(straight)[:3], rtol=1e-5)
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")  # resumed at step 3
+    shutil.rmtree(resumed / "hf")
+    assert run(_recipe(resumed, **{"train.compile_layers": "true"})) == 0
+    np.testing.assert_allclose(_losses(resumed), _losses(straight), rtol=1e-5)
 
 
 def test_resume_from_a_mid_run_checkpoint_is_exact(straight, tmp_path):
