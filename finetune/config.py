@@ -106,8 +106,8 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # 0: derived from epochs
     recompute: bool = False  # per-layer activation recompute
-    # each decoder layer as one mindspore.jit graph: CPU only (the reference attention path), fixed
-    # batch shapes (packing); forward + backward 1.35x faster on CPU (docs/speed.md)
+    # each decoder layer as one mindspore.jit graph: one fp32 process on CPU (compile_layers_problems);
+    # forward + backward 1.35x faster there (docs/speed.md)
     compile_layers: bool = False
     loss_chunk_tokens: int = 1024  # LM head + cross-entropy over chunks of this many label tokens (0: all at once)
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on Ascend) | fp32 | bf16 | fp16
@@ -226,16 +226,9 @@ class Recipe:
         r.parallel = self.parallel.for_world(world)
         r.train.precision = self.train.precision_on(device)
         r.launch.device = device
-        if r.train.compile_layers:  # shown equal to the op-by-op layers for one fp32 process only
-            stale = "(Parameter.set_data), which a compiled layer does not see: its weights would stay frozen"
-            why = {f"data parallel {r.parallel.dp}: not shown equal there; the sharded optimizer gives each weight "
-                   f"new storage {stale} (seen in a DP2 run)": r.parallel.dp > 1,
-                   f"train.precision={r.train.precision}: the fp32 masters are copied into new storage of the "
-                   "low-precision weights (Parameter.set_data), as the sharded optimizer does": r.train.precision != "fp32"}
-            problems = [Problem("train.compile_layers", f"not with {what}", "false", "true")
-                        for what, on in why.items() if on]
-            if problems:
-                raise ConfigError(problems)
+        problems = compile_layers_problems(r)  # the rules that needed the world and the device
+        if problems:
+            raise ConfigError(problems)
         return r
 
 
@@ -299,17 +292,31 @@ def _at_least(p: list[Problem], lo: float, example: str, **values: float) -> Non
             p.append(Problem(key.replace("__", "."), f"must be >= {lo:g}", example, repr(v)))
 
 
+def compile_layers_problems(r: Recipe) -> list[Problem]:
+    """Where train.compile_layers was not shown equal to the op-by-op layers (one fp32 process on CPU).
+    A rule on a value still to be derived (dp 0, precision or device auto) waits for ``Recipe.resolved``."""
+    if not r.train.compile_layers:
+        return []
+    t, dp = r.train, r.parallel.dp
+    stale = ("give weights new storage (Parameter.set_data), which a compiled layer does not see: a DP2 run "
+             "trained with its layers' weights frozen")
+    why = {"train.recompute=true: recompute runs each layer op by op": t.recompute,
+           f"parallel.tp={r.parallel.tp}: not tried with the tensor-parallel layers' collectives": r.parallel.tp > 1,
+           f"data.max_tokens_per_batch={r.data.max_tokens_per_batch}: every new batch shape compiles each layer "
+           "again; packing keeps one shape": r.data.max_tokens_per_batch > 0,
+           f"data parallel {dp}: the sharded optimizer and low-precision masters {stale}": dp > 1,
+           f"train.precision={t.precision}: the fp32 masters and the sharded optimizer {stale}":
+               t.precision not in ("auto", "fp32"),
+           "launch.device=npu: the fused attention's spec is host data per batch; graphs there are not measured":
+               r.launch.device == "npu"}
+    return [Problem("train.compile_layers", f"not with {what}", "false", "true") for what, on in why.items() if on]
+
+
 def validate(r: Recipe) -> list[Problem]:
     """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
-    if t.compile_layers:
-        why = {"train.recompute=true (recompute runs each layer op by op)": t.recompute,
-               f"parallel.tp={r.parallel.tp} (not tried with the tensor-parallel layers' collectives)":
-                   r.parallel.tp > 1,
-               f"data.max_tokens_per_batch={r.data.max_tokens_per_batch} (every new batch shape compiles each "
-               "layer again, seconds each; packing keeps one shape)": r.data.max_tokens_per_batch > 0}
-        p += [Problem("train.compile_layers", f"not with {what}", "false", "true") for what, on in why.items() if on]
+    p += compile_layers_problems(r)
     _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt", "text"))
     p += _validate_data_sources(r.data)
     _choice(p, "train.schedule", t.schedule, ("cosine", "constant"))

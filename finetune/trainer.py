@@ -166,14 +166,10 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     model = Qwen2ForCausalLM(cfg, rank, recompute=tc.recompute, compute_dtype=dtype,
                              vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
-    if tc.compile_layers:
-        if ms.get_context("device_target") == "CPU":
-            model.model.compile_layers()
-            rank.log(f"[train] each of the {len(model.model.graphs)} decoder layers runs as one graph "
-                     "(train.compile_layers; the first step compiles them)")
-        else:
-            rank.log("[train] train.compile_layers: not used on Ascend (the fused attention runs op by op; "
-                     "whether graphs pay there is not measured)")
+    if tc.compile_layers:  # one fp32 process on CPU (config.compile_layers_problems)
+        model.model.compile_layers()
+        rank.log(f"[train] each of the {len(model.model.graphs)} decoder layers runs as one graph "
+                 "(train.compile_layers; the first step compiles them)")
     params = model.trainable_params()
     model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
     model.set_train(True)  # training mode: the LM head keeps its logits for the backward (evaluate() leaves it)

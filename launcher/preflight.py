@@ -295,11 +295,13 @@ def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
             continue
         alt = dataclasses.replace(r, parallel=dataclasses.replace(r.parallel, tp=tp, dp=0, shard_optimizer=True,
                                                                   vocab_parallel=True),
-                                  train=dataclasses.replace(r.train, micro_batch_size=1, recompute=True))
+                                  train=dataclasses.replace(r.train, micro_batch_size=1, recompute=True,
+                                                            compile_layers=False))  # refused with recompute
         est = memory_estimate(alt.resolved(c.world, alt.launch.device), cfg, c.memory_estimator)
         if est.total <= budget:
-            return (f"TP={tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true'"
-                    f" ({est.total / GIB:.1f} GiB per device)")
+            off = " train.compile_layers=false" if r.train.compile_layers else ""
+            return (f"TP={tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true"
+                    f"{off}' ({est.total / GIB:.1f} GiB per device)")
     return None
 
 

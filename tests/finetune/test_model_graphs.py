@@ -32,7 +32,7 @@ def test_compiled_layers_match_transformers(ms_cpu):
 
 
 def test_a_compiled_layer_does_not_see_a_weight_given_new_storage(ms_cpu):
-    """Why the plan refuses train.compile_layers with the sharded optimizer and fp16 (config.resolved): both
+    """Why the config refuses train.compile_layers with DP and fp16 (config.compile_layers_problems): both
     give weights new storage with Parameter.set_data, which the op-by-op layer sees and a compiled one not."""
     ms = ms_cpu
     from finetune.model import Qwen2Config, Qwen2ForCausalLM

@@ -112,16 +112,23 @@ def test_problems_come_structured_and_are_worded_by_origin():
 
 
 def test_compiled_layers_are_refused_where_they_were_not_shown_equal():
-    with pytest.raises(ConfigError) as e:
-        load({"TP": "2", "OVERRIDES": "train.compile_layers=true train.recompute=true data.max_tokens_per_batch=4096"})
-    p = [x for x in e.value.problems if x.startswith("OVERRIDES: train.compile_layers=true: not with ")]
-    assert len(p) == 3 and all(x.endswith("(e.g. train.compile_layers=false)") for x in p)
-    assert [w in x for w, x in zip(("train.recompute=true", "parallel.tp=2", "data.max_tokens_per_batch=4096"), p)] \
-        == [True] * 3
-    one = load({"OVERRIDES": "train.compile_layers=true"})
-    assert one.resolved(1, "cpu").train.compile_layers is True
-    # resolved for the world: the sharded optimizer's and fp16's set_data leave compiled layers' weights stale
-    with pytest.raises(ConfigError, match=r"train.compile_layers=true: not with data parallel 2: .*set_data"):
-        one.resolved(2, "cpu")
-    with pytest.raises(ConfigError, match=r"train.compile_layers=true: not with train.precision=fp16: .*set_data"):
-        load({"OVERRIDES": "train.compile_layers=true train.precision=fp16"}).resolved(1, "cpu")
+    def refusals(env, world=None, device="cpu"):
+        with pytest.raises(ConfigError) as e:
+            r = load(env)
+            if world:
+                r.resolved(world, device)
+        return [x for x in e.value.problems if "train.compile_layers=true: not with " in x]
+
+    given = refusals({"TP": "2", "OVERRIDES": "train.compile_layers=true train.recompute=true "
+                                              "data.max_tokens_per_batch=4096 train.precision=fp16"})
+    assert len(given) == 4 and all(x.endswith("(e.g. train.compile_layers=false)") for x in given)
+    for what, x in zip(("train.recompute=true", "parallel.tp=2", "data.max_tokens_per_batch=4096",
+                        "train.precision=fp16: "), given):
+        assert f"not with {what}" in x
+    # known only once resolved: the world's data parallelism, auto precision and device
+    compiled = {"OVERRIDES": "train.compile_layers=true"}
+    assert load(compiled).resolved(1, "cpu").train.compile_layers is True
+    assert "not with data parallel 2: " in refusals(compiled, 2)[0]
+    auto = {"OVERRIDES": "train.compile_layers=true train.precision=auto launch.device=auto"}
+    assert [x.split(": ")[1] for x in refusals(auto, 1, "npu")] == [
+        "not with train.precision=bf16", "not with launch.device=npu"]

@@ -164,6 +164,15 @@ def test_memory_over_budget_suggests_layout(atlas):
     assert "64.0 GiB NPU HBM" in r.detail and r.fix.startswith("use TP=2")
 
 
+def test_memory_suggestion_with_compiled_layers_turns_them_off(tmp_path):
+    """The suggested layout recomputes, which compiled layers refuse: the fix says to turn them off."""
+    c = ctx(tmp_path, npu=False, nproc=1, cfg=TINY, **{"train.compile_layers": "true"})
+    c.memory_estimator = lambda cfg, *, recompute, **kw: MemoryEstimate(*((1 if recompute else 10**6) * 2**30,) * 6)
+    (r,) = fails(c, "memory")
+    assert r.fix == ("use TP=1 OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true "
+                     "train.compile_layers=false' (6.0 GiB per device)")
+
+
 def test_network_master_port_busy(tmp_path):
     c = ctx(tmp_path, npu=False, **{"launch.nnodes": "2", "launch.master_addr": "10.0.0.1"})
     c.port_free = lambda port: False
