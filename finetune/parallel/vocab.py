@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mindspore as ms
-from mindspore import Parameter, nn, ops
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from finetune.dist import RankInfo
@@ -73,6 +74,10 @@ class LMHeadCrossEntropy(nn.Cell):
     logits of its rows only. The row maxima, the sums of exponentials and the target logits are
     combined over the TP group, so every rank returns the whole loss; backward, each rank's
     ``d hidden`` covers its rows and is summed over the TP group.
+
+    On CPU in fp32 (``host_gemm``) the three vocab-sized matmuls run in numpy's BLAS on the tensors'
+    own memory (``asnumpy`` shares it on CPU): MindSpore 2.10's CPU MatMul takes about 1.5x
+    OpenBLAS's time at these shapes (docs/speed.md). Elsewhere they are MindSpore matmuls.
     """
 
     def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None,
@@ -80,15 +85,23 @@ class LMHeadCrossEntropy(nn.Cell):
         super().__init__()
         self.dtype = compute_dtype
         self.chunk = chunk_tokens  # > 0: logits of at most this many tokens alive at a time
-        self.mm_bt = ops.MatMul(transpose_b=True)
-        self.mm_at = ops.MatMul(transpose_a=True)
+        self.host_gemm = rank.device_target == "CPU" and compute_dtype == ms.float32
+        self.mm = {(False, False): ops.MatMul(), (False, True): ops.MatMul(transpose_b=True),
+                   (True, False): ops.MatMul(transpose_a=True)}
         self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel
         self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
         self.kept = None  # a training forward's single-chunk logits, taken by its backward
 
+    def _gemm(self, a, b, ta: bool = False, tb: bool = False):
+        """``a @ b``, ``a`` or ``b`` transposed when asked, in the compute dtype."""
+        if self.host_gemm:
+            x, y = a.asnumpy(), b.asnumpy()
+            return Tensor.from_numpy(np.matmul(x.T if ta else x, y.T if tb else y))
+        return self.mm[ta, tb](a.astype(self.dtype), b.astype(self.dtype))
+
     def _logits(self, h, w):
-        return self.mm_bt(h.astype(self.dtype), w.astype(self.dtype)).astype(ms.float32)
+        return self._gemm(h, w, tb=True).astype(ms.float32)
 
     def _softmax_parts(self, logits, target):
         """Vocab-parallel: (row max over all ranks, sum of exp(logits - max) over all ranks,
@@ -150,8 +163,8 @@ class LMHeadCrossEntropy(nn.Cell):
             p = ops.exp(logits - row_max.expand_dims(-1)) / self.tp_sum(sum_exp).expand_dims(-1)
             col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
         p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
-        dh = ops.matmul(p, w.astype(self.dtype)) * dout.astype(self.dtype)
+        dh = self._gemm(p, w) * dout.astype(self.dtype)
         if self.split:  # every rank's rows contribute to d hidden
             dh = self.tp_sum(dh)
-        dw = self.mm_at(p, (h.astype(ms.float32) * dout).astype(self.dtype))
+        dw = self._gemm(p, (h.astype(ms.float32) * dout).astype(self.dtype), ta=True)
         return dh, dw

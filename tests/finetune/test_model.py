@@ -37,13 +37,18 @@ def _rows(ids):
     return np.tile(np.arange(s, dtype=np.int32), (b, 1)), np.ones((b, s), np.int32)
 
 
+@pytest.mark.parametrize("host_gemm", [True, False])
 @pytest.mark.parametrize("case,chunk", [("tied", 0), ("untied", 0), ("tied", 4), ("untied", 7)])
-def test_matches_transformers(ms_cpu, golden_model, case, chunk, monkeypatch):
-    """chunk > 0: the LM head + loss over chunks of that many label tokens (train.loss_chunk_tokens)."""
+def test_matches_transformers(ms_cpu, golden_model, case, chunk, host_gemm, monkeypatch):
+    """chunk > 0: the LM head + loss over chunks of that many label tokens (train.loss_chunk_tokens).
+    host_gemm: the head's vocab-sized matmuls in numpy's BLAS (CPU's default) or MindSpore's MatMul
+    (every other device's)."""
     ms = ms_cpu
     g = np.load(GOLDEN / case / "golden.npz")
     model = golden_model(case)
+    assert model.loss_fn.host_gemm  # CPU, fp32
     monkeypatch.setattr(model.loss_fn, "chunk", chunk)
+    monkeypatch.setattr(model.loss_fn, "host_gemm", host_gemm)
     assert len(model.loss_fn._chunks(int((g["labels"][:, 1:] != -100).sum()))) > (1 if chunk else 0)
     assert ("lm_head.weight" in model.hf_state()) == (case == "untied")
     ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
@@ -63,6 +68,19 @@ def test_matches_transformers(ms_cpu, golden_model, case, chunk, monkeypatch):
             np.testing.assert_allclose(by_name[key[5:]], g[key], rtol=1e-4, atol=1e-5, err_msg=key)
     norm = np.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in by_name.values()))
     np.testing.assert_allclose(norm, float(g["grad_norm"]), rtol=1e-4)
+
+
+def test_the_head_uses_host_blas_only_on_cpu_in_fp32(ms_cpu):
+    """numpy's BLAS reads the tensors' memory: only where that memory is the host's and the
+    compute dtype is one numpy multiplies fast (fp32); bf16 and Ascend keep MindSpore's MatMul."""
+    ms = ms_cpu
+    from finetune.dist import RankInfo
+    from finetune.parallel.vocab import LMHeadCrossEntropy
+
+    assert LMHeadCrossEntropy(ms.float32, RankInfo()).host_gemm
+    assert not LMHeadCrossEntropy(ms.bfloat16, RankInfo()).host_gemm
+    assert not LMHeadCrossEntropy(ms.float16, RankInfo()).host_gemm
+    assert not LMHeadCrossEntropy(ms.float32, RankInfo(device_target="Ascend")).host_gemm
 
 
 @pytest.mark.parametrize("chunk,training,logit_matmuls", [(0, True, 1), (0, False, 2), (7, True, 2)])
