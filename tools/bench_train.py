@@ -74,28 +74,26 @@ def make_batch(batch: int, seq: int, seed: int = 1) -> dict[str, np.ndarray]:
 
 
 class Ours:
-    """Our trainer's step: value_and_grad of the scaled loss (train.accumulate) and the AdamW step."""
+    """Our trainer's step: the model and optimizer as ``finetune.trainer`` builds them (training mode,
+    ``train.compile_layers`` from ``--jit-layers``), value_and_grad of the scaled loss (train.accumulate)
+    and the AdamW step."""
 
     def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool):
         import mindspore as ms
 
-        from finetune.config import TrainConfig
+        from finetune.config import load_recipe
         from finetune.dist import RankInfo
-        from finetune.hf_io import load_weights
-        from finetune.model import Qwen2Config, Qwen2ForCausalLM
         from finetune.parallel.overlap import GradReduction
-        from finetune.trainer import build_optimizer
+        from finetune.trainer import build_model, build_optimizer
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
         ms.set_device("CPU")
         self.ms = ms
         rank = RankInfo()
-        self.model = Qwen2ForCausalLM(Qwen2Config.from_dict(SHAPE), rank)
-        load_weights(self.model, model_dir)
-        if jit_layers:
-            self.model.model.compile_layers()
-        self.params = self.model.trainable_params()
-        self.opt = build_optimizer(self.params, TrainConfig(lr=LR, weight_decay=0.0, clip_grad=0.0), rank, False)
+        recipe = load_recipe("tiny-cpu", {"model.dir": str(model_dir), "train.lr": LR, "train.weight_decay": 0.0,
+                                          "train.clip_grad": 0.0, "train.compile_layers": jit_layers}).resolved(1, "cpu")
+        self.model, self.params = build_model(recipe, rank, model_dir, ms.float32)  # as the trainer builds it
+        self.opt = build_optimizer(self.params, recipe.train, rank, False)
         self.reduction = GradReduction(self.params, self.opt, overlap=False)  # one process: nothing to overlap
         self.mb = {"input_ids": batch["ids"], "labels": batch["labels"], "position_ids": batch["pos"],
                    "segment_ids": batch["seg"]}
