@@ -210,14 +210,23 @@ def _processes(pool: ProcessPoolExecutor) -> list:
 
 
 def stop_pool(pool: ProcessPoolExecutor) -> None:
-    """Stop the tokenizer processes at once (their pending chunks are not needed)."""
+    """Stop the tokenizer processes at once (their pending chunks are not needed).
+
+    A process killed while it sends a result leaves half a message in the result pipe; CPython
+    3.11's executor thread then waits in ``recv`` for the rest forever, and the interpreter joins
+    that thread at exit, so the process never ends. Once the processes are gone this process closes
+    its own end for writing, the last one: the read ends (EOF) and the thread winds the pool down.
+    """
     procs = _processes(pool)  # the executor offers no terminate()
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)  # shutdown drops the queue
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         if p.is_alive():
             p.terminate()
     for p in procs:
         p.join(5)
+    if writer is not None and not any(p.is_alive() for p in procs):
+        writer.close()
 
 
 def pool_result(pool: ProcessPoolExecutor, fut: Future, poll_s: float = 1.0) -> Any:

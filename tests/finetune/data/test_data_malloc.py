@@ -175,6 +175,30 @@ def test_waiting_on_a_chunk_the_executor_lost_ends_when_a_tokenizer_process_dies
         enc_mod.stop_pool(pool)
 
 
+def test_a_result_cut_off_mid_message_does_not_keep_the_process_alive():
+    """A tokenizer process killed while it sends a result leaves half a message in the result pipe:
+    the executor's thread waits for the rest forever and the interpreter joins it at exit (CPython
+    3.11; prepare-data printed its error, then hung). After stop_pool the process ends."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import multiprocessing as mp, os, struct, sys, time
+        from concurrent.futures import ProcessPoolExecutor
+        sys.path.insert(0, sys.argv[1])
+        from finetune.data import encode
+        pool = ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
+        [f.result() for f in [pool.submit(int) for _ in range(2)]]
+        os.write(pool._result_queue._writer.fileno(), struct.pack("!i", 1 << 20) + b"x")  # half a result
+        time.sleep(0.5)  # the executor's thread now waits in recv for the rest
+        encode.stop_pool(pool)
+        print("stopped", flush=True)
+    """
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "stopped\n", done.stderr
+
+
 def test_a_killed_tokenizer_process_stops_prepare_with_a_clear_error(tmp_path):
     """A worker killed mid-run (e.g. by the OOM killer) ends prepare-data with an error, not a hang."""
     import subprocess
