@@ -214,8 +214,9 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
 
     A process killed while it sends a result leaves half a message in the result pipe; CPython
     3.11's executor thread then waits in ``recv`` for the rest forever, and the interpreter joins
-    that thread at exit, so the process never ends. Once the processes are gone this process closes
-    its own end for writing, the last one: the read ends (EOF) and the thread winds the pool down.
+    that thread at exit, so the process never ends. This process never writes results, so it closes
+    its end for writing: once the processes are gone it was the last one, the read ends (EOF) and
+    the thread winds the pool down.
     """
     procs = _processes(pool)  # the executor offers no terminate()
     writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)  # shutdown drops the queue
@@ -225,7 +226,7 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
             p.terminate()
     for p in procs:
         p.join(5)
-    if writer is not None and not any(p.is_alive() for p in procs):
+    if writer is not None:
         writer.close()
 
 
