@@ -82,14 +82,13 @@ class Ours:
         import mindspore as ms
 
         from finetune.config import load_recipe
-        from finetune.dist import RankInfo, set_device
+        from finetune.dist import init_distributed
         from finetune.parallel.overlap import GradReduction
         from finetune.trainer import build_model, build_optimizer
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        set_device("CPU", None)  # tolerates a process that already runs CPU kernels (tests)
+        rank = init_distributed(1, 1, "CPU")  # one process, as finetune.train starts one
         self.ms = ms
-        rank = RankInfo()
         recipe = load_recipe("tiny-cpu", {"model.dir": str(model_dir), "train.lr": LR, "train.weight_decay": 0.0,
                                           "train.clip_grad": 0.0, "train.compile_layers": jit_layers}).resolved(1, "cpu")
         self.model, self.params = build_model(recipe, rank, model_dir, ms.float32)  # as the trainer builds it
