@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen2.5 causal LM in MindSpore (PyNative), parameter names equal to Hugging Face's.
+"""Qwen2 / Qwen2.5 and Qwen3 dense causal LMs in MindSpore (PyNative), parameter names equal to
+Hugging Face's. The family (``finetune.qwen2_layout.FAMILIES``) fixes the attention: Qwen2 has
+q/k/v biases, Qwen3 none and an RMSNorm over each query and key head before RoPE.
 
 Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
 stay fp32. Fused Ascend kernels are used only when ``rank.device_target == "Ascend"``; the
@@ -18,9 +20,9 @@ from mindspore.common.initializer import initializer
 
 from finetune import kernels
 from finetune.dist import RankInfo
-from finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
-from finetune.qwen2_layout import TPSlice, full_shapes, local_kv_heads, tp_layout
+from finetune.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
 
 IGNORE_INDEX = -100
 _MASKED = -1e9
@@ -41,11 +43,15 @@ class Qwen2Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    attention_bias: bool = False  # Qwen3 only (Qwen2 always has q/k/v biases)
+    model_type: str = "qwen2"  # a key of finetune.qwen2_layout.FAMILIES
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
-        """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``)."""
+        """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``); a
+        family other than Qwen2/Qwen3 dense is refused (``family_of``)."""
         d = dict(d)
+        d["model_type"] = family_of(d).model_type
         d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -71,18 +77,22 @@ class Qwen2Config:
 class RMSNorm(nn.Cell):
     """``weight * x / sqrt(mean(x^2) + eps)`` computed in fp32."""
 
-    def __init__(self, hidden: int, eps: float, fused: bool):
+    def __init__(self, hidden: int, eps: float, fused: bool, tp_sum: CopyToTP | None = None):
+        """``tp_sum``: sum the weight's gradient over the TP group (a norm over heads split by TP)."""
         super().__init__()
         self.weight = Parameter(initializer("ones", (hidden,), ms.float32), name="weight")
         self.eps = eps
         self.fused = fused
+        self.tp_sum = tp_sum
 
     def construct(self, x):
-        return kernels.rms_norm(x, self.weight, self.eps, self.fused)
+        w = self.tp_sum(self.weight) if self.tp_sum is not None else self.weight
+        return kernels.rms_norm(x, w, self.eps, self.fused)
 
 
 class Attention(nn.Cell):
-    """GQA self-attention with QKV bias, RoPE, causal + same-segment mask."""
+    """GQA self-attention (Qwen2: QKV bias; Qwen3: per-head q/k RMSNorm), RoPE, causal + same-segment
+    mask. Each TP rank normalizes only its heads, so the q/k norm weights' gradients are summed over TP."""
 
     def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
         super().__init__()
@@ -91,10 +101,17 @@ class Attention(nn.Cell):
         self.scale = hd ** -0.5
         self.fused = fused
         kv_out = self.kv_heads * hd
-        self.q_proj = ColumnParallelLinear(h, nh * hd, True, rank, dtype)
-        self.k_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
-        self.v_proj = ColumnParallelLinear(h, nkv * hd, True, rank, dtype, local_out=kv_out, replicas=nkv)
+        dims = Dims.of(cfg.to_dict())
+        bias = dims.qkv_bias
+        self.q_proj = ColumnParallelLinear(h, nh * hd, bias, rank, dtype)
+        self.k_proj = ColumnParallelLinear(h, nkv * hd, bias, rank, dtype, local_out=kv_out, replicas=nkv)
+        self.v_proj = ColumnParallelLinear(h, nkv * hd, bias, rank, dtype, local_out=kv_out, replicas=nkv)
         self.o_proj = RowParallelLinear(nh * hd, h, False, rank, dtype)
+        self.q_norm = self.k_norm = None
+        if dims.qk_norm:
+            tp_sum = CopyToTP(rank) if tp > 1 else None
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, fused, tp_sum)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, fused, tp_sum)
 
     def construct(self, x, cos, sin, mask, cache=None):
         """``mask``: the reference mask or the fused attention's ``kernels.Packed`` spec.
@@ -104,6 +121,8 @@ class Attention(nn.Cell):
         q = self.q_proj(x).reshape(b, s, self.heads, self.head_dim)  # BSND
         k = self.k_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over head_dim of [b, s, heads, head_dim]
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
         q, k = kernels.rope(q, cos, sin, self.fused), kernels.rope(k, cos, sin, self.fused)
         if cache is not None:
@@ -207,7 +226,7 @@ class Qwen2Model(nn.Cell):
 
 
 class Qwen2ForCausalLM(nn.Cell):
-    """Qwen2 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``.
+    """Qwen2 / Qwen3 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``.
 
     ``vocab_parallel`` (with ``rank.tp > 1``): the embedding and the LM head hold ``vocab / tp``
     rows per TP rank and the loss is the parallel cross-entropy; otherwise both are replicated.
@@ -249,7 +268,7 @@ class Qwen2ForCausalLM(nn.Cell):
         """Hold the weights in ``dtype`` (the optimizer keeps the fp32 masters).
 
         A tied embedding stays fp32: its two gradient paths (lookup and LM head) must agree in
-        dtype. Only small Qwen2.5 models tie embeddings; 7B does not.
+        dtype. Only small models tie embeddings (Qwen2.5 up to 3B, Qwen3 up to 4B).
         """
         if dtype == ms.float32:
             return

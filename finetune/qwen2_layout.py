@@ -1,4 +1,5 @@
-"""The Qwen2 parameter table: every Hugging Face tensor with its full shape and tensor-parallel split.
+"""The Qwen family table and parameter table: every Hugging Face tensor with its full shape and
+tensor-parallel split, for Qwen2 / Qwen2.5 (Coder, Math: ``model_type`` qwen2) and Qwen3 dense.
 
 Pure Python (the launcher imports it). The model's TP slices, the memory estimate's local shapes,
 the tiny model's tensors, preflight's parameter count, HF I/O and checkpoint resharding all derive
@@ -7,7 +8,8 @@ from :func:`param_table`; the TP divisibility rules live in :func:`tp_problems`.
 Split rules (Megatron): q/k/v projections and gate/up split their output rows (axis 0), o/down their
 input columns (axis 1); norms are replicated. KV heads are split when ``tp`` divides them, otherwise
 (``tp`` a multiple of them) each rank holds one head, the same copy on ``tp / kv_heads`` ranks. The
-embedding and an untied LM head split their vocabulary rows only when vocab-parallel.
+embedding and an untied LM head split their vocabulary rows only when vocab-parallel. Qwen3's
+per-head query/key norms (``q_norm``, ``k_norm``, size head_dim) are replicated.
 """
 from __future__ import annotations
 
@@ -16,8 +18,43 @@ from typing import NamedTuple
 
 
 @dataclass(frozen=True)
+class Family:
+    """One supported ``model_type``: its Hugging Face class and the attention's shape."""
+
+    model_type: str
+    architecture: str
+    qkv_bias: bool  # Qwen2: q/k/v projections carry biases
+    qk_norm: bool  # Qwen3: RMSNorm over each query and key head before RoPE
+
+
+FAMILIES = {f.model_type: f for f in (Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
+                                      Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True))}
+SUPPORTED = "Qwen2 / Qwen2.5 (incl. Coder, Math: model_type qwen2, Qwen2ForCausalLM) and Qwen3 dense " \
+            "(model_type qwen3, Qwen3ForCausalLM)"
+
+
+def family_of(config: dict) -> Family:
+    """The family of a config.json (``model_type``, else the architecture; neither: a bare Qwen2 dict).
+
+    Raises ValueError naming the model type and what is supported for any other family (Llama,
+    Qwen2-MoE, Qwen3-MoE, Qwen2-VL, ...)."""
+    archs = config.get("architectures") or []
+    mt = config.get("model_type")
+    if mt is None:
+        known = [f for f in FAMILIES.values() if f.architecture in archs]
+        mt = known[0].model_type if known else ("qwen2" if not archs else None)
+    fam = FAMILIES.get(mt)
+    if fam is None or (archs and fam.architecture not in archs):
+        what = f"model_type {mt!r}" if mt else "architecture"
+        raise ValueError(f"config.json: {what} ({', '.join(map(str, archs)) or 'no architectures'}) is not "
+                         f"supported; this trainer implements {SUPPORTED} (set MODEL_DIR to such a model, "
+                         "e.g. Qwen/Qwen3-8B or Qwen/Qwen2.5-7B-Instruct)")
+    return fam
+
+
+@dataclass(frozen=True)
 class Dims:
-    """The sizes of a Qwen2 config.json that fix the tensor shapes."""
+    """The sizes and family flags of a Qwen2/Qwen3 config.json that fix the tensor shapes."""
 
     vocab: int
     hidden: int
@@ -27,15 +64,19 @@ class Dims:
     kv_heads: int
     head_dim: int
     tied: bool
+    qkv_bias: bool = True
+    qk_norm: bool = False
 
     @classmethod
     def of(cls, config: dict) -> "Dims":
         """From a Hugging Face config dict (or ``Qwen2Config.to_dict()``)."""
         h, nh = config["hidden_size"], config["num_attention_heads"]
+        fam = family_of(config)
         return cls(vocab=config["vocab_size"], hidden=h, inter=config["intermediate_size"],
                    layers=config["num_hidden_layers"], heads=nh,
                    kv_heads=config.get("num_key_value_heads") or nh, head_dim=config.get("head_dim") or h // nh,
-                   tied=bool(config.get("tie_word_embeddings", False)))
+                   tied=bool(config.get("tie_word_embeddings", False)),
+                   qkv_bias=fam.qkv_bias or bool(config.get("attention_bias", False)), qk_norm=fam.qk_norm)
 
 
 @dataclass(frozen=True)
@@ -62,20 +103,21 @@ class TPSlice(NamedTuple):
 
 
 def param_table(config: dict) -> list[ParamSpec]:
-    """Every tensor of a Qwen2 model, in Hugging Face save order."""
+    """Every tensor of a Qwen2 / Qwen3 model, in Hugging Face module order."""
     d = Dims.of(config)
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = [ParamSpec("model.embed_tokens.weight", (d.vocab, h), 0, "vocab")]
     for n in range(d.layers):
         a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
-        out += [ParamSpec(f"model.layers.{n}.input_layernorm.weight", (h,)),
-                ParamSpec(a + "q_proj.weight", (q, h), 0, "heads"), ParamSpec(a + "q_proj.bias", (q,), 0, "heads"),
-                ParamSpec(a + "k_proj.weight", (kv, h), 0, "kv_heads"),
-                ParamSpec(a + "k_proj.bias", (kv,), 0, "kv_heads"),
-                ParamSpec(a + "v_proj.weight", (kv, h), 0, "kv_heads"),
-                ParamSpec(a + "v_proj.bias", (kv,), 0, "kv_heads"),
-                ParamSpec(a + "o_proj.weight", (h, q), 1, "heads"),
-                ParamSpec(f"model.layers.{n}.post_attention_layernorm.weight", (h,)),
+        out.append(ParamSpec(f"model.layers.{n}.input_layernorm.weight", (h,)))
+        for proj, rows, by in (("q_proj", q, "heads"), ("k_proj", kv, "kv_heads"), ("v_proj", kv, "kv_heads")):
+            out.append(ParamSpec(a + proj + ".weight", (rows, h), 0, by))
+            if d.qkv_bias:
+                out.append(ParamSpec(a + proj + ".bias", (rows,), 0, by))
+        out.append(ParamSpec(a + "o_proj.weight", (h, q), 1, "heads"))
+        if d.qk_norm:
+            out += [ParamSpec(a + "q_norm.weight", (d.head_dim,)), ParamSpec(a + "k_norm.weight", (d.head_dim,))]
+        out += [ParamSpec(f"model.layers.{n}.post_attention_layernorm.weight", (h,)),
                 ParamSpec(m + "gate_proj.weight", (d.inter, h), 0, "inter"),
                 ParamSpec(m + "up_proj.weight", (d.inter, h), 0, "inter"),
                 ParamSpec(m + "down_proj.weight", (h, d.inter), 1, "inter")]

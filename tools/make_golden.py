@@ -2,12 +2,14 @@
 
 Run with the reference venv (torch + transformers), never by ``make test``:
 
-    /tmp/refvenv/bin/python tools/make_golden.py            # writes tests/finetune/golden/
-    /tmp/refvenv/bin/python tools/make_golden.py --check DIR --case tied
+    /work/refvenv/bin/python tools/make_golden.py            # writes tests/finetune/golden/
+    /work/refvenv/bin/python tools/make_golden.py --cases qwen3-tied qwen3-untied   # only these
+    /work/refvenv/bin/python tools/make_golden.py --check DIR --case tied
         # loads an HF dir we exported with transformers and compares its logits to the golden ones
 
-Each case is a tiny Qwen2 (GQA 4 heads / 2 KV heads) with seeded weights saved as HF safetensors,
-run with ``attn_implementation="eager"`` in fp32 on fixed input ids.
+Each case is a tiny Qwen2 or Qwen3 (GQA 4 heads / 2 KV heads; Qwen3: head_dim 16, not hidden/heads)
+with seeded weights saved as HF safetensors, run with ``attn_implementation="eager"`` in fp32 on
+fixed input ids.
 """
 from __future__ import annotations
 
@@ -27,13 +29,19 @@ GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "finetune" / "golden
 BASE = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2}
+QWEN3 = {**BASE, "model_type": "qwen3", "head_dim": 16, "attention_bias": False}
 CASES = {"tied": {**BASE, "tie_word_embeddings": True, "rope_theta": 1000000.0},
-         "untied": {**BASE, "tie_word_embeddings": False, "rope_theta": 10000.0}}
+         "untied": {**BASE, "tie_word_embeddings": False, "rope_theta": 10000.0},
+         "qwen3-tied": {**QWEN3, "tie_word_embeddings": True, "rope_theta": 1000000.0},
+         "qwen3-untied": {**QWEN3, "tie_word_embeddings": False, "rope_theta": 10000.0}}
+SEEDS = {"tied": 7, "untied": 8, "qwen3-tied": 17, "qwen3-untied": 18}
 GRAD_PARAMS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.weight",
                "model.layers.1.self_attn.v_proj.bias", "model.layers.1.self_attn.o_proj.weight",
                "model.layers.1.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
-               "model.norm.weight"]
+               "model.norm.weight", "model.layers.0.self_attn.q_norm.weight",
+               "model.layers.1.self_attn.k_norm.weight"]  # those the case's model has
+HF_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def inputs() -> tuple[np.ndarray, np.ndarray]:
@@ -47,15 +55,16 @@ def inputs() -> tuple[np.ndarray, np.ndarray]:
     return ids, labels
 
 
-def build(case: str) -> transformers.Qwen2ForCausalLM:
-    cfg = CASES[case]
-    weights = random_weights(cfg, seed=7 if case == "tied" else 8, std=0.1)
+def build(case: str) -> transformers.PreTrainedModel:
+    cfg = dict(CASES[case])
+    weights = random_weights(cfg, seed=SEEDS[case], std=0.1)
     rng = np.random.default_rng(99)
     for name, w in weights.items():  # non-trivial norms and biases so their handling is tested
         if name.endswith("norm.weight") or name.endswith(".bias"):
             weights[name] = (w + rng.normal(0, 0.1, w.shape)).astype(np.float32)
-    hf_cfg = transformers.Qwen2Config(**cfg, attn_implementation="eager")
-    model = transformers.Qwen2ForCausalLM(hf_cfg).float().eval()
+    config_cls, model_cls = HF_CLASSES[cfg.pop("model_type", "qwen2")]
+    hf_cfg = getattr(transformers, config_cls)(**cfg, attn_implementation="eager")
+    model = getattr(transformers, model_cls)(hf_cfg).float().eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise SystemExit(f"weights do not match: missing {missing} unexpected {unexpected}")
@@ -72,7 +81,7 @@ def make(case: str) -> None:
     out = model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
     out.loss.backward()
     named = dict(model.named_parameters())
-    grads = {f"grad/{n}": named[n].grad.numpy() for n in GRAD_PARAMS}
+    grads = {f"grad/{n}": named[n].grad.numpy() for n in GRAD_PARAMS if n in named}
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
     np.savez_compressed(out_dir / "golden.npz", input_ids=ids, labels=labels,
                         logits=out.logits.detach().numpy(), loss=np.float32(out.loss.item()),
@@ -100,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", metavar="DIR", help="compare an exported HF dir with the golden logits")
     ap.add_argument("--case", choices=sorted(CASES), default="tied")
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES), help="the goldens to write")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.check:
         return check(args.check, args.case)
-    for case in CASES:
+    for case in args.cases:
         make(case)
     return 0
 

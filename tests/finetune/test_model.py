@@ -1,4 +1,4 @@
-"""Qwen2 model: parity with Hugging Face transformers (goldens from tools/make_golden.py), packing."""
+"""Qwen2 / Qwen3 model: parity with Hugging Face transformers (goldens from tools/make_golden.py), packing."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,7 +38,8 @@ def _rows(ids):
 
 
 @pytest.mark.parametrize("host_gemm", [True, False])
-@pytest.mark.parametrize("case,chunk", [("tied", 0), ("untied", 0), ("tied", 4), ("untied", 7)])
+@pytest.mark.parametrize("case,chunk", [("tied", 0), ("untied", 0), ("tied", 4), ("untied", 7), ("qwen3-tied", 0),
+                                        ("qwen3-untied", 0), ("qwen3-tied", 5)])
 def test_matches_transformers(ms_cpu, golden_model, case, chunk, host_gemm, monkeypatch):
     """chunk > 0: the LM head + loss over chunks of that many label tokens (train.loss_chunk_tokens).
     host_gemm: the head's vocab-sized matmuls in numpy's BLAS (CPU's default) or MindSpore's MatMul
@@ -50,7 +51,7 @@ def test_matches_transformers(ms_cpu, golden_model, case, chunk, host_gemm, monk
     monkeypatch.setattr(model.loss_fn, "chunk", chunk)
     monkeypatch.setattr(model.loss_fn, "host_gemm", host_gemm)
     assert len(model.loss_fn._chunks(int((g["labels"][:, 1:] != -100).sum()))) > (1 if chunk else 0)
-    assert ("lm_head.weight" in model.hf_state()) == (case == "untied")
+    assert ("lm_head.weight" in model.hf_state()) == case.endswith("untied")
     ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
     pos, seg = _rows(ids)
     logits = model.logits(ms.Tensor(ids)).asnumpy()
@@ -167,6 +168,22 @@ def test_config_from_dict_reads_hf_variants():
         Qwen2Config.from_dict({k: v for k, v in base.items() if k != "hidden_size"})
     with pytest.raises(ValueError, match="yarn"):
         Qwen2Config.from_dict({**base, "rope_scaling": {"type": "yarn", "factor": 4}})
+
+
+@pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                             ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                             ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+                                             ("qwen3", "Qwen2ForCausalLM")])
+def test_config_of_another_family_is_refused_naming_what_is_supported(model_type, arch):
+    from finetune.model import Qwen2Config
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' \\({arch}\\) is not supported.*Qwen3ForCausalLM"):
+        Qwen2Config.from_dict({**base, "model_type": model_type, "architectures": [arch]})
+    coder = Qwen2Config.from_dict({**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+    assert coder.model_type == "qwen2"  # Qwen2.5-Coder / -Math
+    assert Qwen2Config.from_dict({**base, "architectures": ["Qwen3ForCausalLM"]}).model_type == "qwen3"
 
 
 def test_half_compute_dtype_keeps_fp32_masters_and_loss(ms_cpu):
