@@ -1,4 +1,4 @@
-"""Create a tiny seeded random-init Qwen2 model in Hugging Face layout (no mindspore import).
+"""Create a tiny seeded random-init Qwen2 or Qwen3 model in Hugging Face layout (no mindspore import).
 
 The launcher calls :func:`ensure_tiny_model` on the host, so this module needs only numpy,
 safetensors and json. The model uses the bundled Qwen2.5 tokenizer (``assets/tokenizer``).
@@ -14,7 +14,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from finetune.fsutil import atomic_dir
-from finetune.qwen2_layout import full_shapes
+from finetune.qwen2_layout import FAMILIES, family_of, full_shapes
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -73,7 +73,8 @@ def _is_complete(model_dir: Path) -> bool:
 
 
 def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = None, seed: int = 0) -> bool:
-    """Create a seeded tiny Qwen2 model at ``model_dir`` once; False when a complete one exists.
+    """Create a seeded tiny model at ``model_dir`` once; False when a complete one exists. Qwen2 unless
+    ``overrides`` set ``model_type`` (e.g. ``{"model_type": "qwen3", "head_dim": 32}``).
 
     Written to a temporary sibling directory and renamed, so a crash never leaves half a model.
     """
@@ -84,6 +85,9 @@ def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = Non
         raise FileExistsError(f"{target}: exists but holds no complete model (config.json, model.safetensors, "
                               "tokenizer.json, ...); empty it or set model.dir to a new directory")
     config = {**TINY_DEFAULTS, **(overrides or {})}
+    if "architectures" not in (overrides or {}):
+        config["architectures"] = [FAMILIES[config["model_type"]].architecture]
+    family_of(config)  # refuses a model_type this trainer does not implement
     with atomic_dir(target) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")

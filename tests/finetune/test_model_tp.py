@@ -2,7 +2,8 @@
 
 Cases: the embedding and LM head replicated (untied), vocab-parallel with the parallel
 cross-entropy (untied, and tied with the loss over chunks of 5 tokens), and replicated KV heads
-(tp > num_key_value_heads).
+(tp > num_key_value_heads); Qwen3 untied and tied vocab-parallel (its q/k norm weights' gradients are
+summed over the TP ranks, each of which normalizes only its heads).
 
 Gradients of replicated KV heads (tp > num_key_value_heads) are partial per rank and must be summed
 over the ranks sharing a head; that reduction belongs to the training step and is not checked here.
@@ -75,7 +76,9 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     replicated = tiny_hf_dir("kv1", vocab_size=256, num_key_value_heads=1)  # tp=2 > 1 KV head: replicated
     # [model dir, vocab_parallel, loss_chunk_tokens]: the tied vocab-parallel loss over chunks of 5 tokens
     cases = {"untied": [str(GOLDEN / "untied"), False, 0], "untied-vp": [str(GOLDEN / "untied"), True, 0],
-             "tied-vp": [str(GOLDEN / "tied"), True, 5], "kv1": [str(replicated), False, 0]}
+             "tied-vp": [str(GOLDEN / "tied"), True, 5], "kv1": [str(replicated), False, 0],
+             "qwen3-untied": [str(GOLDEN / "qwen3-untied"), False, 0],
+             "qwen3-tied-vp": [str(GOLDEN / "qwen3-tied"), True, 5]}
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
@@ -85,7 +88,8 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
     assert proc.returncode == 0, proc.stdout[-2000:] + logs
 
-    for case, golden in (("untied", "untied"), ("untied-vp", "untied"), ("tied-vp", "tied")):
+    for case, golden in (("untied", "untied"), ("untied-vp", "untied"), ("tied-vp", "tied"),
+                         ("qwen3-untied", "qwen3-untied"), ("qwen3-tied-vp", "qwen3-tied")):
         g = np.load(GOLDEN / golden / "golden.npz")  # transformers' numbers for the same inputs
         n = int((g["labels"][:, 1:] != -100).sum())
         tp = np.load(tmp_path / f"{case}.npz")
