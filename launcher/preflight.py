@@ -69,7 +69,7 @@ def param_count(cfg: dict) -> int:
     """Exact Qwen2 parameter count from config.json (``finetune.qwen2_layout``); 0 when sizes are missing."""
     try:
         return qwen2_layout.param_count(cfg)
-    except (KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError, ValueError):  # ValueError: another family (check_model)
         return 0
 
 
@@ -174,7 +174,6 @@ def check_disk(c: Context) -> list[Check]:
     return [Check("disk", "ok", detail)]
 
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 REDOWNLOAD = "re-download the model (huggingface-cli download <repo> --local-dir DIR)"
 
 
@@ -227,11 +226,10 @@ def check_model(c: Context) -> list[Check]:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         return [Check("model", "fail", f"{d / 'config.json'}: malformed ({e})", REDOWNLOAD)]
-    arch = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    if not set(arch) & set(SUPPORTED_ARCHITECTURES):
-        return [Check("model", "fail", f"{d / 'config.json'}: architecture {', '.join(map(str, arch))} is not "
-                      f"supported (this trainer implements {', '.join(SUPPORTED_ARCHITECTURES)}: Qwen2 / Qwen2.5)",
-                      "set MODEL_DIR to a Qwen2 or Qwen2.5 model")]
+    try:
+        qwen2_layout.family_of(cfg)
+    except ValueError as e:
+        return [Check("model", "fail", f"{d}/{e}", "set MODEL_DIR to a Qwen2, Qwen2.5 or Qwen3 dense model")]
     bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
     if bad:
         return [Check("model", "fail", b, REDOWNLOAD) for b in bad]
@@ -309,6 +307,10 @@ def check_memory(c: Context) -> list[Check]:
     cfg = model_config(c.recipe)
     if cfg is None:
         return [Check("memory", "warn", "estimate unavailable (no config.json yet)")]
+    try:
+        qwen2_layout.family_of(cfg)
+    except ValueError:
+        return [Check("memory", "warn", "estimate unavailable (a model family this trainer does not implement)")]
     est = memory_estimate(c.recipe, cfg, c.memory_estimator)
     if c.devices.has_npu:
         budget = min(c.devices.hbm_total_mb.values(), default=NPU_HBM_DEFAULT / 2**20) * 2**20
@@ -358,8 +360,8 @@ def check_world(c: Context) -> list[Check]:
     cfg = model_config(r) or (r.model.init and {**TINY_DEFAULTS, **r.model.init})
     try:
         problems = qwen2_layout.tp_problems(cfg, tp, r.parallel.vocab_parallel) if cfg else []
-    except (KeyError, TypeError, ZeroDivisionError):
-        problems = []  # a config without sizes: check_model reports it
+    except (KeyError, TypeError, ZeroDivisionError, ValueError):
+        problems = []  # a config without sizes or of another family: check_model reports it
     out += [Check("layout", "fail", msg, fix) for msg, fix in problems]
     return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
 

@@ -16,6 +16,7 @@ ASCEND = RankInfo(device_target="Ascend")
 # head_dim 16 (flash attention needs a multiple of 16), GQA 4 query / 2 KV heads
 HD16 = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 64}
+HD16_QWEN3 = {**HD16, "model_type": "qwen3", "head_dim": 32}  # per-head q/k RMSNorm, head_dim != hidden/heads
 
 
 def _golden_model(case: str, rank: RankInfo):
@@ -27,14 +28,14 @@ def _golden_model(case: str, rank: RankInfo):
     return model
 
 
-def _hd16_model(rank: RankInfo, dtype: str):
-    """The HD16 model with seeded weights (std 0.1, norms 1 +- 0.1), its parameters in ``dtype`` as the
-    trainer sets them for fp16/bf16."""
+def _hd16_model(rank: RankInfo, dtype: str, config: dict = HD16):
+    """The HD16 model (or ``config``) with seeded weights (std 0.1, norms 1 +- 0.1), its parameters in
+    ``dtype`` as the trainer sets them for fp16/bf16."""
     import mindspore as ms
 
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(HD16), rank, compute_dtype=getattr(ms, dtype))
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), rank, compute_dtype=getattr(ms, dtype))
     rng = np.random.default_rng(7)
     for p in model.trainable_params():
         base = 1.0 if p.name.endswith("norm.weight") else 0.0
@@ -61,7 +62,7 @@ def _loss_and_grads(ms, model, batch):
     return float(loss.asnumpy()), {p.name: g.asnumpy().astype(np.float32) for p, g in zip(params, grads)}
 
 
-@pytest.mark.parametrize("case", ["tied", "untied"])
+@pytest.mark.parametrize("case", ["tied", "untied", "qwen3-tied", "qwen3-untied"])
 def test_fp32_ascend_path_matches_transformers(twins, case):
     """fp32: fused RMSNorm, RoPE and SwiGLU (flash attention takes fp16/bf16 only: reference attention)."""
     ms = __import__("mindspore")
@@ -75,18 +76,19 @@ def test_fp32_ascend_path_matches_transformers(twins, case):
     np.testing.assert_allclose(loss / n, float(g["loss"]), rtol=1e-5)
     for key in (k for k in g.files if k.startswith("grad/")):
         np.testing.assert_allclose(grads[key[5:]] / n, g[key], rtol=1e-4, atol=1e-5, err_msg=key)
-    layers = 2
-    assert twins["rms_norm"] >= 2 * (2 * layers + 1) and twins["rotary_position_embedding"] >= 4 * layers
+    layers, norms = 2, 4 if case.startswith("qwen3") else 2  # Qwen3: + q_norm, k_norm per layer
+    assert twins["rms_norm"] >= 2 * (norms * layers + 1) and twins["rotary_position_embedding"] >= 4 * layers
     assert twins["swiglu"] >= 2 * layers and "flash_attention_score" not in twins
 
 
+@pytest.mark.parametrize("config", [HD16, HD16_QWEN3], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float16", 3e-2)])
-def test_packed_batch_ascend_path_equals_reference(twins, dtype, tol):
+def test_packed_batch_ascend_path_equals_reference(twins, dtype, tol, config):
     """Packed rows: TND flash attention (fp16), sparse_mode 3, one call per layer; logits, loss and every
-    gradient equal the reference path's (same weights, same dtype)."""
+    gradient equal the reference path's (same weights, same dtype; Qwen3's q/k norms fused too)."""
     ms = __import__("mindspore")
     batch = _packed_batch()
-    fused, ref = _hd16_model(ASCEND, dtype), _hd16_model(RankInfo(), dtype)
+    fused, ref = _hd16_model(ASCEND, dtype, config), _hd16_model(RankInfo(), dtype, config)
     args = [ms.Tensor(x) for x in (batch[0], batch[2], batch[3])]
     lf, lr = fused.logits(*args).asnumpy(), ref.logits(*args).asnumpy()
     scale = np.abs(lr).max()
