@@ -37,7 +37,7 @@ from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, cli, launch, lock, npu_monitor, numa, preflight, settings
+from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
 
 
 def log(msg: str) -> None:
@@ -56,6 +56,8 @@ class Host:
     identities: set[str] | None = None
     npu_smi: deviceslib.NpuSmi | None = deviceslib.run_npu_smi
     have_numactl: bool | None = None
+    membind_probe: numa.MembindProbe = numa.probe_membind  # `numactl --membind=N --cpunodebind=N true`
+    resolver: master.Resolver = master.getaddr  # MASTER_ADDR's name -> address (retried, launcher/master.py)
     command: list[str] | None = None  # replaces the msrun / worker argv (tests use a stub)
     cwd: Path | None = None  # where relative output paths resolve (None: the current directory)
 
@@ -168,7 +170,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
             problems += e.items
     if problems:
         raise ConfigError(problems, s.render)
-    ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
+    ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl,
+                               probe=host.membind_probe)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
     log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
@@ -223,6 +226,9 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     say(f"output: {p['sources']['output_dir']}")
     say(f"binding ({p['binding']['method']}, allowed CPUs {p['binding']['allowed_cpus']} from "
         f"{p['binding']['allowed_from']}):")
+    for key in ("note", "fallback"):
+        if key in p["binding"]:
+            say(f"  {p['binding'][key]}")
     for rk in p["binding"]["ranks"]:
         say(f"  {rk['applied']}")
     say(memory_line(p["memory"], job.recipe))
@@ -239,6 +245,25 @@ def ensure_model(recipe: Recipe) -> None:
     mdir = resolved_model_dir(recipe)
     if ensure_tiny_model(mdir, recipe.model.init, recipe.model.init_seed):
         log(f"created the tiny model in {mdir} (seed {recipe.model.init_seed})")
+
+
+def pin_master(job: Job, host: Host) -> bool:
+    """Several nodes: MASTER_ADDR's name resolved (retried up to launch.master_resolve_timeout_s) and the
+    address put into the plan and msrun's argv, before preflight connects to it; False (said) if it never does."""
+    L = job.recipe.launch
+    if L.nnodes == 1 or master.is_ip(L.master_addr):
+        return True
+    try:
+        ip = master.resolve_master(L.master_addr, L.master_resolve_timeout_s, host.resolver, log=log)
+    except master.MasterUnresolved as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return False
+    job.plan["topology"]["master_host"], job.plan["topology"]["master_addr"] = L.master_addr, ip
+    L.master_addr = job.plan["recipe"]["launch"]["master_addr"] = ip
+    if "--master_addr" in job.argv:
+        job.argv[job.argv.index("--master_addr") + 1] = ip
+    job.plan["msrun_argv"] = job.argv
+    return True
 
 
 def run_preflight(job: Job, host: Host) -> bool:
@@ -281,12 +306,14 @@ def cmd_prepare_data(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
-    return 0 if run_preflight(job, host) else 1
+    return 0 if pin_master(job, host) and run_preflight(job, host) else 1
 
 
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
+    if not pin_master(job, host):
+        return 1
     if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1

@@ -220,7 +220,7 @@ def volcano_job(pod: PodSettings, nodes: int, name: str, queue: str, max_retry: 
             "queue": queue,
             "minAvailable": nodes,
             "maxRetry": max_retry,
-            "plugins": {"svc": [], "env": []},
+            "plugins": {"svc": ["--publish-not-ready-addresses=true"], "env": []},
             "policies": [  # a failed pod would leave its peers waiting for the HCCL timeout
                 {"event": "PodFailed", "action": "RestartJob"},
                 {"event": "PodEvicted", "action": "RestartJob"},

@@ -98,6 +98,8 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     spec = job["spec"]
     assert spec["schedulerName"] == "volcano" and spec["minAvailable"] == nodes and spec["maxRetry"] >= 1
     assert set(spec["plugins"]) == {"svc", "env"}
+    # pod 0's name resolves before it is Ready (else the others' DNS lookups of the master fail)
+    assert spec["plugins"]["svc"] == ["--publish-not-ready-addresses=true"]
     assert {(p["event"], p["action"]) for p in spec["policies"]} == {
         ("PodFailed", "RestartJob"), ("PodEvicted", "RestartJob"), ("TaskCompleted", "CompleteJob")}
     (task,) = spec["tasks"]
