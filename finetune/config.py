@@ -242,6 +242,10 @@ def resolve_recipe_path(name_or_path: str) -> Path:
         if cand.is_file():
             return cand
     known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
+    if p.is_dir():
+        yamls = sorted(x.name for x in p.glob("*.y*ml"))
+        raise ConfigError([f"RECIPE={name_or_path!r}: a directory, not a recipe; give a YAML file"
+                           + (f" in it (e.g. RECIPE={p / yamls[0]})" if yamls else f" or one of: {known}")])
     raise ConfigError([f"RECIPE={name_or_path!r}: no such recipe; use one of: {known}, or a path to a YAML file"])
 
 

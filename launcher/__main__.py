@@ -25,6 +25,7 @@ any LD_PRELOAD already set, and TOKENIZERS_PARALLELISM=false.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -113,15 +114,16 @@ def _input(path: str) -> str:
 
 
 def absolutize(recipe: Recipe, cwd: Path) -> Recipe:
-    """Workers run inside the output dir: every path becomes absolute. Outputs (output_dir,
-    data.cache_dir) resolve against ``cwd`` always; inputs against ``cwd``, else the repo (bundled assets)."""
-    recipe.output_dir = str((cwd / Path(recipe.output_dir).expanduser()).resolve())
-    recipe.data.cache_dir = str((cwd / Path(recipe.data.cache_dir).expanduser()).resolve()) \
-        if recipe.data.cache_dir else ""
-    recipe.model.dir = _input(recipe.model.dir) if recipe.model.dir else ""
-    recipe.data.paths = [_input(p) for p in recipe.data.paths]
-    recipe.data.val_paths = [_input(p) for p in recipe.data.val_paths]
-    recipe.launch.hostfile = _input(recipe.launch.hostfile) if recipe.launch.hostfile else ""
+    """Workers run inside the output dir: every path (``settings.PATH_KEYS``) becomes absolute. Outputs
+    resolve against ``cwd`` always; inputs against ``cwd``, else the repo (bundled assets)."""
+    def output(path: str) -> str:
+        return str((cwd / Path(path).expanduser()).resolve())
+
+    for key, (role, _) in settings.PATH_KEYS.items():
+        *parents, leaf = key.split(".")
+        section = functools.reduce(getattr, parents, recipe)
+        value, one = getattr(section, leaf), output if role == "output" else _input
+        setattr(section, leaf, [one(p) for p in value] if isinstance(value, list) else one(value) if value else "")
     return recipe
 
 
