@@ -387,7 +387,7 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
 
 def help_of_tool(command: str) -> int:
     """``render --help`` / ``generate --help``: the tool's own options, after ours."""
-    print(f"python -m launcher {command} [--recipe R] [key=value ...] <{command} options>:\n"
+    print(f"{cli.PROG} {command} [--recipe R] [key=value ...] <{command} options>:\n"
           f"  {COMMANDS[command][1]}; recipe settings as for train, then:\n", flush=True)
     if command == "render":
         from launcher import render
