@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import RECIPES_DIR, ConfigError, resolve_recipe_path
+from finetune.config import RECIPES_DIR, ConfigError, LaunchConfig, resolve_recipe_path
 from launcher import settings
 
 DEFAULT_IMAGE = "ascend-finetune:latest"
@@ -30,7 +30,7 @@ TASK = "worker"  # Volcano injects VC_WORKER_HOSTS / VC_WORKER_NUM for this task
 ASCEND_CONTAINER = "ascend"  # ascend-operator writes its env only into the container of this name
 ASCEND_PORT_NAME = "ascendjob-port"  # the operator's scheduler Service uses the container port of this name
 GRACE_SECONDS = 600  # time for the launcher to forward SIGTERM and the workers to save a checkpoint
-MASTER_PORT = 8118
+MASTER_PORT = LaunchConfig.master_port
 LABELS = {"app": "ascend-finetune", "ring-controller.atlas": "ascend-910b"}
 NODE_SELECTOR = {"accelerator-type": "module-910b-8"}
 # Host driver pieces the container needs (read-only): path -> hostPath type.
@@ -41,7 +41,7 @@ DRIVER_MOUNTS = {
     "/etc/ascend_install.info": "File",
 }
 # Environment passed through unchanged when set where render runs (not recipe keys).
-PASS_ENV = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
+PASS_ENV = settings.HCCL_VARS
 # Recipe keys the pods must not be given: the scheduler's variables say them, per pod.
 CLUSTER_KEYS = {"launch.nnodes": "--nodes N", "launch.node_rank": "nothing (each pod finds its own)",
                 "launch.master_addr": "nothing (node 0 is found from the scheduler's variables)",

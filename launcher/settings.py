@@ -11,7 +11,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from finetune.config import ConfigError, Problem, Recipe, load_recipe, overridden, parse_overrides
+from finetune.config import (ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden,
+                             parse_overrides)
+
+# HCCL variables: defaults the launcher sets when unset (CANN's are 120 s connect and 1836 s exec on Atlas A2,
+# CANN env var reference; the connect wait is raised for multi-node start-up, the exec wait never set below
+# CANN's), and those passed through unchanged. Workers get all of them; render passes them to the pods.
+HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836"}
+HCCL_PASSTHROUGH = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
+HCCL_VARS = (*HCCL_DEFAULTS, *HCCL_PASSTHROUGH)
 
 # The env contract, the one table: (variable, recipe key or "", meaning). The README's table is
 # generated from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
@@ -28,7 +36,8 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("NNODES", "launch.nnodes", "nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`"),
     ("NODE_RANK", "launch.node_rank", "this node, 0 = master"),
     ("MASTER_ADDR", "launch.master_addr", "node 0's address (msrun scheduler)"),
-    ("MASTER_PORT", "launch.master_port", "scheduler port, default 8118, same on every node"),
+    ("MASTER_PORT", "launch.master_port",
+     f"scheduler port, default {LaunchConfig.master_port}, same on every node"),
     ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1)"),
     ("HOSTFILE", "launch.hostfile", "`host slots=N` lines (see `hostfiles/`); this node is the line naming one "
                                     "of its host names or interface addresses, or `NODE_RANK`"),
@@ -42,8 +51,9 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
                                       "`affinity` \\| `off`"),
     ("MAX_RESTARTS", "launch.max_restarts", "relaunches after a failure; each resumes from the newest checkpoint"),
     ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
-    ("HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT", "", "defaulted for workers to 1200 / 1836 s (CANN's A2 default) when unset"),
-    ("HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE", "", "passed through to workers unchanged"),
+    (", ".join(HCCL_DEFAULTS), "", f"defaulted for workers to {' / '.join(HCCL_DEFAULTS.values())} s (CANN's A2 "
+                                   "default) when unset"),
+    (", ".join(HCCL_PASSTHROUGH), "", "passed through to workers unchanged"),
     ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`, or ascend-operator's `Ascend910-0,Ascend910-1`) "
                                    "to use; read"),
     ("ASCEND_RT_VISIBLE_DEVICES", "", "logical NPU ids; read, and set for workers when only some NPUs are used"),

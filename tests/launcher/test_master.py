@@ -71,12 +71,13 @@ def _job(tmp_path, resolver, *settings):
 
 def test_msrun_and_the_plan_get_the_address(tmp_path, capsys):
     job, host = _job(tmp_path, FlakyDns(0))
-    assert job.plan["topology"]["master_addr"] == "job-worker-0.job"  # `plan` starts nothing and waits for nothing
+    assert job.plan.topology.master_addr == "job-worker-0.job"  # `plan` starts nothing and waits for nothing
     assert lm.pin_master(job, host)
-    argv = job.argv
-    assert argv[argv.index("--master_addr") + 1] == "10.244.0.7" and job.plan["msrun_argv"] == argv
-    assert job.recipe.launch.master_addr == "10.244.0.7" == job.plan["recipe"]["launch"]["master_addr"]
-    assert job.plan["topology"]["master_host"] == "job-worker-0.job"
+    plan = job.plan.to_json()
+    argv = plan["msrun_argv"]
+    assert argv[argv.index("--master_addr") + 1] == "10.244.0.7" and argv == job.plan.argv
+    assert job.recipe.launch.master_addr == "10.244.0.7" == plan["recipe"]["launch"]["master_addr"]
+    assert (plan["topology"]["master_host"], plan["topology"]["master_addr"]) == ("job-worker-0.job", "10.244.0.7")
     assert "MASTER_ADDR=job-worker-0.job resolves to 10.244.0.7" in capsys.readouterr().out
 
 

@@ -293,6 +293,7 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--master_port"]) == \
         ("16", "0", "10.244.3.15", "8118")
     assert argv[-1] == str(out_dir / "plan-scheduler.json") and plan["ranks"] == []
+    assert plan["role"] == "scheduler" and plan["topology"]["nproc_per_node"] == 0  # the role says it, not nproc
     assert plan["recipe"]["launch"]["device"] == "cpu" and "scheduler only" in plan["sources"]["launch_mode"]
     with socket.socket() as s:  # a port free on this (shared) machine for the preflight port check
         s.bind(("", 0))
@@ -316,5 +317,6 @@ def test_ascendjob_worker_pod_is_node_of_its_index(tmp_path: Path, atlas: Path, 
     opt = msrun_options(plan)
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--node_rank"]) == \
         ("16", "8", "10.96.41.7", "1")  # the Service IP is not this pod: msrun starts no scheduler here
+    assert plan["role"] == "worker"
     assert [r["device"] for r in plan["ranks"]] == list(range(8))  # ASCEND_VISIBLE_DEVICES=Ascend910-0,...
     assert [r["global_rank"] for r in plan["ranks"]] == list(range(8, 16))
