@@ -8,6 +8,7 @@ Contract (set by ``launcher.numa.worker_env``; the local rank is msrun's ``DEVIC
 - ``AF_MEM_BIND_<local_rank>``: NUMA node id for memory (numactl mode)
 - ``AF_NUMACTL_<local_rank>``: the numactl options, e.g. ``--cpunodebind=0 --membind=0``
 
+msrun's scheduler process (``MS_ROLE=MS_SCHED``, no ``DEVICE_ID``) is never bound: it is no rank.
 numactl mode re-executes the worker once under ``numactl`` (``AF_BOUND=1`` stops a second time);
 affinity mode calls ``os.sched_setaffinity``. Failures print a warning and the worker goes on.
 """
@@ -38,6 +39,8 @@ def local_rank(env: MutableMapping[str, str]) -> int:
 def apply_binding(env: MutableMapping[str, str] | None = None, argv: list[str] | None = None) -> str:
     """Bind this process as the launcher planned; returns what was done (for the log)."""
     env = os.environ if env is None else env
+    if env.get("MS_ROLE") == "MS_SCHED":
+        return "not bound (msrun's scheduler process)"
     mode, rank = env.get("AF_BIND_MODE", "off"), local_rank(env)
     cpus = env.get(f"AF_CPU_BIND_{rank}", "")
     if mode == "off" or not cpus:

@@ -196,6 +196,7 @@ class LaunchConfig:
     numa_bind: str = "auto"  # auto | numactl | affinity | off
     max_restarts: int = 0
     cluster_time_out: int = 600
+    master_resolve_timeout_s: int = 600  # how long the launcher retries resolving MASTER_ADDR's name
     dry_run: bool = False
     npu_monitor_s: float = 30.0  # npu-smi sampling into OUTPUT_DIR/npu.jsonl while training; 0: off
 
@@ -241,6 +242,10 @@ def resolve_recipe_path(name_or_path: str) -> Path:
         if cand.is_file():
             return cand
     known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
+    if p.is_dir():
+        yamls = sorted(x.name for x in p.glob("*.y*ml"))
+        raise ConfigError([f"RECIPE={name_or_path!r}: a directory, not a recipe; give a YAML file"
+                           + (f" in it (e.g. RECIPE={p / yamls[0]})" if yamls else f" or one of: {known}")])
     raise ConfigError([f"RECIPE={name_or_path!r}: no such recipe; use one of: {known}, or a path to a YAML file"])
 
 
@@ -328,6 +333,7 @@ def validate(r: Recipe) -> list[Problem]:
               train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,
               train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp,
               parallel__pp=r.parallel.pp, launch__nnodes=L.nnodes, launch__cluster_time_out=L.cluster_time_out,
+              launch__master_resolve_timeout_s=L.master_resolve_timeout_s,
               data__clean__repeated_chars_max_run=c.repeated_chars_max_run)
     _at_least(p, 8, "1024", data__seq_len=r.data.seq_len)
     _at_least(p, 0, "0", train__max_steps=t.max_steps, train__warmup_steps=t.warmup_steps,

@@ -68,8 +68,9 @@ def _example(tp: Any) -> str:
     return {int: "8", float: "2e-5", bool: "true", str: "text"}.get(tp, "[...]")
 
 
-def _coerce(value: Any, tp: Any, key: str, problems: list[Problem]) -> Any:
-    """Convert a YAML value or an override string to the annotated type."""
+def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any = None) -> Any:
+    """Convert a YAML value or an override string to the annotated type (``default``: the field's, for
+    the example of a bad number: ``MASTER_PORT=8118``, not a generic one)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is typing.Union or (origin is not None and type(None) in args):
@@ -118,7 +119,8 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem]) -> Any:
             return int(f) if tp is int else f
         except (TypeError, ValueError):
             what = "an integer" if tp is int else "a finite number"
-            problems.append(Problem(key, f"expected {what}", _example(tp), repr(value)))
+            ex = str(default) if type(default) is int and default > 1 else _example(tp)  # a default of 0 or 1 illustrates nothing
+            problems.append(Problem(key, f"expected {what}", ex, repr(value)))
             return tp()
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -131,6 +133,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem]) -> Any:
 def build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in raw.items():
         if k not in hints:
@@ -138,7 +141,7 @@ def build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
             hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
             problems.append(Problem(f"{prefix}{k}", f"unknown key; {hint}"))
             continue
-        kwargs[k] = _coerce(v, hints[k], prefix + k, problems)
+        kwargs[k] = _coerce(v, hints[k], prefix + k, problems, defaults[k])
     return cls(**kwargs)
 
 

@@ -25,6 +25,7 @@ any LD_PRELOAD already set, and TOKENIZERS_PARALLELISM=false.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -37,7 +38,8 @@ from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, cli, launch, lock, npu_monitor, numa, preflight, settings
+from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
+from launcher import plan as planlib
 
 
 def log(msg: str) -> None:
@@ -56,6 +58,8 @@ class Host:
     identities: set[str] | None = None
     npu_smi: deviceslib.NpuSmi | None = deviceslib.run_npu_smi
     have_numactl: bool | None = None
+    membind_probe: numa.MembindProbe = numa.probe_membind  # `numactl --membind=N --cpunodebind=N true`
+    resolver: master.Resolver = master.getaddr  # MASTER_ADDR's name -> address (retried, launcher/master.py)
     command: list[str] | None = None  # replaces the msrun / worker argv (tests use a stub)
     cwd: Path | None = None  # where relative output paths resolve (None: the current directory)
 
@@ -65,16 +69,17 @@ class Job:
     recipe: Recipe  # resolved for this job's world and device (Recipe.resolved)
     devices: deviceslib.Devices
     cluster: clusterlib.Cluster
-    nproc: int
-    plan: dict
-    argv: list[str]
+    plan: planlib.Plan
     env: dict[str, str]
-    log_dir: Path
-    plan_path: Path
 
     @property
     def world(self) -> int:
-        return self.plan["topology"]["world_size"]
+        return self.plan.topology.world_size
+
+    @property
+    def nproc(self) -> int:
+        """Workers this node starts (0 on an AscendJob Scheduler pod)."""
+        return self.plan.topology.nproc_per_node
 
 
 def memory_summary(recipe: Recipe) -> dict:
@@ -111,15 +116,16 @@ def _input(path: str) -> str:
 
 
 def absolutize(recipe: Recipe, cwd: Path) -> Recipe:
-    """Workers run inside the output dir: every path becomes absolute. Outputs (output_dir,
-    data.cache_dir) resolve against ``cwd`` always; inputs against ``cwd``, else the repo (bundled assets)."""
-    recipe.output_dir = str((cwd / Path(recipe.output_dir).expanduser()).resolve())
-    recipe.data.cache_dir = str((cwd / Path(recipe.data.cache_dir).expanduser()).resolve()) \
-        if recipe.data.cache_dir else ""
-    recipe.model.dir = _input(recipe.model.dir) if recipe.model.dir else ""
-    recipe.data.paths = [_input(p) for p in recipe.data.paths]
-    recipe.data.val_paths = [_input(p) for p in recipe.data.val_paths]
-    recipe.launch.hostfile = _input(recipe.launch.hostfile) if recipe.launch.hostfile else ""
+    """Workers run inside the output dir: every path (``settings.PATH_KEYS``) becomes absolute. Outputs
+    resolve against ``cwd`` always; inputs against ``cwd``, else the repo (bundled assets)."""
+    def output(path: str) -> str:
+        return str((cwd / Path(path).expanduser()).resolve())
+
+    for key, (role, _) in settings.PATH_KEYS.items():
+        *parents, leaf = key.split(".")
+        section = functools.reduce(getattr, parents, recipe)
+        value, one = getattr(section, leaf), output if role == "output" else _input
+        setattr(section, leaf, [one(p) for p in value] if isinstance(value, list) else one(value) if value else "")
     return recipe
 
 
@@ -168,66 +174,61 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
             problems += e.items
     if problems:
         raise ConfigError(problems, s.render)
-    ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
+    ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl,
+                               probe=host.membind_probe)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
-    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
-    argv = (launch.direct_argv(plan_path) if world == 1
-            else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
     if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     rd = to_dict(recipe)
     rd["model"]["dir"] = resolved_model_dir(recipe)
     rd["launch"]["nproc_per_node"] = nproc
-    p = recipe.parallel
-    plan = {
-        "recipe": rd,
-        "topology": {"nnodes": recipe.launch.nnodes, "node_rank": recipe.launch.node_rank,
-                     "nproc_per_node": nproc, "world_size": world, "master_addr": recipe.launch.master_addr,
-                     "master_port": recipe.launch.master_port, "tp": p.tp, "pp": p.pp, "dp": p.dp},
-        "ranks": [{"local_rank": i, "global_rank": recipe.launch.node_rank * nproc + i,
-                   "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
-        "binding": {**binding, "ranks": numa.to_json(ranks, nodes)},
-        "memory": memory_summary(recipe),
-        "msrun_argv": argv,
-        "worker_env": launch.set_vars(env, host.env),
-        "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
-                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(recipe.launch.device, recipe.name),
-                    "device_notes": devs.notes,
-                    "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
-                                  f"a relative path is relative to the current directory ({cwd})",
-                    "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
-                                                             "msrun scheduler"},
-    }
+    L, p = recipe.launch, recipe.parallel
+    plan = planlib.Plan(
+        recipe=rd, path=out / "plan.json", log_dir=lifecycle.log_dir(out), cluster_time_out=L.cluster_time_out,
+        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, p.tp, p.pp, p.dp),
+        ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
+                "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
+        binding={**binding, "ranks": numa.to_json(ranks, nodes)},
+        memory=memory_summary(recipe),
+        worker_env=launch.set_vars(env, host.env),
+        sources={"recipe": f"{s.recipe} ({s.recipe_reason})",
+                 "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(L.device, recipe.name),
+                 "device_notes": devs.notes,
+                 "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
+                               f"a relative path is relative to the current directory ({cwd})",
+                 "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
+                                                          "msrun scheduler"})
     if clus.role == "scheduler" and not devs.has_npu:  # AscendJob Scheduler pod: msrun's scheduler only
-        argv, env, plan, plan_path = ascendjob.scheduler_only(recipe, clus, plan, env, out)
-        nproc = 0
-    return Job(recipe, devs, clus, nproc, plan, argv, env, log_dir, plan_path)
+        plan, env = ascendjob.scheduler_only(plan, env, clus)
+    return Job(recipe, devs, clus, plan, env)
 
 
 def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     """The resolved plan, one line per decision with its reason."""
-    p = job.plan
-    say(f"recipe: {p['sources']['recipe']}")
-    say(f"cluster: {p['sources']['cluster']}")
-    say(f"devices: {p['sources']['devices']}")
-    for n in p["sources"]["device_notes"]:
+    p, t, r = job.plan, job.plan.topology, job.recipe
+    say(f"recipe: {p.sources['recipe']}")
+    say(f"cluster: {p.sources['cluster']}")
+    say(f"devices: {p.sources['devices']}")
+    for n in p.sources["device_notes"]:
         say(f"  {n}")
-    t, r = p["topology"], job.recipe
-    say(f"topology: {t['nnodes']} node(s) x {t['nproc_per_node']} worker(s) = world {t['world_size']} "
-        f"(TP {t['tp']} x DP {t['dp']} x PP {t['pp']}); this node {t['node_rank']}; master "
-        f"{t['master_addr']}:{t['master_port']}")
+    say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
+        f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
+        f"{t.master_addr}:{t.master_port}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
         f"{'sharded over DP' if r.parallel.shard_optimizer else 'replicated'}")
-    say(f"output: {p['sources']['output_dir']}")
-    say(f"binding ({p['binding']['method']}, allowed CPUs {p['binding']['allowed_cpus']} from "
-        f"{p['binding']['allowed_from']}):")
-    for rk in p["binding"]["ranks"]:
+    say(f"output: {p.sources['output_dir']}")
+    say(f"binding ({p.binding['method']}, allowed CPUs {p.binding['allowed_cpus']} from "
+        f"{p.binding['allowed_from']}):")
+    for key in ("note", "fallback"):
+        if key in p.binding:
+            say(f"  {p.binding[key]}")
+    for rk in p.binding["ranks"]:
         say(f"  {rk['applied']}")
-    say(memory_line(p["memory"], job.recipe))
-    say(f"launch ({p['sources']['launch_mode']}): {json.dumps(p['msrun_argv'])}")
-    say(f"worker env: {json.dumps(p['worker_env'])}")
+    say(memory_line(p.memory, job.recipe))
+    say(f"launch ({p.sources['launch_mode']}): {json.dumps(p.argv)}")
+    say(f"worker env: {json.dumps(p.worker_env)}")
 
 
 def ensure_model(recipe: Recipe) -> None:
@@ -241,11 +242,28 @@ def ensure_model(recipe: Recipe) -> None:
         log(f"created the tiny model in {mdir} (seed {recipe.model.init_seed})")
 
 
+def pin_master(job: Job, host: Host) -> bool:
+    """Several nodes: MASTER_ADDR's name resolved (retried up to launch.master_resolve_timeout_s) and the
+    address put into the plan and msrun's argv, before preflight connects to it; False (said) if it never does."""
+    L = job.recipe.launch
+    if L.nnodes == 1 or master.is_ip(L.master_addr):
+        return True
+    try:
+        ip = master.resolve_master(L.master_addr, L.master_resolve_timeout_s, host.resolver, log=log)
+    except master.MasterUnresolved as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return False
+    job.plan.pin_master(ip)
+    L.master_addr = ip
+    return True
+
+
 def run_preflight(job: Job, host: Host) -> bool:
     from finetune.data.formats import check_data
 
     ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root, data_checker=check_data)
-    rows = ascendjob.scheduler_checks(ctx, job.cluster) if job.nproc == 0 else preflight.run_checks(ctx)
+    scheduler = job.plan.role == "scheduler"
+    rows = ascendjob.scheduler_checks(ctx, job.cluster) if scheduler else preflight.run_checks(ctx)
     print(preflight.table(rows), flush=True)
     return not preflight.failed(rows)
 
@@ -264,15 +282,15 @@ def cmd_plan(job: Job, args: argparse.Namespace, host: Host) -> int:
     L = job.recipe.launch
     try:
         with lock.checked(Path(job.recipe.output_dir), L.node_rank, L.nnodes):
-            launch.write_plan(job.plan_path, job.plan)
-        written = f"plan written to {job.plan_path}"
+            launch.write_plan(job.plan.path, job.plan.to_json())
+        written = f"plan written to {job.plan.path}"
     except lock.Locked as e:
         written = f"plan.json not written: {e}"
         print(f"[launcher] {written}", file=sys.stderr, flush=True)
     if not getattr(args, "json", False):
         print_plan(job)
         log(written)
-    print(json.dumps(job.plan, indent=2, default=str), flush=True)
+    print(json.dumps(job.plan.to_json(), indent=2, default=str), flush=True)
     return 0
 
 
@@ -281,40 +299,42 @@ def cmd_prepare_data(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
-    return 0 if run_preflight(job, host) else 1
+    return 0 if pin_master(job, host) and run_preflight(job, host) else 1
 
 
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
+    if not pin_master(job, host):
+        return 1
     if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
-        # an AscendJob Scheduler pod (nproc 0) shares node 0's rank with Worker pod 0: its own lock, .lock.node-1
-        node = job.recipe.launch.node_rank if job.nproc else -1
+        # an AscendJob Scheduler pod shares node 0's rank with Worker pod 0: its own lock, .lock.node-1
+        scheduler = job.plan.role == "scheduler"
+        node = -1 if scheduler else job.recipe.launch.node_rank
         lock_fd = lock.acquire(Path(job.recipe.output_dir), node, job.recipe.launch.nnodes, log)
     except lock.Locked as e:
         print(f"[launcher] {e}", file=sys.stderr)
         return 1
     try:
         ensure_model(job.recipe)
-        if job.nproc and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
+        if not scheduler and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
             rc = prepare_data(job.recipe)
             if rc:
                 return rc
-        launch.write_plan(job.plan_path, job.plan)
+        p, t = job.plan, job.plan.topology
+        launch.write_plan(p.path, p.to_json())
         print_plan(job)
-        log(f"plan written to {job.plan_path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-        t = job.plan["topology"]
-        with npu_monitor.running(job.devices, job.plan_path.parent, t["node_rank"],
+        log(f"plan written to {p.path}; starting {'msrun' if job.world > 1 else 'the worker'}")
+        with npu_monitor.running(job.devices, p.path.parent, t.node_rank,
                                  job.recipe.launch.npu_monitor_s, host.npu_smi, log):
-            return launch.supervise(host.command or job.argv, job.env, job.log_dir, job.recipe.launch.max_restarts,
-                                    cwd=job.plan_path.parent, log=log,
-                                    tee_to=job.log_dir / "worker_0.log" if job.world == 1 else None,
+            return launch.supervise(host.command or p.argv, job.env, p.log_dir, job.recipe.launch.max_restarts,
+                                    cwd=p.path.parent, log=log,
+                                    tee_to=p.log_dir / "worker_0.log" if job.world == 1 else None,
                                     under_msrun=job.world > 1, lock_fd=lock_fd,
-                                    ranks=range(t["node_rank"] * t["nproc_per_node"],
-                                                (t["node_rank"] + 1) * t["nproc_per_node"]))
+                                    ranks=range(t.node_rank * t.nproc_per_node, (t.node_rank + 1) * t.nproc_per_node))
     finally:
         lock.release(lock_fd)
 
@@ -358,7 +378,7 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
 
 def help_of_tool(command: str) -> int:
     """``render --help`` / ``generate --help``: the tool's own options, after ours."""
-    print(f"python -m launcher {command} [--recipe R] [key=value ...] <{command} options>:\n"
+    print(f"{cli.PROG} {command} [--recipe R] [key=value ...] <{command} options>:\n"
           f"  {COMMANDS[command][1]}; recipe settings as for train, then:\n", flush=True)
     if command == "render":
         from launcher import render

@@ -16,39 +16,33 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 
-from finetune.config import Recipe
-from launcher import launch, preflight
+from launcher import preflight
 from launcher.cluster import Cluster
+from launcher.plan import Plan
 
 PLAN_NAME = "plan-scheduler.json"  # not plan.json: worker pods sharing OUTPUT_DIR read theirs
 
 
-def scheduler_only(recipe: Recipe, cluster: Cluster, plan: dict, env: dict[str, str],
-                   out: Path) -> tuple[list[str], dict[str, str], dict, Path]:
-    """(msrun argv, env, plan, plan path) of a Scheduler pod: the scheduler process, zero workers.
+def scheduler_only(plan: Plan, env: dict[str, str], cluster: Cluster) -> tuple[Plan, dict[str, str]]:
+    """(plan, env) of a Scheduler pod: the scheduler process, zero workers (``role == "scheduler"``).
 
     The scheduler process runs the worker script too (msrun gives it MS_ROLE=MS_SCHED); it stops in
     ``mindspore.communication.init()``, which serves the cluster, so it never reads the model or data.
     """
-    workers = cluster.nproc_per_node or 1
-    plan_path, log_dir = out / PLAN_NAME, out / "logs"
-    argv = launch.msrun_argv(recipe, workers, plan_path, log_dir)
-    argv[argv.index("--local_worker_num") + 1] = "0"
-    plan = copy.deepcopy(plan)
+    recipe = copy.deepcopy(plan.recipe)
     # No NPU here and nothing to compute: the worker script's checks (train.run resolves the recipe for
     # its device before init()) must pass on CPU, so the scheduler's own plan says cpu and fp32.
-    plan["recipe"]["launch"]["device"], plan["recipe"]["train"]["precision"] = "cpu", "fp32"
-    plan["topology"]["nproc_per_node"] = 0
-    plan["ranks"], plan["binding"]["ranks"], plan["msrun_argv"] = [], [], argv
-    env = {k: v for k, v in env.items() if not k.startswith("AF_")}
-    plan["worker_env"] = {k: v for k, v in plan["worker_env"].items() if not k.startswith("AF_")}
-    plan["sources"]["launch_mode"] = (
+    recipe["launch"]["device"], recipe["train"]["precision"] = "cpu", "fp32"
+    sources = {**plan.sources, "launch_mode": (
         f"AscendJob Scheduler pod: msrun runs the scheduler only (--local_worker_num 0; MS_SCHED_HOST="
-        f"{cluster.master_addr} is this pod, so msrun starts the scheduler) for {plan['topology']['world_size']} "
-        "workers on the Worker pods")
-    return argv, env, plan, plan_path
+        f"{cluster.master_addr} is this pod, so msrun starts the scheduler) for {plan.topology.world_size} "
+        "workers on the Worker pods")}
+    plan = dataclasses.replace(
+        plan, role="scheduler", recipe=recipe, path=plan.path.parent / PLAN_NAME, ranks=[],
+        topology=dataclasses.replace(plan.topology, nproc_per_node=0), binding={**plan.binding, "ranks": []},
+        worker_env={k: v for k, v in plan.worker_env.items() if not k.startswith("AF_")}, sources=sources)
+    return plan, {k: v for k, v in env.items() if not k.startswith("AF_")}
 
 
 def scheduler_checks(ctx: preflight.Context, cluster: Cluster) -> list[preflight.Check]:

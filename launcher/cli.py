@@ -12,6 +12,9 @@ from finetune.config import Recipe
 from launcher import settings
 
 
+PROG = "ascend-finetune"  # pyproject.toml [project.scripts]; `python -m launcher` is the same
+
+
 def _env_help() -> str:
     rows = [f"  {var:<24} {key or '-':<22} {meaning.replace('`', '').replace(chr(92), '')}"
             for var, key, meaning in settings.ENV_CONTRACT]
@@ -20,7 +23,7 @@ def _env_help() -> str:
 
 def build_parser(commands: Mapping[str, tuple], description: str) -> argparse.ArgumentParser:
     """One subparser per command, each with its own --help; commands that wrap a tool pass its options on."""
-    ap = argparse.ArgumentParser(prog="python -m launcher", description=description,
+    ap = argparse.ArgumentParser(prog=PROG, description=description,
                                  epilog=_env_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="{" + ",".join(commands) + "}")
     for name, (_, text, passthrough) in commands.items():

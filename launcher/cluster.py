@@ -200,12 +200,16 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster | None:
 
 def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
     """``host slots=N`` lines (``#`` comments, blank lines allowed) -> [(host, slots)]."""
-    out = []
+    out, seen = [], {}
     for no, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
+        if parts[0] in seen:  # msrun would plan two nodes and fail in its scheduler much later
+            raise ClusterError(f"{path}: host {parts[0]} is listed twice (line {seen[parts[0]]} and line {no}); "
+                               f"list each node once, its NPUs as slots=N (e.g. '{parts[0]} slots=8')")
+        seen[parts[0]] = no
         slots = None
         for p in parts[1:]:
             m = re.fullmatch(r"slots=(\d+)", p)

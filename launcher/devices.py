@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.cpus import parse_cpulist
-from launcher.npu_smi import NpuProcess, NpuSmi, parse_info, parse_processes, run_npu_smi
-
-MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")
-DRIVER_MOUNTS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi")
+from launcher.mounts import DRIVER_MOUNTS, MGMT_DEVICES
+from launcher.npu_smi import NpuProcess, NpuSmi, dcmi_error, parse_info, parse_processes, run_npu_smi
 
 
 def parse_visible_devices(text: str) -> list[int]:
@@ -76,6 +74,7 @@ class Devices:
     logical: dict[int, int] = field(default_factory=dict)  # physical id -> logical id (npu-smi info -m)
     bus_id: dict[int, str] = field(default_factory=dict)  # physical id -> PCI address (npu-smi info)
     processes: list[NpuProcess] = field(default_factory=list)  # npu-smi info process table
+    dcmi_error: int | None = None  # npu-smi's "ret is -8020" (launcher/mounts.py DCMI_ERRORS)
     worker_env: dict[str, str] = field(default_factory=dict)  # visibility variables to give workers
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -104,12 +103,6 @@ class Devices:
                         f"ASCEND_VISIBLE_DEVICES={format_id_list(free) or '<free ids>'} "
                         "(a stale holder makes HCCL initialisation fail or hang)"))
         return out
-
-    def fix_flags(self) -> str:
-        """The exact docker run flags that add what is missing."""
-        flags = [f"--device=/dev/{d}" for d in self.missing_mgmt]
-        flags += [f"-v {m}:{m}:ro" for m in self.missing_mounts]
-        return " ".join(flags)
 
     def summary(self, launch_device: str = "auto", recipe: str = "") -> str:
         """What was found and, without NPUs, what the recipe will really do (``launch.device``)."""
@@ -171,6 +164,9 @@ def probe(dev_dir: Path = Path("/dev"), root: Path = Path("/"), env: Mapping[str
 
 def _add_npu_smi(d: Devices, npu_smi: NpuSmi) -> None:
     info = npu_smi(["info"])
+    d.dcmi_error = dcmi_error(info) if info else None
+    if d.dcmi_error is not None:  # preflight's mounts row says what it means
+        return
     if info is None:
         d.notes.append("npu-smi not available: HBM size and CPU affinity unknown (mount /usr/local/bin/npu-smi)")
         return

@@ -13,25 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import lifecycle
-from finetune.config import REPO_ROOT, Recipe
+from finetune.config import REPO_ROOT
 from launcher import procs
+from launcher.settings import HCCL_DEFAULTS, HCCL_PASSTHROUGH
 
 WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"
-# CANN's defaults are 120 s (connect) and 1836 s (exec, Atlas A2: CANN env var reference, HCCL_EXEC_TIMEOUT);
-# the connect wait is raised for multi-node start-up, the exec wait is never set below CANN's.
-HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836"}
-HCCL_PASSTHROUGH = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
 
 
-def msrun_argv(recipe: Recipe, nproc: int, plan_path: Path, log_dir: Path,
-               worker_script: Path = WORKER_SCRIPT, msrun: str | None = None) -> list[str]:
+def msrun_argv(world: int, local_workers: int, master_addr: str, master_port: int, node_rank: int,
+               cluster_time_out: int, plan_path: Path, log_dir: Path, worker_script: Path = WORKER_SCRIPT,
+               msrun: str | None = None) -> list[str]:
     """The msrun command as an argument list (never a shell string); the venv's msrun when present."""
-    L = recipe.launch
     venv_msrun = Path(sys.executable).parent / "msrun"
     msrun = msrun or (str(venv_msrun) if venv_msrun.exists() else "msrun")
-    return [msrun, "--worker_num", str(L.nnodes * nproc), "--local_worker_num", str(nproc),
-            "--master_addr", L.master_addr, "--master_port", str(L.master_port), "--node_rank", str(L.node_rank),
-            "--log_dir", str(log_dir), "--join", "True", "--cluster_time_out", str(L.cluster_time_out),
+    return [msrun, "--worker_num", str(world), "--local_worker_num", str(local_workers),
+            "--master_addr", master_addr, "--master_port", str(master_port), "--node_rank", str(node_rank),
+            "--log_dir", str(log_dir), "--join", "True", "--cluster_time_out", str(cluster_time_out),
             str(worker_script), "--config", str(plan_path)]
 
 

@@ -18,8 +18,15 @@ NpuSmi = Callable[[list[str]], "str | None"]
 _PAIR = re.compile(r"(\d+)\s*/\s*(\d+)")
 
 
+def dcmi_error(text: str) -> int | None:
+    """The code of ``dcmi module initialize failed. ret is -8005`` (and the like) in npu-smi's output."""
+    m = re.search(r"dcmi .*ret is (-\d+)", text)
+    return int(m.group(1)) if m else None
+
+
 def run_npu_smi(args: list[str], timeout_s: float = 15.0) -> str | None:
-    """``npu-smi <args>`` output, or None when npu-smi is absent or fails."""
+    """``npu-smi <args>`` output, or None when npu-smi is absent or fails (its output when a dcmi error
+    code says why: :func:`dcmi_error`)."""
     exe = shutil.which("npu-smi")
     if not exe:
         return None
@@ -27,7 +34,9 @@ def run_npu_smi(args: list[str], timeout_s: float = 15.0) -> str | None:
         r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return r.stdout if r.returncode == 0 else None
+    if r.returncode == 0:
+        return r.stdout
+    return r.stdout + r.stderr if dcmi_error(r.stdout + r.stderr) is not None else None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -94,10 +95,51 @@ def _split(cpus: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+MembindProbe = Callable[[list[str]], "str | None"]
+
+
+def probe_membind(options: list[str], timeout_s: float = 10.0) -> str | None:
+    """``numactl <options> true``: None when it works, else why not (numactl's stderr).
+
+    Docker's default seccomp profile allows ``set_mempolicy``/``mbind`` only with CAP_SYS_NICE; without
+    it numactl's libnuma prints ``set_mempolicy: Operation not permitted`` (its ``numa_error``: perror)
+    and exits 1, so every rank started under numactl would die at once.
+    """
+    exe = shutil.which("numactl")
+    if exe is None:
+        return "numactl is not on PATH"
+    try:
+        r = subprocess.run([exe, *options, "true"], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    return None if r.returncode == 0 else (r.stderr.strip() or f"exit code {r.returncode}")
+
+
+def _membind_fallback(ranks: list[RankBinding], probe: MembindProbe) -> str | None:
+    """Probe once the memory binding the ranks will use; on failure they fall back to CPU affinity.
+
+    Returns the reason for the plan and the log (naming the capability that turns binding on), or None.
+    """
+    node = next((r.numa_node for r in ranks if r.method == "numactl" and r.cpus and r.numa_node is not None), None)
+    if node is None:
+        return None
+    options = [f"--membind={node}", f"--cpunodebind={node}"]
+    why = probe(options)
+    if why is None:
+        return None
+    for r in ranks:
+        if r.method == "numactl":
+            r.method = "affinity"
+    return (f"`numactl {' '.join(options)} true` failed ({why}): memory binding is not permitted here (Docker's "
+            "default seccomp profile blocks set_mempolicy without CAP_SYS_NICE); CPU affinity only. "
+            "docker run --cap-add SYS_NICE turns memory binding on (Kubernetes: securityContext.capabilities.add: "
+            "[SYS_NICE])")
+
+
 def plan(nproc: int, mode: str, devices: Devices, sys_root: Path = Path("/sys"),
          getaffinity: Callable[[int], set[int]] = os.sched_getaffinity,
-         have_numactl: bool | None = None) -> tuple[list[RankBinding], dict]:
-    """One binding per local rank, plus a summary dict for plan.json."""
+         have_numactl: bool | None = None, probe: MembindProbe = probe_membind) -> tuple[list[RankBinding], dict]:
+    """One binding per local rank, plus a summary dict for plan.json (``fallback``: why numactl was dropped)."""
     nodes = numa_nodes(sys_root)
     allowed, allowed_src = allowed_cpus(sys_root, getaffinity)
     have_numactl = bool(shutil.which("numactl")) if have_numactl is None else have_numactl
@@ -140,6 +182,9 @@ def plan(nproc: int, mode: str, devices: Devices, sys_root: Path = Path("/sys"),
     for r in ranks:
         if not r.cpus:
             r.method, r.reason = "off", f"fewer allowed CPUs ({len(allowed)}) than ranks"
+    fallback = _membind_fallback(ranks, probe)
+    if fallback:
+        info["method"], info["fallback"] = "affinity", fallback
     return ranks, info
 
 

@@ -23,6 +23,7 @@ from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
 from finetune import native as nativelib
 from finetune.tiny import TINY_DEFAULTS
 from launcher.devices import Devices, format_id_list
+from launcher.mounts import LibraryLoader, load_libraries, mount_problems
 
 GIB = 2**30
 NPU_HBM_DEFAULT = 64 * 10**9  # Ascend 910B (Atlas 800T A2), when npu-smi does not say
@@ -50,6 +51,7 @@ class Context:
     connect: Callable[[str, int, float], None] = lambda host, port, t: socket.create_connection((host, port), t).close()
     port_free: Callable[[int], bool] = field(default=None)  # type: ignore[assignment]
     native_check: Callable[[], nativelib.NativeCheck] = nativelib.check_mindspore
+    load_libraries: LibraryLoader = load_libraries  # the driver libraries, in a fresh process
 
     @property
     def world(self) -> int:
@@ -93,9 +95,8 @@ def check_devices(c: Context) -> list[Check]:
                           "docker run --device=/dev/davinci0 ... --device=/dev/davinci7 (see README), "
                           "or RECIPE=tiny-cpu for CPU workers")]
         return [Check("devices", "ok", "no NPU: CPU workers (the embedded default)")]
-    if d.missing_mgmt or d.missing_mounts:
-        missing = [f"/dev/{m}" for m in d.missing_mgmt] + d.missing_mounts
-        out.append(Check("devices", "fail", f"missing {', '.join(missing)}", f"add to docker run: {d.fix_flags()}"))
+    out += [Check("mounts", "fail", what, fix)
+            for what, fix in mount_problems(d.missing_mgmt, d.missing_mounts, d.dcmi_error, c.root, c.load_libraries)]
     for p in d.problems:
         out.append(Check("devices", "fail", p, "fix the variable or the --device flags"))
     out += [Check("devices", "fail", detail, fix) for detail, fix in d.busy_rows()]
@@ -119,7 +120,7 @@ def check_versions(c: Context) -> list[Check]:
         out.append(Check("driver", "ok", f"driver {ver.strip()}"))
     else:
         out.append(Check("driver", "fail", f"{drv} missing",
-                         "-v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro"))
+                         "-v /usr/local/Ascend/driver/version.info:/usr/local/Ascend/driver/version.info:ro"))
     pattern = str(c.root / "usr/local/Ascend/ascend-toolkit/latest/*/ascend_toolkit_install.info")
     infos = sorted(glob.glob(pattern))
     if infos:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import RECIPES_DIR, ConfigError, resolve_recipe_path
+from finetune.config import RECIPES_DIR, ConfigError, LaunchConfig, resolve_recipe_path
 from launcher import settings
 
 DEFAULT_IMAGE = "ascend-finetune:latest"
@@ -30,7 +30,7 @@ TASK = "worker"  # Volcano injects VC_WORKER_HOSTS / VC_WORKER_NUM for this task
 ASCEND_CONTAINER = "ascend"  # ascend-operator writes its env only into the container of this name
 ASCEND_PORT_NAME = "ascendjob-port"  # the operator's scheduler Service uses the container port of this name
 GRACE_SECONDS = 600  # time for the launcher to forward SIGTERM and the workers to save a checkpoint
-MASTER_PORT = 8118
+MASTER_PORT = LaunchConfig.master_port
 LABELS = {"app": "ascend-finetune", "ring-controller.atlas": "ascend-910b"}
 NODE_SELECTOR = {"accelerator-type": "module-910b-8"}
 # Host driver pieces the container needs (read-only): path -> hostPath type.
@@ -41,12 +41,11 @@ DRIVER_MOUNTS = {
     "/etc/ascend_install.info": "File",
 }
 # Environment passed through unchanged when set where render runs (not recipe keys).
-PASS_ENV = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
+PASS_ENV = settings.HCCL_VARS
 # Recipe keys the pods must not be given: the scheduler's variables say them, per pod.
 CLUSTER_KEYS = {"launch.nnodes": "--nodes N", "launch.node_rank": "nothing (each pod finds its own)",
                 "launch.master_addr": "nothing (node 0 is found from the scheduler's variables)",
                 "launch.hostfile": "nothing (the scheduler lists the pods)"}
-PATH_KEYS = ("model.dir", "data.paths", "output_dir", "data.cache_dir")
 VAR_OF = {key: var for var, key in settings.ENV_KEYS.items()}
 
 
@@ -95,13 +94,13 @@ def _pod_recipe(given: str, data_dir: str) -> tuple[str, str | None]:
 
 def _path_problems(given: dict[str, str], origin: dict[str, str], data_dir: str) -> list[str]:
     out = []
-    for key in PATH_KEYS:
+    for key, (_, example) in settings.PATH_KEYS.items():
         for path in (p.strip() for p in given.get(key, "").split(",") if p.strip()):
             if not _under(path, data_dir):
                 name = VAR_OF.get(key, key) if origin.get(key) != "OVERRIDES" else f"OVERRIDES {key}"
                 out.append(f"{name}={path}: not a path on the volume mounted at --data-dir {data_dir} in every "
                            f"pod (a path of this machine is not in the pod); e.g. {VAR_OF.get(key, key)}="
-                           f"{data_dir}/{'output/run1' if key == 'output_dir' else 'sft/train.jsonl'}")
+                           f"{data_dir}/{example}")
     return out
 
 
@@ -134,13 +133,14 @@ def _npus(given: dict[str, str], pod: PodSettings) -> None:
 def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], overrides: list[str],
                  recipe_arg: str | None) -> PodSettings:
     """The pods' env from what the user gave, checked: pod paths, no cluster keys, a loadable recipe."""
-    s = settings.collect(env, overrides, recipe_arg, has_npu=True)
-    if not _given_recipe(env, overrides, recipe_arg) and {"model.dir", "data.paths"} <= set(s.overrides):
-        s.recipe = settings.NPU_RECIPE  # what the pod picks: it has NPUs, and MODEL_DIR and DATA are given
+    s = settings.collect(env, overrides, recipe_arg, has_npu=True)  # the recipe each pod picks: it has NPUs
     given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
                                                  ns.data_dir, ns.pvc, MASTER_PORT)
-    if given.get("data.format") == "auto" and s.origin.get("data.format") == s.origin.get("data.paths"):
-        del given["data.format"]  # derived from DATA by settings.collect: the pods derive it themselves
+    if s.recipe == settings.CPU_RECIPE and not _given_recipe(env, overrides, recipe_arg):
+        pod.problems.append(f"no RECIPE, and MODEL_DIR and DATA are not both set: every pod would run {s.recipe} (the tiny "
+                   f"model on CPU) while holding NPUs; set MODEL_DIR and DATA (pod paths, e.g. MODEL_DIR="
+                   f"{ns.data_dir}/{settings.PATH_KEYS['model.dir'][1]} DATA={ns.data_dir}/"
+                   f"{settings.PATH_KEYS['data.paths'][1]}) for {settings.NPU_RECIPE}, or RECIPE=... on purpose")
     for key, fix in CLUSTER_KEYS.items():
         if key in given:
             pod.problems.append(f"{VAR_OF.get(key, key)}={given.pop(key)}: the pods must not be given it; use {fix}")
@@ -160,7 +160,7 @@ def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], over
         pod.warnings.append(f"RECIPE={s.recipe} is a pod path: its keys are checked when the pods start, not here")
     else:
         pod.problems += _recipe_problems(s, given, ns.data_dir)
-    rest = " ".join(f"{k}={v}" for k, v in given.items() if k not in VAR_OF)
+    rest = settings.join_overrides({k: v for k, v in given.items() if k not in VAR_OF})
     pod.env = {"RECIPE": recipe_name, **{VAR_OF[k]: v for k, v in given.items() if k in VAR_OF},
                "NPROC_PER_NODE": str(pod.npus), **({"OVERRIDES": rest} if rest else {}),
                **{k: env[k] for k in PASS_ENV if settings.env_value(env, k)}}
@@ -220,7 +220,7 @@ def volcano_job(pod: PodSettings, nodes: int, name: str, queue: str, max_retry: 
             "queue": queue,
             "minAvailable": nodes,
             "maxRetry": max_retry,
-            "plugins": {"svc": [], "env": []},
+            "plugins": {"svc": ["--publish-not-ready-addresses=true"], "env": []},
             "policies": [  # a failed pod would leave its peers waiting for the HCCL timeout
                 {"event": "PodFailed", "action": "RestartJob"},
                 {"event": "PodEvicted", "action": "RestartJob"},

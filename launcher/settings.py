@@ -7,10 +7,19 @@ from: ``TP='two' (parallel.tp): expected an integer (e.g. TP=8)`` for a variable
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from finetune.config import ConfigError, Problem, Recipe, load_recipe, overridden, parse_overrides
+from finetune.config import (ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden,
+                             parse_overrides)
+
+# HCCL variables: defaults the launcher sets when unset (CANN's are 120 s connect and 1836 s exec on Atlas A2,
+# CANN env var reference; the connect wait is raised for multi-node start-up, the exec wait never set below
+# CANN's), and those passed through unchanged. Workers get all of them; render passes them to the pods.
+HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836"}
+HCCL_PASSTHROUGH = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
+HCCL_VARS = (*HCCL_DEFAULTS, *HCCL_PASSTHROUGH)
 
 # The env contract, the one table: (variable, recipe key or "", meaning). The README's table is
 # generated from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
@@ -27,7 +36,8 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("NNODES", "launch.nnodes", "nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`"),
     ("NODE_RANK", "launch.node_rank", "this node, 0 = master"),
     ("MASTER_ADDR", "launch.master_addr", "node 0's address (msrun scheduler)"),
-    ("MASTER_PORT", "launch.master_port", "scheduler port, default 8118, same on every node"),
+    ("MASTER_PORT", "launch.master_port",
+     f"scheduler port, default {LaunchConfig.master_port}, same on every node"),
     ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1)"),
     ("HOSTFILE", "launch.hostfile", "`host slots=N` lines (see `hostfiles/`); this node is the line naming one "
                                     "of its host names or interface addresses, or `NODE_RANK`"),
@@ -35,17 +45,29 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("PP", "parallel.pp", "pipeline-parallel size (1)"),
     ("DP", "parallel.dp", "data-parallel size; `0` derives it from the world size"),
     ("OVERRIDES", "", "space-separated `key=value` for any recipe key, e.g. "
-                      "`OVERRIDES=\"train.lr=1e-5 train.epochs=1\"`"),
+                      "`OVERRIDES=\"train.lr=1e-5 train.epochs=1\"`; a value with spaces in quotes after the `=` "
+                      "(`OVERRIDES='data.system_prompt=\"You are a pirate\"'`), `key=\"\"` the empty value"),
     ("NUMA_BIND", "launch.numa_bind", "`auto` (numactl if installed, else CPU affinity) \\| `numactl` \\| "
                                       "`affinity` \\| `off`"),
     ("MAX_RESTARTS", "launch.max_restarts", "relaunches after a failure; each resumes from the newest checkpoint"),
     ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
-    ("HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT", "", "defaulted for workers to 1200 / 1836 s (CANN's A2 default) when unset"),
-    ("HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE", "", "passed through to workers unchanged"),
+    (", ".join(HCCL_DEFAULTS), "", f"defaulted for workers to {' / '.join(HCCL_DEFAULTS.values())} s (CANN's A2 "
+                                   "default) when unset"),
+    (", ".join(HCCL_PASSTHROUGH), "", "passed through to workers unchanged"),
     ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`, or ascend-operator's `Ascend910-0,Ascend910-1`) "
                                    "to use; read"),
     ("ASCEND_RT_VISIBLE_DEVICES", "", "logical NPU ids; read, and set for workers when only some NPUs are used"),
 )
+# Recipe keys that hold paths: key -> (input | output, an example under a data dir). absolutize makes
+# them absolute for the workers; render checks that each is a pod path.
+PATH_KEYS: dict[str, tuple[str, str]] = {
+    "output_dir": ("output", "output/run1"),
+    "data.cache_dir": ("output", "output/run1/data"),
+    "model.dir": ("input", "models/Qwen2.5-7B-Instruct"),
+    "data.paths": ("input", "sft/train.jsonl"),
+    "data.val_paths": ("input", "sft/val.jsonl"),
+    "launch.hostfile": ("input", "hostfiles/two-nodes.txt"),
+}
 # Environment variable -> dotted recipe key.
 ENV_KEYS: dict[str, str] = {var: key for var, key, _ in ENV_CONTRACT if key}
 NPU_RECIPE = "qwen2.5-7b-full"
@@ -93,15 +115,49 @@ class Settings:
         return {"": f"the recipe {self.recipe}", "cli": "the command line"}.get(via, via)
 
 
-def default_recipe(env: Mapping[str, str], has_npu: bool) -> tuple[str, str]:
-    """RECIPE, else the NPU recipe when NPUs are present and MODEL_DIR and DATA are set, else tiny-cpu."""
-    if env_value(env, "RECIPE"):
-        return env["RECIPE"].strip(), "RECIPE is set"
-    if has_npu and env_value(env, "MODEL_DIR") and env_value(env, "DATA"):
+def default_recipe(recipe_var: str | None, overrides: Mapping[str, str], has_npu: bool) -> tuple[str, str]:
+    """RECIPE, else the NPU recipe when NPUs are present and a model dir and data are given (MODEL_DIR and
+    DATA, or model.dir and data.paths in OVERRIDES or on the command line), else tiny-cpu."""
+    if recipe_var:
+        return recipe_var.strip(), "RECIPE is set"
+    given = {"model.dir", "data.paths"} <= {k for k, v in overrides.items() if v.strip()}
+    if has_npu and given:
         return NPU_RECIPE, "NPUs present and MODEL_DIR and DATA set"
     if has_npu:
         return CPU_RECIPE, "NPUs present but MODEL_DIR or DATA unset: the embedded default (tiny-cpu)"
     return CPU_RECIPE, "no NPU found: the embedded default runs on CPU workers"
+
+
+_ITEM = re.compile(r"""([^\s=]+=)(?:"([^"]*)"|'([^']*)')(?=\s|$)|\S+""")
+
+
+def split_overrides(text: str) -> tuple[list[str], list[str]]:
+    """``OVERRIDES`` -> its ``key=value`` items, split at spaces; a value in quotes may hold spaces
+    (``data.system_prompt="You are a pirate"``) and ``key=""`` is the empty value. Quotes inside a value
+    stay (``data.columns={"instruction":"prompt"}``). (items, problems)"""
+    items, problems = [], []
+    for m in _ITEM.finditer(text):
+        if m.group(1):
+            items.append(m.group(1) + (m.group(2) if m.group(2) is not None else m.group(3)))
+            continue
+        item = m.group(0)
+        value = item.split("=", 1)[1] if "=" in item else ""
+        if value[:1] in ("'", '"') and not (len(value) > 1 and value.endswith(value[0])):
+            problems.append(f"OVERRIDES={text!r}: the quote after {item.split('=', 1)[0]}= is not closed; quote a "
+                            "value with spaces as a whole, e.g. OVERRIDES='data.system_prompt=\"You are a pirate\" "
+                            "train.lr=1e-5'")
+            return [], problems
+        items.append(item)
+    return items, problems
+
+
+def join_overrides(flat: Mapping[str, str]) -> str:
+    """The ``OVERRIDES`` text that :func:`split_overrides` reads back as ``flat``."""
+    def one(k: str, v: str) -> str:
+        if v and not any(c.isspace() for c in v):
+            return f"{k}={v}"
+        return f"{k}='{v}'" if '"' in v else f'{k}="{v}"'
+    return " ".join(one(k, v) for k, v in flat.items())
 
 
 def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None = None,
@@ -112,14 +168,14 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
     """
     cli_vars = dict(i.split("=", 1) for i in cli_items if i.split("=", 1)[0] in ("RECIPE", *ENV_KEYS) and "=" in i)
     rest = [i for i in cli_items if i.split("=", 1)[0] not in cli_vars]
-    name, reason = (cli_recipe, "--recipe given") if cli_recipe else default_recipe({**env, **cli_vars}, has_npu)
-    s = Settings(recipe=name, recipe_reason=reason)
+    s = Settings(recipe="", recipe_reason="")
     for var, key in ENV_KEYS.items():
         v = env_value(env, var)
         if v is not None:
             s.overrides[key], s.origin[key] = v.strip(), var
-    flat, probs = parse_overrides((env_value(env, "OVERRIDES") or "").split())
-    s.problems += [f"OVERRIDES: {p.text()}" for p in probs]
+    items, quoting = split_overrides(env_value(env, "OVERRIDES") or "")
+    flat, probs = parse_overrides(items)
+    s.problems += [f"OVERRIDES: {p.text()}" for p in probs] + quoting
     s.overrides.update(flat)
     s.origin.update(dict.fromkeys(flat, "OVERRIDES"))
     flat, probs = parse_overrides(rest)
@@ -129,6 +185,13 @@ def collect(env: Mapping[str, str], cli_items: list[str], cli_recipe: str | None
     for var, v in cli_vars.items():
         if var in ENV_KEYS:
             s.overrides[ENV_KEYS[var]], s.origin[ENV_KEYS[var]] = v, var
+    s.recipe, s.recipe_reason = (cli_recipe, "--recipe given") if cli_recipe else \
+        default_recipe(cli_vars.get("RECIPE") or env_value(env, "RECIPE"), s.overrides, has_npu)
+    if s.overrides.get("launch.nproc_per_node", "").strip() == "0":  # the schema's 0 means "not given"
+        via = s.origin["launch.nproc_per_node"]
+        name = {"OVERRIDES": "OVERRIDES: launch.nproc_per_node", "cli": "launch.nproc_per_node"}.get(via, via)
+        s.problems.append(f"{name}=0: no workers; leave it unset for one worker per visible NPU (1 without NPUs), "
+                          "or give a count (e.g. NPROC_PER_NODE=8)")
     return s
 
 

@@ -152,11 +152,26 @@ def iter_raw(path: Path, limit: int = 0, skip: bool = False) -> Iterator[tuple[s
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                rec = DataError(f"{name}: line {n} (column {e.colno}): not valid JSON: {e.msg}; "
-                                "each line must be one complete JSON object")
+                rec = _line_error(path, n, e)
                 if not skip:
                     raise rec from None
             yield f"{name}:line {n}", rec, bad
+
+
+def _line_error(path: Path, n: int, err: json.JSONDecodeError) -> DataError:
+    """Line ``n`` of a one-object-per-line file is not JSON. A .json file whose first object spans several
+    lines is read as one document instead, so the error points where its JSON really breaks."""
+    at = f"{path}: line {n} (column {err.colno}): not valid JSON: {err.msg}"
+    if path.suffix != ".json":
+        return DataError(f"{at}; each line of a .jsonl file must be one complete JSON object")
+    fix = "a .json file holds an array [ {...}, {...} ] or one complete object per line"
+    try:
+        json.loads(decode(path.read_bytes())[0])
+    except json.JSONDecodeError as e:
+        if e.msg != "Extra data":  # else the first object is whole: the line's own error is the one
+            at = f"{path}: line {e.lineno} (column {e.colno}): not valid JSON: {e.msg}"
+        return DataError(f"{at}; {fix}")
+    return DataError(f"{path}: one JSON object over several lines, not a list of records; {fix}")
 
 
 def _has_surrogates(obj: Any) -> bool:

@@ -30,11 +30,28 @@ def make_dev(root: Path, npus: int = 8, mgmt: tuple[str, ...] = ("davinci_manage
     return dev
 
 
-def make_driver(root: Path, driver: bool = True, dcmi: bool = True, npu_smi: bool = True, cann: bool = True) -> None:
+def loadable_library() -> Path:
+    """A shared object any Python here can load (stands in for the driver's libraries)."""
+    import _ctypes
+
+    return Path(_ctypes.__file__)
+
+
+def make_driver(root: Path, driver: bool = True, dcmi: bool = True, npu_smi: bool = True, cann: bool = True,
+                lib64: bool = True, install_info: bool = True) -> None:
+    """The host pieces of the canonical docker run mounts (launcher/mounts.py), each optional."""
     if driver:
         d = root / "usr/local/Ascend/driver"
         d.mkdir(parents=True, exist_ok=True)
         (d / "version.info").write_text("Version=24.1.rc2\nascendhal_version=7.35.23\n")
+    if lib64:
+        for lib in ("common/libc_sec.so", "driver/libascend_hal.so"):
+            p = root / "usr/local/Ascend/driver/lib64" / lib
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(loadable_library().read_bytes())
+    if install_info:
+        (root / "etc").mkdir(parents=True, exist_ok=True)
+        (root / "etc/ascend_install.info").write_text("Driver_Install_Path_Param=/usr/local/Ascend\n")
     if dcmi:
         (root / "usr/local/dcmi").mkdir(parents=True, exist_ok=True)
     if npu_smi:

@@ -94,6 +94,11 @@ def _hostfile(root: Path) -> Path:
     return f
 
 
+def _text(name: str, text: str):
+    """A fixture that writes one small input file."""
+    return lambda root: (root / name).write_text(text)
+
+
 def _a_file(root: Path) -> Path:
     f = root / "afile"
     f.write_text("x")
@@ -138,7 +143,17 @@ CASES = [
     ("node-rank-too-big", {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, [], 2,
      ["NODE_RANK='2' (launch.node_rank): must be < launch.nnodes=2", "e.g. NODE_RANK=0"]),
     ("master-port-range", {"MASTER_PORT": "99999"}, [], 2, ["MASTER_PORT='99999'", "e.g. MASTER_PORT=8118"]),
-    ("master-port-text", {"MASTER_PORT": "http"}, [], 2, ["MASTER_PORT='http'", "e.g. MASTER_PORT="]),
+    ("master-port-text", {"MASTER_PORT": "abc"}, [], 2, ["MASTER_PORT='abc'", "e.g. MASTER_PORT=8118)"]),
+    ("nproc-zero", {"NPROC_PER_NODE": "0"}, [], 2, ["NPROC_PER_NODE=0: no workers", "leave it unset",
+                                                    "e.g. NPROC_PER_NODE=8"]),
+    ("nproc-zero-overrides", {"OVERRIDES": "launch.nproc_per_node=0"}, [], 2,
+     ["OVERRIDES: launch.nproc_per_node=0: no workers"]),
+    ("overrides-unclosed-quote", {"OVERRIDES": 'data.system_prompt="You are'}, [], 2,
+     ["OVERRIDES='data.system_prompt=\"You are'", "the quote after data.system_prompt= is not closed",
+      "OVERRIDES='data.system_prompt=\"You are a pirate\" train.lr=1e-5'"]),
+    ("recipe-a-directory", {"RECIPE": "{tmp}"}, [], 2, ["a directory, not a recipe; give a YAML file"]),
+    ("hostfile-host-twice", {"HOSTFILE": "{tmp}/twice.txt", "NODE_RANK": "0"}, [], 2,
+     ["twice.txt: host 10.0.0.11 is listed twice (line 1 and line 4)", "list each node once"]),
     ("max-restarts-negative", {"MAX_RESTARTS": "-1"}, [], 2, ["MAX_RESTARTS='-1'", "e.g. MAX_RESTARTS=0"]),
     ("overrides-dot", {"OVERRIDES": ".=2"}, [], 2, ["OVERRIDES: override '.=2'", "e.g. train.lr=1e-5"]),
     ("overrides-no-equals", {"OVERRIDES": "oops"}, [], 2, ["OVERRIDES: override 'oops'", "e.g. train.lr=1e-5"]),
@@ -174,12 +189,15 @@ CASES = [
      ["othertok/tokenizer.json: has token ids up to 151664, config.json's vocab_size is 256",
       "use the tokenizer that came with the model"]),
     ("data-missing", {"DATA": "{tmp}/nope.jsonl"}, [], 1, ["not found:", "nope.jsonl", "fix DATA"]),
-    ("data-one-json-object", {"DATA": "{tmp}/one.json"}, [], 1, ["one.json: line", "not valid JSON",
-                                                                 "one complete JSON object"]),
+    ("data-one-json-object", {"DATA": "{tmp}/one.json"}, [], 1, ["one.json: one JSON object over several lines",
+                                                                 "a .json file holds an array"]),
+    ("data-json-syntax", {"DATA": "{tmp}/object.json"}, [], 1,
+     ["object.json: line 4 (column 1): not valid JSON", "a .json file holds an array"]),
 ]
 
 FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights, _one_json_object,
-            _hostfile, _a_file)
+            _hostfile, _a_file, _text("twice.txt", "10.0.0.11 slots=8\n10.0.0.12 slots=8\n# node c\n10.0.0.11 slots=8\n"),
+            _text("object.json", '{\n  "instruction": "Say hi",\n  "output": "hi",\n}\n'))  # a trailing comma
 
 
 @pytest.fixture(scope="module")

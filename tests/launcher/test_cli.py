@@ -21,7 +21,7 @@ def cpu_host(tmp_path, env=None, **kw) -> lm.Host:
 def test_no_command_prints_the_overview_with_every_command_and_the_env_contract(capsys):
     assert lm.main([]) == 2
     out = capsys.readouterr().out
-    assert "usage: python -m launcher" in out and "overrides are required" not in out
+    assert "usage: ascend-finetune" in out and "overrides are required" not in out
     for name in lm.COMMANDS:
         assert name in out
     assert "MODEL_DIR" in out and "model.dir" in out
@@ -33,7 +33,7 @@ def test_each_command_has_its_own_help(command, own, capsys):
     with pytest.raises(SystemExit) as e:
         lm.main([command, "--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and f"usage: python -m launcher {command}" in out and own in out
+    assert e.value.code == 0 and f"usage: ascend-finetune {command}" in out and own in out
 
 
 def test_render_help_is_renders_own(capsys):
@@ -121,3 +121,20 @@ def test_plan_leaves_a_running_jobs_plan_alone(tmp_path, capsys):
     assert json.loads(res.out)["topology"]["world_size"] == 1
     assert "plan.json not written: OUTPUT_DIR" in res.err and f"pid {os.getpid()}" in res.err
     assert (out / "plan.json").read_text() == '{"running": true}'
+
+
+def test_the_console_command_is_the_launcher():
+    """`ascend-finetune` (installed into .venv by make and into the image) runs console_main."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, func = scripts["ascend-finetune"].split(":")
+    assert getattr(importlib.import_module(module), func) is lm.console_main
+
+
+def test_readme_commands_work_from_a_fresh_clone():
+    """No README line runs `python -m launcher` (it needs the venv active): make, or .venv/bin/ascend-finetune."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "python -m launcher" not in readme.replace("`python -m launcher` run the same", "")
+    assert ".venv/bin/ascend-finetune generate --prompt" in readme

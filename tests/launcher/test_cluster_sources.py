@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from finetune.config import load_recipe
 from launcher import ascendjob, cluster, launch
+from launcher.plan import Plan, Topology
 
 ME = {"job-worker-1", "job-worker-1.job", "10.0.0.12"}
 
@@ -140,11 +140,10 @@ def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
     env = dict(CASES[3][1], MS_ROLE="MS_SCHED", MS_NODE_RANK="0", MS_SCHED_HOST="127.0.0.1",
                MS_SCHED_PORT=str(free_port()))
     clus = cluster.detect(env, me=ME)
-    recipe = load_recipe("qwen2.5-7b-full", {k: str(v) for k, v in clus.overrides().items()})
-    plan = {"recipe": {"launch": {}, "train": {}}, "topology": {"world_size": 16}, "ranks": [], "binding": {"ranks": []},
-            "worker_env": {}, "sources": {}}
-    argv, *_ = ascendjob.scheduler_only(recipe, clus, plan, {}, tmp_path)
-    argv = [*argv[:argv.index("--cluster_time_out") + 2], str(stub)]
+    worker = Plan({"launch": {}, "train": {}}, Topology(2, 0, 8, 16, clus.master_addr, clus.master_port, 2, 1, 8),
+                  tmp_path / "plan.json", tmp_path / "logs", 600)
+    plan, _ = ascendjob.scheduler_only(worker, {}, clus)
+    argv = [*plan.argv[:plan.argv.index("--cluster_time_out") + 2], str(stub)]
     run = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "ROLES": str(tmp_path / "roles")}, timeout=300,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from launcher_fakes import FIXTURES, make_dev, make_driver, npu_smi_with_info, recorded_npu_smi
 
-from launcher import devices, npu_smi
+from finetune.config import Recipe
+from launcher import devices, npu_smi, preflight
 
 BUSY_25 = "info-procs-25.2.0-910b2.txt"  # vllm-ascend#4866: every NPU held by a VLLMWorker_DP
 BUSY_26 = "info-procs-26.1.0-910b3-container.txt"  # wide columns + "Process id in container"
@@ -104,14 +105,54 @@ def test_bad_visibility_values(atlas, env, msg):
     assert any(msg in p for p in d.problems)
 
 
+def mount_rows(root, smi=None, broken: str = "", **absent) -> list[tuple[str, str]]:
+    """preflight's devices/mounts rows (fail) for an Atlas root missing what ``absent`` names (``broken``:
+    a file made empty, such as a driver library)."""
+    make_dev(root, mgmt=tuple(m for m in ("davinci_manager", "devmm_svm", "hisi_hdc") if m not in absent))
+    make_driver(root, **{k: False for k in absent if k not in ("davinci_manager", "devmm_svm", "hisi_hdc")})
+    if broken:
+        (root / broken).write_bytes(b"")
+    d = devices.probe(root / "dev", root, {}, smi)
+    rows = preflight.check_devices(preflight.Context(Recipe(), d, 8, root=root))
+    return [(r.detail, r.fix) for r in rows if r.status == "fail"]
+
+
 def test_missing_management_devices_and_mounts_give_exact_flags(tmp_path):
-    make_dev(tmp_path, mgmt=("davinci_manager",))
-    make_driver(tmp_path, driver=False, npu_smi=False)
-    d = devices.probe(tmp_path / "dev", tmp_path, {}, None)
-    assert d.missing_mgmt == ["devmm_svm", "hisi_hdc"]
-    assert d.fix_flags() == ("--device=/dev/devmm_svm --device=/dev/hisi_hdc "
-                             "-v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro "
-                             "-v /usr/local/bin/npu-smi:/usr/local/bin/npu-smi:ro")
+    rows = mount_rows(tmp_path, devmm_svm=1, hisi_hdc=1, driver=1, npu_smi=1, install_info=1)
+    assert rows == [
+        ("device node /dev/devmm_svm is absent", "docker run --device=/dev/devmm_svm"),
+        ("device node /dev/hisi_hdc is absent", "docker run --device=/dev/hisi_hdc"),
+        ("/usr/local/Ascend/driver/version.info is absent (the driver version CANN and preflight read)",
+         "docker run -v /usr/local/Ascend/driver/version.info:/usr/local/Ascend/driver/version.info:ro "
+         "(Kubernetes: a read-only hostPath volume)"),
+        ("/usr/local/bin/npu-smi is absent (npu-smi: HBM size, health, NPU holders and NUMA affinity)",
+         "docker run -v /usr/local/bin/npu-smi:/usr/local/bin/npu-smi:ro (Kubernetes: a read-only hostPath volume)"),
+        ("/etc/ascend_install.info is absent (where the driver is installed, read by the CANN runtime)",
+         "docker run -v /etc/ascend_install.info:/etc/ascend_install.info:ro (Kubernetes: a read-only hostPath "
+         "volume)")]
+
+
+def test_driver_lib64_not_mounted_is_named(tmp_path):
+    (detail, fix), = mount_rows(tmp_path, lib64=1)
+    assert detail.startswith("/usr/local/Ascend/driver/lib64 is absent (the host driver's libraries")
+    assert fix.startswith("docker run -v /usr/local/Ascend/driver/lib64:/usr/local/Ascend/driver/lib64:ro")
+
+
+def test_a_driver_library_that_does_not_load_is_named(tmp_path):
+    (detail, fix), = mount_rows(tmp_path, broken="usr/local/Ascend/driver/lib64/common/libc_sec.so")
+    assert detail.startswith("a driver library does not load: OSError: ")
+    assert "lib64/common/libc_sec.so" in detail and "/usr/local/Ascend/driver/lib64:ro" in fix
+
+
+@pytest.mark.parametrize("fixture,code,meaning", [
+    ("dcmi-8005.txt", -8005, "dcmi could not initialise: usually another container holds these NPUs"),
+    ("dcmi-8020.txt", -8020, "the device is used: another container holds these NPUs")])
+def test_npu_smi_saying_another_container_holds_the_npus(tmp_path, fixture, code, meaning):
+    text = (FIXTURES / "npu-smi" / fixture).read_text()
+    assert npu_smi.dcmi_error(text) == code
+    (detail, fix), = mount_rows(tmp_path, smi=lambda args: text)
+    assert detail == f"npu-smi info failed with {code}: {meaning}"
+    assert "stop the other container or process holding the NPUs" in fix
 
 
 def test_no_npu_is_said_plainly(tmp_path):

@@ -132,3 +132,16 @@ def test_compiled_layers_are_refused_where_they_were_not_shown_equal():
     auto = {"OVERRIDES": "train.compile_layers=true train.precision=auto launch.device=auto"}
     assert [x.split(": ")[1] for x in refusals(auto, 1, "npu")] == [
         "not with train.precision=bf16", "not with launch.device=npu"]
+
+
+def test_overrides_values_with_spaces_and_empty_values():
+    s = settings.collect({"OVERRIDES": 'data.system_prompt="You are a pirate" export.check_prompts="" train.lr=1e-5'},
+                         [], None)
+    assert s.overrides == {"data.system_prompt": "You are a pirate", "export.check_prompts": "", "train.lr": "1e-5"}
+    r = settings.load(s)
+    assert (r.data.system_prompt, r.export.check_prompts) == ("You are a pirate", "")
+
+
+def test_quotes_inside_a_value_stay():
+    items, problems = settings.split_overrides('data.columns={"instruction":"prompt"} a.b=\'x y\' c.d="x=y z"')
+    assert items == ['data.columns={"instruction":"prompt"}', "a.b=x y", "c.d=x=y z"] and not problems

@@ -20,9 +20,8 @@ from launcher import launch
 
 
 def test_msrun_argv_is_a_list_with_every_option(tmp_path):
-    r = load_recipe("tiny-cpu", {"launch.nnodes": "2", "launch.node_rank": "1", "launch.master_addr": "10.0.0.11",
-                                 "launch.master_port": "9000", "launch.cluster_time_out": "300"})
-    argv = launch.msrun_argv(r, 8, tmp_path / "plan.json", tmp_path / "logs", msrun="msrun")
+    argv = launch.msrun_argv(16, 8, "10.0.0.11", 9000, 1, 300, tmp_path / "plan.json", tmp_path / "logs",
+                             msrun="msrun")
     assert argv == ["msrun", "--worker_num", "16", "--local_worker_num", "8", "--master_addr", "10.0.0.11",
                     "--master_port", "9000", "--node_rank", "1", "--log_dir", str(tmp_path / "logs"),
                     "--join", "True", "--cluster_time_out", "300", str(REPO_ROOT / "finetune/worker.py"),
@@ -280,9 +279,8 @@ def test_real_msrun_with_stub_workers_reports_the_failing_rank(tmp_path):
     if not msrun.exists():
         pytest.skip("msrun not installed in this venv")
     (tmp_path / "w.py").write_text(MS_STUB)
-    r = load_recipe("tiny-cpu", {"launch.master_port": str(20000 + os.getpid() % 20000),
-                                 "launch.cluster_time_out": "60"})
-    argv = launch.msrun_argv(r, 2, tmp_path / "plan.json", tmp_path / "logs", worker_script=tmp_path / "w.py")
+    argv = launch.msrun_argv(2, 2, "127.0.0.1", 20000 + os.getpid() % 20000, 0, 60, tmp_path / "plan.json",
+                             tmp_path / "logs", worker_script=tmp_path / "w.py")
     lines: list[str] = []
     env = launch.worker_env(os.environ, {})
     rc = launch.supervise(argv, env, tmp_path / "logs", max_restarts=0, cwd=tmp_path, log=lines.append,

@@ -88,8 +88,8 @@ def test_devices_fail_npu_recipe_without_npu(tmp_path):
 def test_devices_fail_missing_management_device(atlas):
     (atlas / "dev/hisi_hdc").unlink()
     c = ctx(atlas)
-    (r,) = fails(c, "devices")
-    assert r.fix == "add to docker run: --device=/dev/hisi_hdc"
+    (r,) = fails(c, "mounts")
+    assert (r.detail, r.fix) == ("device node /dev/hisi_hdc is absent", "docker run --device=/dev/hisi_hdc")
 
 
 def test_devices_fail_permission(atlas, monkeypatch):
@@ -99,7 +99,8 @@ def test_devices_fail_permission(atlas, monkeypatch):
 
 def test_driver_and_cann_missing(tmp_path):
     c = ctx(tmp_path)  # /dev has NPUs but no driver tree
-    assert fails(c, "driver")[0].fix == "-v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro"
+    assert fails(c, "driver")[0].fix == \
+        "-v /usr/local/Ascend/driver/version.info:/usr/local/Ascend/driver/version.info:ro"
     assert "ascend-toolkit" in fails(c, "CANN")[0].detail
 
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import launcher.__main__ as lm
-from launcher import lock, render
+from launcher import lock, render, settings
 from launcher_fakes import recorded_npu_smi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,6 +98,8 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     spec = job["spec"]
     assert spec["schedulerName"] == "volcano" and spec["minAvailable"] == nodes and spec["maxRetry"] >= 1
     assert set(spec["plugins"]) == {"svc", "env"}
+    # pod 0's name resolves before it is Ready (else the others' DNS lookups of the master fail)
+    assert spec["plugins"]["svc"] == ["--publish-not-ready-addresses=true"]
     assert {(p["event"], p["action"]) for p in spec["policies"]} == {
         ("PodFailed", "RestartJob"), ("PodEvicted", "RestartJob"), ("TaskCompleted", "CompleteJob")}
     (task,) = spec["tasks"]
@@ -152,6 +154,11 @@ def test_overrides_given_to_render_reach_the_manifest(tmp_path: Path) -> None:
     ({"OUTPUT_DIR": "./output"}, [], "OUTPUT_DIR=./output: not a path on the volume mounted at --data-dir /data"),
     ({"DATA": "/home/me/train.jsonl,/data/b.jsonl"}, [], "DATA=/home/me/train.jsonl: not a path on the volume"),
     ({}, ["model.dir=/srv/models/q"], "MODEL_DIR=/srv/models/q: not a path on the volume"),
+    ({}, ["model.dir=/srv/models/q"], "e.g. MODEL_DIR=/data/models/Qwen2.5-7B-Instruct"),  # not a data file
+    ({}, ["data.val_paths=/home/me/val.jsonl"], "data.val_paths=/home/me/val.jsonl: not a path on the volume"),
+    ({"OVERRIDES": "launch.hostfile=/home/me/hosts"}, [], "HOSTFILE=/home/me/hosts: the pods must not be given it"),
+    ({"RECIPE": "", "MODEL_DIR": "", "DATA": ""}, [], "no RECIPE, and MODEL_DIR and DATA are not both set: every pod "
+                                                      "would run tiny-cpu (the tiny model on CPU) while holding NPUs"),
     ({"NPROC_PER_NODE": "9"}, [], "NPROC_PER_NODE=9: NPUs per pod, 1 to 8"),
     ({"MODEL_DIR": ""}, [], "MODEL_DIR is not set: recipe qwen2.5-7b-full needs"),
     ({}, ["train.lr=fast"], "train.lr"),
@@ -159,6 +166,21 @@ def test_overrides_given_to_render_reach_the_manifest(tmp_path: Path) -> None:
 def test_what_cannot_work_in_a_pod_is_refused(env: dict, overrides: list, msg: str, capsys) -> None:
     err = refused(["volcano", "--nodes", "2"], {**EXAMPLE_ENV, **env}, capsys, overrides)
     assert msg in err and "nothing written" in err
+
+
+def test_the_pods_recipe_follows_the_launchers_default_rule(tmp_path: Path) -> None:
+    """MODEL_DIR and DATA given through OVERRIDES pick the NPU recipe, as train on an NPU host does."""
+    job = rendered(tmp_path, 2, env={"RECIPE": "", "MODEL_DIR": "", "DATA": "",
+                                     "OVERRIDES": "model.dir=/data/m data.paths=/data/a.jsonl"})
+    assert env_of(container(job))["RECIPE"] == "qwen2.5-7b-full"
+    assert settings.collect({"OVERRIDES": "model.dir=/m data.paths=/d"}, [], None, True).recipe == "qwen2.5-7b-full"
+
+
+def test_overrides_with_spaces_reach_the_pods_quoted(tmp_path: Path) -> None:
+    job = rendered(tmp_path, 1, overrides=['data.system_prompt=You are a pirate', "export.check_prompts="])
+    text = env_of(container(job))["OVERRIDES"]
+    assert settings.collect({"OVERRIDES": text}, [], None).overrides == {
+        "data.system_prompt": "You are a pirate", "export.check_prompts": ""}
 
 
 def test_a_recipe_file_of_this_machine_is_refused(tmp_path: Path, capsys) -> None:
@@ -271,6 +293,7 @@ def test_ascendjob_scheduler_pod_runs_msrun_scheduler_only(tmp_path: Path, capsy
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--master_port"]) == \
         ("16", "0", "10.244.3.15", "8118")
     assert argv[-1] == str(out_dir / "plan-scheduler.json") and plan["ranks"] == []
+    assert plan["role"] == "scheduler" and plan["topology"]["nproc_per_node"] == 0  # the role says it, not nproc
     assert plan["recipe"]["launch"]["device"] == "cpu" and "scheduler only" in plan["sources"]["launch_mode"]
     with socket.socket() as s:  # a port free on this (shared) machine for the preflight port check
         s.bind(("", 0))
@@ -294,5 +317,6 @@ def test_ascendjob_worker_pod_is_node_of_its_index(tmp_path: Path, atlas: Path, 
     opt = msrun_options(plan)
     assert (opt["--worker_num"], opt["--local_worker_num"], opt["--master_addr"], opt["--node_rank"]) == \
         ("16", "8", "10.96.41.7", "1")  # the Service IP is not this pod: msrun starts no scheduler here
+    assert plan["role"] == "worker"
     assert [r["device"] for r in plan["ranks"]] == list(range(8))  # ASCEND_VISIBLE_DEVICES=Ascend910-0,...
     assert [r["global_rank"] for r in plan["ranks"]] == list(range(8, 16))

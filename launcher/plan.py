@@ -1,0 +1,67 @@
+"""The launcher's plan: every decision of one node's job as a typed record, written to plan.json.
+
+The JSON keeps its keys (``recipe``, ``topology``, ``role``, ``ranks``, ``binding``, ``memory``,
+``msrun_argv``, ``worker_env``, ``sources``); the workers read only ``recipe``. The command that
+starts the job is built here from the plan, in one place (:attr:`Plan.argv`): the worker alone for
+world size 1, else msrun, whose ``--local_worker_num`` is 0 on an AscendJob Scheduler pod
+(``role == "scheduler"``, launcher/ascendjob.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from launcher import launch
+
+Role = Literal["worker", "scheduler"]
+
+
+@dataclass
+class Topology:
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int  # workers this node starts (0 on a Scheduler pod)
+    world_size: int
+    master_addr: str
+    master_port: int
+    tp: int
+    pp: int
+    dp: int
+    master_host: str = ""  # MASTER_ADDR as given, when the launcher resolved it to master_addr
+
+
+@dataclass
+class Plan:
+    recipe: dict[str, Any]  # the resolved recipe the workers load (finetune.config.to_dict form)
+    topology: Topology
+    path: Path  # where plan.json is written (the workers' --config)
+    log_dir: Path
+    cluster_time_out: int
+    role: Role = "worker"
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    binding: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        """The job's command: the worker alone (world 1), else msrun with this node's workers."""
+        t = self.topology
+        if t.world_size == 1 and self.role == "worker":
+            return launch.direct_argv(self.path)
+        return launch.msrun_argv(t.world_size, t.nproc_per_node, t.master_addr, t.master_port, t.node_rank,
+                                 self.cluster_time_out, self.path, self.log_dir)
+
+    def pin_master(self, ip: str) -> None:
+        """MASTER_ADDR's name resolved: the address goes to msrun and the workers' recipe."""
+        self.topology.master_host, self.topology.master_addr = self.topology.master_addr, ip
+        self.recipe["launch"]["master_addr"] = ip
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("path", "log_dir", "cluster_time_out")}
+        d["topology"] = dataclasses.asdict(self.topology)
+        return {**d, "msrun_argv": self.argv}
