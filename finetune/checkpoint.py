@@ -189,7 +189,7 @@ def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_s
                                 "are untouched") from error
     if rank.is_main:
         _write_manifest(tmp, state, rank)
-        publish(tmp, final)
+        publish(tmp, final, owned=True)  # a step directory under checkpoints/ is this project's
         _prune(root, keep)
     barrier(rank)
     if rank.local_rank == 0 and tmp.exists() and not final.exists():  # node-local storage

@@ -84,7 +84,7 @@ def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = Non
         raise FileExistsError(f"{target}: exists but holds no complete model (config.json, model.safetensors, "
                               "tokenizer.json, ...); empty it or set model.dir to a new directory")
     config = {**TINY_DEFAULTS, **(overrides or {})}
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, "base-model") as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         for f in TOKENIZER_FILES:
