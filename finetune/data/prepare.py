@@ -28,6 +28,7 @@ from finetune.data.encode import ordered_map, start_pool, stop_pool
 from finetune.data.files import DataError, Source, resolve_sources
 from finetune.data.formats import Sample, file_format, is_text, read_samples
 from finetune.data.report import Progress, example, format_report, make_report
+from finetune.data.runcheck import check_same_data
 from finetune.data.template import IGNORE
 from finetune.fsutil import ForeignDirectory, atomic_dir
 
@@ -275,6 +276,7 @@ def main(recipe: Recipe, table_when_fresh: bool = True) -> int:
             if not table_when_fresh:
                 return 0
         else:
+            check_same_data(recipe, tok)  # before anything is written
             info = prepare(recipe, tok, progress=True)
         if info.report:
             print(format_report(info.report))
@@ -303,6 +305,7 @@ def ensure_cache(recipe: Recipe, tokenizer_path: str | Path, rank: Any = 0, loca
             return cache.load_info(out)
         failed.unlink(missing_ok=True)
         try:
+            check_same_data(recipe, tokenizer_path)
             return prepare(recipe, tokenizer_path, progress=progress)
         except BaseException as e:
             failed.parent.mkdir(parents=True, exist_ok=True)
