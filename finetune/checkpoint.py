@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,18 +93,41 @@ def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
             h.update(fh.read(1 << 20))
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read())
-    return {"model": h.hexdigest()[:16], "data": _data_id(Path(cache_dir)), "model_dir": str(model_dir)}
-
-
-def _data_id(cache_dir: Path) -> str:
-    """The token cache's settings, source contents and counts (not paths, mtimes or its build time)."""
     try:
-        m = json.loads((cache_dir / "manifest.json").read_text())
+        manifest = json.loads((Path(cache_dir) / "manifest.json").read_text())
     except (OSError, ValueError):
+        manifest = None
+    return {"model": h.hexdigest()[:16], "data": data_id(manifest), "model_dir": str(model_dir)}
+
+
+def data_id(m: dict | None) -> str:
+    """A token cache manifest's settings, source contents and counts (not paths, mtimes or its build time)."""
+    if m is None:
         return "none"
     sources = [(s.get("sha256") or s.get("size"), s.get("weight")) for s in m.get("sources", [])]
     key = [m.get("settings"), sources, m.get("num_samples"), m.get("num_tokens")]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ways_out(output_dir: str | Path) -> str:
+    """The two ways out of a refused resume, as one sentence."""
+    return (f"Start a new run in another directory (OUTPUT_DIR={Path(output_dir)}-2), or set train.resume=never "
+            f"to start over in {output_dir} (its checkpoints are moved to checkpoints.old-<time>, never mixed)")
+
+
+def archive_checkpoints(output_dir: str | Path, log=print) -> Path | None:
+    """train.resume=never: move the run's checkpoints aside (``checkpoints.old-<time>``) so that the new
+    run never mixes with, prunes or resumes them; the new place, None when there were none."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir() or not any(root.iterdir()):
+        return None
+    dest = root.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        root.rename(dest)
+    except FileNotFoundError:  # another process of this node moved it first
+        return None
+    log(f"[train] train.resume=never: the earlier checkpoints moved to {dest} (delete it when no longer needed)")
+    return dest
 
 
 def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
@@ -115,7 +139,7 @@ def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
         raise CheckpointMismatch(
             f"{path} was written by another run: its " + " and ".join(
                 f"{k} is {saved.get(k)} ({what[k]}) but this run's is {current.get(k)}" for k in differ) +
-            ". Use a new OUTPUT_DIR for a new run, or set train.resume=never to start over in this one")
+            f". {ways_out(path.parent.parent)}")
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -189,7 +213,7 @@ def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_s
                                 "are untouched") from error
     if rank.is_main:
         _write_manifest(tmp, state, rank)
-        publish(tmp, final)
+        publish(tmp, final, owned=True)  # a step directory under checkpoints/ is this project's
         _prune(root, keep)
     barrier(rank)
     if rank.local_rank == 0 and tmp.exists() and not final.exists():  # node-local storage

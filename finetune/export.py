@@ -15,9 +15,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.checkpoint import MANIFEST, checkpoint_root, find_latest  # noqa: E402
+from finetune.checkpoint import MANIFEST, checkpoint_root, find_latest, verify  # noqa: E402
 from finetune.config import parse_size  # noqa: E402
 from finetune.dist import BUCKET_BYTES  # noqa: E402
+from finetune.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
 from finetune.qwen2_layout import full_shapes  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
@@ -43,6 +44,15 @@ def export_checkpoint(checkpoint: Path, model_dir: str | Path, out_dir: str | Pa
     return write_hf_dir(out_dir, model_dir, shapes, saved.weights, dtype, shard_size_bytes)
 
 
+def check_out(out: Path, keep: list[Path]) -> None:
+    """Refuse an ``--out`` that is, or holds, the checkpoint, the run directory or the base model."""
+    target = out.resolve()
+    for p in keep:
+        if p.resolve() == target or target in p.resolve().parents:
+            raise ForeignDirectory(f"--out {out}: holds {p}, which an export must never replace; choose a new "
+                                   f"directory (e.g. --out {Path(keep[1]) / 'hf-export'})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="finetune.export", description="Write a Hugging Face directory from a "
                                  "training checkpoint of any TP x DP layout.")
@@ -54,9 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", default="2GB", help="largest safetensors file (e.g. 2GB, 500MB)")
     args = ap.parse_args(argv)
     try:
+        shard_size = parse_size(args.shard_size)
+    except ValueError:
+        shard_size = 0
+    if shard_size <= 0:
+        print(f"error: --shard-size {args.shard_size!r}: not a positive size; e.g. --shard-size 2GB or 500MB",
+              file=sys.stderr)
+        return 2
+    try:
         ckpt = resolve_checkpoint(args.checkpoint, args.output_dir)
         out = Path(args.out) if args.out else Path(args.output_dir) / f"hf-{ckpt.name}"
-        export_checkpoint(ckpt, args.model_dir, out, args.dtype, parse_size(args.shard_size))
+        check_out(out, [ckpt, Path(args.output_dir), Path(args.model_dir)])
+        remove_stale_temps(out.parent)
+        problem = verify(ckpt)  # the rule train uses: a damaged checkpoint is named, never half-read
+        if problem:
+            raise ValueError(f"--checkpoint {args.checkpoint}: {problem}; export an older checkpoint "
+                             f"(--checkpoint step_N)")
+        export_checkpoint(ckpt, args.model_dir, out, args.dtype, shard_size)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

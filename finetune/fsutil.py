@@ -3,14 +3,28 @@
 Readers (a resume, a serving container, another rank) never see half a checkpoint, cache, model
 or export. The temporary directory gets the usual 0755-under-umask mode (``tempfile.mkdtemp``'s
 0700 would make an export unreadable to a non-root serving container).
+
+Replacement rule (every publish in the project): a directory already standing at the target is
+replaced only when this project wrote it (it holds :data:`MARKER`) or it is empty; anything else
+is refused with :class:`ForeignDirectory`, naming the path and the fix. So ``export --out`` can
+never delete a run directory or a directory of the user's own files.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+MARKER = ".ascend-finetune.json"  # written into every directory atomic_dir publishes
+_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")
+
+
+class ForeignDirectory(ValueError):
+    """The target directory exists and was not written by this project: it is never replaced."""
 
 
 def temp_sibling(final: Path) -> Path:
@@ -22,8 +36,22 @@ def temp_sibling(final: Path) -> Path:
     return tmp
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``, replacing an earlier ``final`` (moved aside first, then removed)."""
+def check_replaceable(final: Path) -> None:
+    """Raise :class:`ForeignDirectory` unless ``final`` is absent, empty, or written by this project."""
+    if not final.exists() and not final.is_symlink():
+        return
+    if final.is_dir() and not final.is_symlink() and ((final / MARKER).is_file() or not any(final.iterdir())):
+        return
+    raise ForeignDirectory(
+        f"{final} exists and was not written by ascend-finetune (no {MARKER} in it): it is never replaced. "
+        f"Choose a new or empty directory, or move {final} away yourself")
+
+
+def publish(tmp: Path, final: Path, owned: bool = False) -> None:
+    """Rename ``tmp`` to ``final``, replacing an earlier ``final`` of this project (moved aside first, then
+    removed); ``owned``: the caller knows ``final`` is its own by its place (a checkpoint's step directory)."""
+    if not owned:
+        check_replaceable(final)
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)
@@ -40,13 +68,45 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 @contextmanager
-def atomic_dir(final: Path | str) -> Iterator[Path]:
-    """``with atomic_dir(out) as tmp:`` write into ``tmp``; on success it becomes ``out``, on error it is removed."""
+def atomic_dir(final: Path | str, kind: str = "output") -> Iterator[Path]:
+    """``with atomic_dir(out) as tmp:`` write into ``tmp``; on success it becomes ``out``, on error it is removed.
+
+    Refused before anything is written when ``out`` exists and is not this project's (:func:`check_replaceable`);
+    ``kind`` goes into the marker file (e.g. "hf-export", "token-cache").
+    """
     final = Path(final)
+    check_replaceable(final)
     tmp = temp_sibling(final)
     try:
+        (tmp / MARKER).write_text(json.dumps({"written_by": "ascend-finetune", "kind": kind}) + "\n")
         yield tmp
         publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(*parents: Path | str, log=print) -> list[Path]:
+    """Remove the ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` directories of dead processes under
+    ``parents`` (left by a kill during an export, save or prepare), saying so; the removed paths."""
+    removed = []
+    for parent in map(Path, parents):
+        for p in sorted(parent.glob(".*")) if parent.is_dir() else []:
+            m = _TEMP.match(p.name)
+            if m and p.is_dir() and not p.is_symlink() and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+                log(f"[cleanup] removed {p}: a temporary directory of process {m.group(1)}, which is gone "
+                    "(killed during a write)")
+    return removed

@@ -225,7 +225,7 @@ def write_hf_dir(out_dir: str | os.PathLike | None, src_model_dir: str | os.Path
     shards = plan_shards(sizes, shard_size_bytes)
     names = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with atomic_dir(out_dir) if out_dir is not None else nullcontext(None) as tmp:
+    with atomic_dir(out_dir, "hf-export") if out_dir is not None else nullcontext(None) as tmp:
         for file, members in zip(names, shards):
             tensors = {n: _convert(fetch(n), dtype) for n in members}
             if tmp is not None:

@@ -17,6 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
+from finetune.fsutil import pid_alive
+
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "AF_LAUNCHER_PID"
 
@@ -38,18 +40,8 @@ def die_with_parent() -> None:
     """
     set_parent_death_signal(signal.SIGKILL)
     pid = os.environ.get(LAUNCHER_PID_ENV, "")
-    if os.getppid() == 1 or (pid.isdigit() and not _alive(int(pid))):
+    if os.getppid() == 1 or (pid.isdigit() and not pid_alive(int(pid))):
         os._exit(137)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def log_dir(output_dir: str | Path) -> Path:

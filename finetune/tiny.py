@@ -88,7 +88,7 @@ def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = Non
     if "architectures" not in (overrides or {}):
         config["architectures"] = [FAMILIES[config["model_type"]].architecture]
     family_of(config)  # refuses a model_type this trainer does not implement
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, "base-model") as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         for f in TOKENIZER_FILES:

@@ -15,12 +15,13 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from finetune.checkpoint import (TrainerState, checkpoint_root, load_checkpoint, load_latest, run_identity,
-                                 save_checkpoint)
+from finetune.checkpoint import (TrainerState, archive_checkpoints, checkpoint_root, load_checkpoint, load_latest,
+                                 run_identity, save_checkpoint)
 from finetune.config import Recipe, TrainConfig, resolved_model_dir
 from finetune.data.batching import BatchLoader
 from finetune.data.cache import cache_dir_for
 from finetune.dist import RankInfo
+from finetune.fsutil import remove_stale_temps
 from finetune.optim import AdamW, LossScaler
 from finetune.parallel.overlap import GradReduction
 
@@ -114,6 +115,11 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
+    if rank.local_rank == 0:  # a kill during an earlier export, save or prepare left these behind
+        out = Path(recipe.output_dir)
+        remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=rank.log)
+        if tc.resume == "never":
+            archive_checkpoints(out, rank.log)
     loader, val_loader = build_loaders(recipe, rank, model_dir)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:

@@ -28,8 +28,9 @@ from finetune.data.encode import ordered_map, start_pool, stop_pool
 from finetune.data.files import DataError, Source, resolve_sources
 from finetune.data.formats import Sample, file_format, is_text, read_samples
 from finetune.data.report import Progress, example, format_report, make_report
+from finetune.data.runcheck import check_same_data
 from finetune.data.template import IGNORE
-from finetune.fsutil import atomic_dir
+from finetune.fsutil import ForeignDirectory, atomic_dir
 
 CHUNK = 256  # samples per worker task
 # data.num_workers=0 (auto): below this much input, starting processes costs more than it gains
@@ -228,7 +229,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     pool = start_pool(args, workers, malloc_lib)  # workers load the tokenizer while the sources are hashed
     n_read = 0
     try:
-        with atomic_dir(out) as tmp:
+        with atomic_dir(out, "token-cache") as tmp:
             manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
                         "sources": [cache.source_entry(s) for s in sources + val_sources]}
             build = _Build(tmp, recipe, progress)
@@ -275,12 +276,13 @@ def main(recipe: Recipe, table_when_fresh: bool = True) -> int:
             if not table_when_fresh:
                 return 0
         else:
+            check_same_data(recipe, tok)  # before anything is written
             info = prepare(recipe, tok, progress=True)
         if info.report:
             print(format_report(info.report))
         print(f"prepare-data: cache at {info.dir}")
         return 0
-    except (DataError, ConfigError) as e:
+    except (DataError, ConfigError, ForeignDirectory) as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
 
@@ -303,6 +305,7 @@ def ensure_cache(recipe: Recipe, tokenizer_path: str | Path, rank: Any = 0, loca
             return cache.load_info(out)
         failed.unlink(missing_ok=True)
         try:
+            check_same_data(recipe, tokenizer_path)
             return prepare(recipe, tokenizer_path, progress=progress)
         except BaseException as e:
             failed.parent.mkdir(parents=True, exist_ok=True)

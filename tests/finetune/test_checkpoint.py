@@ -166,7 +166,7 @@ def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny
         load_latest(root, _params(1), RankInfo(), identity=ident_b)
     msg = str(e.value)
     assert ident_a["model"] in msg and ident_b["model"] in msg and str(a) in msg
-    assert "new OUTPUT_DIR" in msg and "train.resume=never" in msg
+    assert "another directory (OUTPUT_DIR=" in msg and "train.resume=never" in msg
     rebuilt = {**manifest, "sources": [{**src, "path": "/moved/a.json", "mtime": 2.0}], "created": "2026-02-02"}
     (cache / "manifest.json").write_text(json.dumps(rebuilt))
     assert run_identity(a, cache) == ident_a  # the same data moved, touched or re-prepared
@@ -194,3 +194,15 @@ def test_a_full_disk_stops_before_writing_and_leaves_older_checkpoints(tmp_path)
         assert verify(root / "step_00000010") is None
     finally:
         subprocess.run(["umount", str(mnt)])
+
+
+def test_resume_never_moves_the_old_checkpoints_aside(tmp_path):
+    """issue 19.2: train.resume=never must not mix a new run's checkpoints with (or prune into) the old ones."""
+    from finetune.checkpoint import archive_checkpoints
+
+    _save(tmp_path / "checkpoints", 10)
+    said = []
+    dest = archive_checkpoints(tmp_path, said.append)
+    assert dest is not None and dest.name.startswith("checkpoints.old-") and (dest / "step_00000010").is_dir()
+    assert not (tmp_path / "checkpoints").exists() and str(dest) in said[0]
+    assert archive_checkpoints(tmp_path, said.append) is None and len(said) == 1

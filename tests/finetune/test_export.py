@@ -71,6 +71,47 @@ def test_export_names_missing_checkpoints(tmp_path, tiny_hf_dir, capsys):
     assert "step_00000009" in err and "saved in" in err and "none" in err
 
 
+def test_export_never_replaces_the_run_or_the_users_directory(ms_cpu, tmp_path, tiny_hf_dir, capsys):
+    """issue 19.1: `export --out $OUTPUT_DIR` deleted the run; a directory of the user's own files lost them."""
+    from finetune.export import main
+
+    src = tiny_hf_dir()
+    path, _, _ = _checkpoint(ms_cpu, tmp_path, src)
+    run = tmp_path / "run"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    for out, said in ((run, "holds"), (tmp_path, "holds"), (mine, "not written by ascend-finetune")):
+        assert main(["--checkpoint", "latest", "--output-dir", str(run), "--model-dir", str(src),
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and str(out) in err and "new" in err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (mine / "notes.txt").read_text() == "precious"
+    assert main(["--checkpoint", "latest", "--output-dir", str(run), "--model-dir", str(src),
+                 "--out", str(tmp_path / "hf")]) == 0  # a new directory, then again over its own export
+    assert main(["--checkpoint", "latest", "--output-dir", str(run), "--model-dir", str(src),
+                 "--out", str(tmp_path / "hf")]) == 0
+
+
+def test_export_checks_options_and_checkpoint_before_reading_weights(ms_cpu, tmp_path, tiny_hf_dir, capsys):
+    """issue 19.4: --shard-size abc was a raw int() error; a truncated checkpoint a SafetensorError traceback."""
+    from finetune.export import main
+
+    src = tiny_hf_dir()
+    path, _, _ = _checkpoint(ms_cpu, tmp_path, src)
+    args = ["--checkpoint", "latest", "--output-dir", str(tmp_path / "run"), "--model-dir", str(src)]
+    assert main(args + ["--shard-size", "abc"]) == 2
+    assert "--shard-size 'abc'" in capsys.readouterr().err
+    weights = path / "model_rank00000.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(weights) in err and "truncated" in err and "older checkpoint" in err
+    assert not (tmp_path / "run" / "hf-step_00000007").exists()
+
+
 def test_export_imports_no_mindspore():
     code = "import sys, finetune.export; sys.exit(int('mindspore' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

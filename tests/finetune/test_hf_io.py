@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from finetune.fsutil import MARKER
 from finetune.hf_io import (HFModelError, bf16_to_fp32, fp32_to_bf16, load_hf_config, plan_shards, read_header,
                             weight_files)
 
@@ -33,7 +34,8 @@ def test_fp32_round_trip_is_exact(ms_cpu, tmp_path):
 
     model = _model(ms_cpu, GOLDEN / "untied")
     out = export_hf(model, GOLDEN / "untied", tmp_path / "hf", dtype="fp32", shard_size_bytes=10**9)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json", "generation_config.json",
+                                                     "model.safetensors"]
     original = load_file(str(GOLDEN / "untied" / "model.safetensors"))
     assert load_file(str(out / "model.safetensors")).keys() == original.keys()
     again = _state(_model(ms_cpu, out))
@@ -146,6 +148,7 @@ def test_export_copies_tokenizer_and_replaces_old_export(ms_cpu, tmp_path, tiny_
     model = _model(ms_cpu, src)
     out = tmp_path / "hf"
     out.mkdir()
+    (out / MARKER).write_text("{}")  # an earlier export of this project
     (out / "stale.txt").write_text("old")
     old_umask = os.umask(0o077)  # even a strict umask leaves the export readable by a non-root server
     try:
