@@ -16,6 +16,7 @@ from typing import NamedTuple
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
+from mindspore.ops import auto_generate
 
 CAUSAL_BLOCK = 2048  # the compressed causal mask of sparse_mode 2/3 is CAUSAL_BLOCK x CAUSAL_BLOCK
 MAX_SEQUENCES = 1024  # TND: at most this many sequences per call
@@ -36,10 +37,11 @@ def rms_norm(x, weight, eps: float, fused: bool):
     """``weight * x / sqrt(mean(x^2) + eps)``, the mean in fp32, returned in ``x``'s dtype.
 
     The fused kernel gets ``x`` and ``weight`` in ``x``'s dtype (aclnnRmsNorm's dtype pairs and
-    MindSpore's same-dtype rule both allow that; fp32 ``x`` with bf16 weight is rejected)."""
+    MindSpore's same-dtype rule both allow that; fp32 ``x`` with bf16 weight is rejected). The primitive
+    ``ops.RmsNorm``: 2.10 announces a new signature for the functional ``ops.rms_norm``."""
     dtype = x.dtype
     if fused:
-        return ops.rms_norm(x, weight.astype(dtype), eps)[0]
+        return ops.RmsNorm(eps)(x, weight.astype(dtype))[0]
     h = x.astype(ms.float32)
     h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + eps)
     return weight.astype(dtype) * h.astype(dtype)
@@ -58,9 +60,10 @@ def rope_fits(shape: tuple[int, ...]) -> bool:
 
 def rope(x, cos, sin, fused: bool):
     """Rotary position embedding (rotate-half form) of BSND ``x`` with ``cos``/``sin`` ``[b, s, 1, d]``
-    in ``x``'s dtype; the fused kernel only within its documented size limits."""
+    in ``x``'s dtype; the fused kernel only within its documented size limits. The primitive that the
+    functional ``ops.rotary_position_embedding`` (deprecated after 2.9.0 in 2.10) calls."""
     if fused and rope_fits(x.shape):
-        return ops.rotary_position_embedding(x, cos, sin, 0)
+        return auto_generate.RotaryPositionEmbedding()(x, cos, sin, 0)
     return x * cos + _rotate_half(x) * sin
 
 

@@ -186,8 +186,8 @@ class Qwen2Model(nn.Cell):
         """Final hidden states. ``caches`` (generation, one segment per row): one list per layer
         with the keys/values of the ``past`` earlier positions, extended in place; ``keys``
         (bool ``[b, past + s]``, optional): which of them are tokens, not padding."""
-        freqs = position_ids.astype(ms.float32).expand_dims(-1) * self.inv_freq  # [b, s, hd/2]
-        emb = ops.cat((freqs, freqs), -1).expand_dims(2)  # [b, s, 1, hd]
+        freqs = position_ids.astype(ms.float32).unsqueeze(-1) * self.inv_freq  # [b, s, hd/2]
+        emb = ops.cat((freqs, freqs), -1).unsqueeze(2)  # [b, s, 1, hd]
         cos, sin = ops.cos(emb), ops.sin(emb)
         mask = self._mask(segment_ids, past, caches is not None, keys)
         x = self.embed_tokens(input_ids)
@@ -217,12 +217,12 @@ class Qwen2Model(nn.Cell):
         s = segment_ids.shape[1]
         if not cached:
             causal = Tensor(np.tril(np.ones((s, s), np.bool_)))
-            allowed = ops.logical_and(segment_ids.expand_dims(2) == segment_ids.expand_dims(1), causal)
+            allowed = ops.logical_and(segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1), causal)
         else:  # query i (position past + i) sees keys 0 .. past + i
-            allowed = Tensor(np.tril(np.ones((s, past + s), np.bool_), past)).expand_dims(0)
+            allowed = Tensor(np.tril(np.ones((s, past + s), np.bool_), past)).unsqueeze(0)
             if keys is not None:
-                allowed = ops.logical_and(allowed, keys.expand_dims(1))
-        return (1.0 - allowed.astype(ms.float32)).expand_dims(1) * _MASKED
+                allowed = ops.logical_and(allowed, keys.unsqueeze(1))
+        return (1.0 - allowed.astype(ms.float32)).unsqueeze(1) * _MASKED
 
 
 class Qwen2ForCausalLM(nn.Cell):

@@ -46,7 +46,7 @@ class Embedding(nn.Cell):
         if not self.split:
             return ops.gather(self.weight, ids, 0).astype(self.dtype)
         local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed
-        x = ops.gather(self.weight, local, 0) * inside.expand_dims(-1).astype(self.weight.dtype)
+        x = ops.gather(self.weight, local, 0) * inside.unsqueeze(-1).astype(self.weight.dtype)
         return self.reduce(x.astype(self.dtype))
 
 
@@ -111,7 +111,7 @@ class LMHeadCrossEntropy(nn.Cell):
         row_max = ops.amax(self.tp_sum(ops.stack(slots)), 0)  # exact: one AllReduce of tp x tokens values
         col, inside = self.rows.local(target)
         picked = ops.gather_elements(logits, 1, col.reshape(-1, 1)).reshape(-1) * inside
-        return row_max, ops.exp(logits - row_max.expand_dims(-1)).sum(-1), picked, col, inside
+        return row_max, ops.exp(logits - row_max.unsqueeze(-1)).sum(-1), picked, col, inside
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         c = self.chunk if 0 < self.chunk < n else n
@@ -160,7 +160,7 @@ class LMHeadCrossEntropy(nn.Cell):
             col, hit = target.reshape(-1, 1), 1.0
         else:
             row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
-            p = ops.exp(logits - row_max.expand_dims(-1)) / self.tp_sum(sum_exp).expand_dims(-1)
+            p = ops.exp(logits - row_max.unsqueeze(-1)) / self.tp_sum(sum_exp).unsqueeze(-1)
             col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
         p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
         dh = self._gemm(p, w) * dout.astype(self.dtype)
