@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
+from finetune.lora_config import LoraConfig, lora_problems
 from finetune.recipe_parse import (ConfigError, Problem, build, merge, nest, overridden, parse_overrides,
                                    parse_size, read_recipe)
 
@@ -93,6 +94,7 @@ class LossScaleConfig:
 class TrainConfig:
     """Optimizer, schedule, batch and checkpoint settings (defaults from the field guide)."""
 
+    method: str = "full"  # full | lora (adapters on the frozen base: the lora section)
     lr: float = 2e-5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-6
@@ -212,6 +214,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # with train.method=lora
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def resolved(self, world: int, device: str) -> Recipe:
@@ -321,7 +324,7 @@ def validate(r: Recipe) -> list[Problem]:
     """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
-    p += compile_layers_problems(r)
+    p += compile_layers_problems(r) + lora_problems(t.method, r.lora)
     _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt", "text"))
     p += _validate_data_sources(r.data)
     _choice(p, "train.schedule", t.schedule, ("cosine", "constant"))

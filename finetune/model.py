@@ -257,8 +257,9 @@ class Qwen2ForCausalLM(nn.Cell):
 
     # ------------------------------------------------------------------ names and TP layout
     def hf_state(self) -> dict[str, Parameter]:
-        """Hugging Face tensor name -> this rank's Parameter (names are identical)."""
-        return {p.name: p for p in self.get_parameters()}
+        """Hugging Face tensor name -> this rank's Parameter (names are identical; LoRA adapters excluded)."""
+        shapes = self.hf_shapes()
+        return {p.name: p for p in self.get_parameters() if p.name in shapes}
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsplit) Hugging Face shape of every tensor, from the config."""

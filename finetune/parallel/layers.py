@@ -93,10 +93,13 @@ class ColumnParallelLinear(nn.Cell):
         self.bias = Parameter(initializer("zeros", (out,), ms.float32), name="bias") if has_bias else None
         self.copy = CopyToTP(rank) if rank.tp > 1 else None
         self.share = SumOverReplicas(rank, replicas) if replicas and rank.tp > replicas else None
+        self.adapter = None  # a LoRA adapter (finetune/lora.py) adds its output; it takes x before CopyToTP
 
     def construct(self, x):
-        if self.copy is not None:
-            x = self.copy(x)
+        y = self._base(self.copy(x) if self.copy is not None else x)
+        return y if self.adapter is None else y + self.adapter(x)
+
+    def _base(self, x):
         if self.share is None:
             return linear(x, self.weight, self.bias, self.dtype)
         bias = self.share(self.bias) if self.bias is not None else None
@@ -114,11 +117,14 @@ class RowParallelLinear(nn.Cell):
         self.weight = Parameter(initializer(Normal(0.02), (out_features, local_in), ms.float32), name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if has_bias else None
         self.reduce = ReduceFromTP(rank) if rank.tp > 1 else None
+        self.adapter = None  # a LoRA adapter (finetune/lora.py) adds its output
 
     def construct(self, x):
         y = linear(x, self.weight, None, self.dtype)
         if self.reduce is not None:
             y = self.reduce(y)
+        if self.adapter is not None:
+            y = y + self.adapter(x)
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype)
         return y

@@ -1,0 +1,111 @@
+"""LoRA adapters on the frozen base model (``train.method: lora``), as peft computes them.
+
+:func:`apply_lora` freezes every base weight (held in the compute dtype, no master, no optimizer state)
+and attaches a :class:`LoraAdapter` to each targeted linear layer of a built model:
+``y = base(x) + scale * B @ A @ dropout(x)``. The adapters stay fp32 (their own masters for AdamW).
+
+Tensor parallelism follows the base layer's split in the layout table (finetune/qwen2_layout.py): a
+column-parallel layer (split output rows) keeps A ``[r, in]`` whole on every rank and splits B
+``[out, r]`` like its output; its gradient of ``A @ x`` is summed over the TP group (``CopyToTP``).
+A row-parallel layer (split input columns) splits A like its input and keeps B whole; ``A @ x`` is
+summed over the TP group forward (``ReduceFromTP``). Parameter names are the layer's plus
+``.lora_A.weight`` / ``.lora_B.weight`` (peft's without ``base_model.model.`` and ``.default``).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, nn
+
+from finetune.dist import RankInfo
+from finetune.lora_config import TARGETS, LoraConfig, module_path
+from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, linear
+from finetune.qwen2_layout import TPSlice
+from finetune.reshard import cut
+
+
+class LoraAdapter(nn.Cell):
+    """``scale * B @ A @ dropout(x)`` for one linear layer (``column``: the layer splits its output)."""
+
+    def __init__(self, a: Parameter, b: Parameter, scale: float, dropout: float, column: bool, base, rank: RankInfo):
+        super().__init__()
+        self.lora_A, self.lora_B, self.scale, self.dtype = a, b, scale, base.dtype
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else None
+        self.comm = (CopyToTP if column else ReduceFromTP)(rank) if rank.tp > 1 else None
+        self.share = getattr(base, "share", None)  # KV heads copied on several TP ranks: B summed like W
+
+    def construct(self, x):
+        if self.dropout is not None:
+            x = self.dropout(x)
+        h = linear(x, self.lora_A, None, self.dtype)
+        if self.comm is not None:
+            h = self.comm(h)
+        b = self.share(self.lora_B) if self.share is not None else self.lora_B
+        return linear(h, b, None, self.dtype) * self.scale
+
+
+def init_weights(cfg: LoraConfig, module: str, r: int, fan_in: int, out: int, seed: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Full A ``[r, in]`` and B ``[out, r]`` (fp32), the same for every layout: peft's default is A
+    Kaiming-uniform (a=sqrt(5): U(+-1/sqrt(in))) and B zero; gaussian: A ~ N(0, 1/r)."""
+    rng = np.random.default_rng([seed, zlib.crc32(module.encode())])
+    if cfg.init == "gaussian":
+        a = rng.normal(0.0, 1.0 / r, (r, fan_in))
+    else:
+        bound = 1.0 / math.sqrt(fan_in)
+        a = rng.uniform(-bound, bound, (r, fan_in))
+    return a.astype(np.float32), np.zeros((out, r), np.float32)
+
+
+def _param(full: np.ndarray, part: TPSlice | None) -> Parameter:
+    p = Parameter(ms.Tensor(cut(full, part), ms.float32))
+    p.hf_shape, p.tp_slice = full.shape, part  # as the model marks its weights (reshard, grad norm, export)
+    if part is not None:
+        p.tp_axis, p.tp_owner = part.axis, part.owner
+    return p
+
+
+def targeted(model, cfg: LoraConfig) -> list[tuple[str, object]]:
+    """(module path, linear layer) of every layer the config targets, in model order."""
+    out = []
+    for n, layer in enumerate(model.model.layers):
+        for name in TARGETS:
+            path = module_path(n, name)
+            if cfg.targets(path):
+                out.append((path, getattr(layer.self_attn if name in TARGETS[:4] else layer.mlp, name)))
+    return out
+
+
+def apply_lora(model, cfg: LoraConfig, seed: int) -> list[Parameter]:
+    """Freeze ``model`` and attach adapters; returns the trainable parameters (adapters, then the
+    ``modules_to_save`` weights) for the optimizer."""
+    for p in model.get_parameters():
+        p.requires_grad = False
+    for path, lin in targeted(model, cfg):
+        column = isinstance(lin, ColumnParallelLinear)
+        out, fan_in = lin.weight.hf_shape
+        a, b = init_weights(cfg, path, cfg.r, fan_in, out, seed)
+        part = lin.weight.tp_slice
+        pa = _param(a, None if column else part)
+        pb = _param(b, part if column else None)
+        lin.adapter = LoraAdapter(pa, pb, cfg.scale, cfg.dropout, column, lin, model.rank)
+        pa.name, pb.name = f"{path}.lora_A.weight", f"{path}.lora_B.weight"  # attaching renamed them
+    saved = {"embed_tokens": "model.embed_tokens.weight",
+             "lm_head": "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"}
+    state, full = model.hf_state(), [saved[m] for m in dict.fromkeys(cfg.modules_to_save)]
+    for name in full:
+        state[name].requires_grad = True
+    return adapters(model) + [state[name] for name in dict.fromkeys(full)]
+
+
+def adapters(model) -> list[Parameter]:
+    """Every adapter parameter (A, B per layer), in model order."""
+    return [p for p in model.get_parameters() if p.name.endswith((".lora_A.weight", ".lora_B.weight"))]
+
+
+def merged_delta(a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """What the adapter adds to the layer's full weight: ``scale * B @ A`` (fp32)."""
+    return (scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)

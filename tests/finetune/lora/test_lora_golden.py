@@ -1,0 +1,87 @@
+"""LoRA parity with transformers + peft (goldens from tools/make_lora_golden.py): loss, every adapter
+gradient, one AdamW step; the frozen base gets no gradient and no optimizer state."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+BASE = HERE.parent / "golden" / "untied"
+G = HERE / "golden" / "golden.npz"
+
+
+def lora_model(ms, **kw):
+    """The golden base with adapters (r 4, alpha 8, dropout 0, all seven targets); (model, trainable params)."""
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.lora import apply_lora
+    from finetune.lora_config import LoraConfig
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
+    load_weights(model, BASE)
+    params = apply_lora(model, LoraConfig(**{"r": 4, "alpha": 8, "dropout": 0.0, **kw}), seed=0)
+    return model, params
+
+
+def golden_init(ms, params) -> None:
+    g = np.load(G)
+    for p in params:
+        p.set_data(ms.Tensor(g[f"init/{p.name}"], ms.float32))
+
+
+def _batch(ms):
+    g = np.load(BASE / "golden.npz")
+    ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
+    b, s = ids.shape
+    pos, seg = np.tile(np.arange(s, dtype=np.int32), (b, 1)), np.ones((b, s), np.int32)
+    return [ms.Tensor(x) for x in (ids, labels, pos, seg)], int((labels[:, 1:] != -100).sum())
+
+
+def test_default_init_starts_at_the_base_model(ms_cpu):
+    """peft's default init (B zero): step 0 gives the base model's logits."""
+    model, params = lora_model(ms_cpu)
+    base = np.load(BASE / "golden.npz")["logits"]
+    np.testing.assert_allclose(model.logits(ms_cpu.Tensor(np.load(BASE / "golden.npz")["input_ids"].astype(np.int32)))
+                               .asnumpy(), base, atol=1e-4, rtol=0)
+    assert len(params) == 28 and all(p.name.endswith(".lora_B.weight") == (not p.asnumpy().any()) for p in params)
+
+
+def test_loss_gradients_and_adamw_step_equal_peft(ms_cpu):
+    ms = ms_cpu
+    from finetune.config import TrainConfig
+    from finetune.dist import RankInfo
+    from finetune.optim import AdamW
+
+    g = np.load(G)
+    model, params = lora_model(ms)
+    golden_init(ms, params)
+    names = [p.name for p in params]
+    assert len(names) == 28 and names == [k[5:] for k in g.files if k.startswith("init/")]
+    assert not [p.name for p in model.trainable_params() if ".lora_" not in p.name]  # the base is frozen
+    batch, n = _batch(ms)
+    loss, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(*batch)
+    np.testing.assert_allclose(float(loss.asnumpy()) / n, float(g["loss"]), rtol=1e-5)
+    for p, gr in zip(params, grads):
+        np.testing.assert_allclose(gr.asnumpy() / n, g[f"grad/{p.name}"], rtol=1e-5, atol=1e-7, err_msg=p.name)
+    opt = AdamW(params, TrainConfig(lr=1e-2, betas=[0.9, 0.999], eps=1e-6, weight_decay=0.01, clip_grad=1.0),
+                RankInfo())
+    assert opt.params == params and len(opt.m) == 28  # optimizer state for the adapters only
+    opt.step([gr / n for gr in grads], 1e-2)
+    # Adam's first step is ~lr * g / (|g| + eps): an element whose gradient is near eps amplifies the last
+    # bits of its gradient, so all elements agree to 0.5% of lr and nearly all to 1e-4 of it
+    after = np.concatenate([p.asnumpy().ravel() for p in params])
+    want = np.concatenate([g[f"step/{p.name}"].ravel() for p in params])
+    np.testing.assert_allclose(after, want, rtol=1e-5, atol=5e-5)
+    assert (np.abs(after - want) > 1e-6).mean() < 0.005
+
+
+@pytest.mark.parametrize("kw,names", [({"target_modules": ["q_proj", "v_proj"]}, 8),
+                                      ({"target_modules": [r".*\.1\.mlp\.(up|down)_proj"]}, 4),
+                                      ({"modules_to_save": ["lm_head"]}, 29)])
+def test_targets_and_modules_to_save(ms_cpu, kw, names):
+    model, params = lora_model(ms_cpu, **kw)
+    assert len(params) == names
+    assert [p.name for p in model.trainable_params()] == [p.name for p in params]
+    assert ("lm_head.weight" in [p.name for p in params]) == ("modules_to_save" in kw)
