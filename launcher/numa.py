@@ -130,10 +130,12 @@ def _membind_fallback(ranks: list[RankBinding], probe: MembindProbe) -> str | No
     for r in ranks:
         if r.method == "numactl":
             r.method = "affinity"
-    return (f"`numactl {' '.join(options)} true` failed ({why}): memory binding is not permitted here (Docker's "
-            "default seccomp profile blocks set_mempolicy without CAP_SYS_NICE); CPU affinity only. "
+    head = f"`numactl {' '.join(options)} true` failed ({why}): CPU affinity only, no memory binding"
+    if "not permitted" not in why:
+        return f"{head} (check `numactl --hardware` and the container's cpuset.mems)"
+    return (f"{head}. Docker's default seccomp profile blocks set_mempolicy without CAP_SYS_NICE: "
             "docker run --cap-add SYS_NICE turns memory binding on (Kubernetes: securityContext.capabilities.add: "
-            "[SYS_NICE])")
+            "[SYS_NICE], which render writes)")
 
 
 def plan(nproc: int, mode: str, devices: Devices, sys_root: Path = Path("/sys"),

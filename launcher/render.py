@@ -203,6 +203,8 @@ def pod_template(pod: PodSettings, container: str = "finetune", npus: bool = Tru
                 "ports": [{"name": port_name, "containerPort": pod.port}],
                 "resources": {"requests": req, "limits": lim},
                 "volumeMounts": mounts,
+                # NUMA memory binding: the runtime's default seccomp profile allows set_mempolicy only with it
+                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}},
             }],
             "volumes": vols,
         },

@@ -13,32 +13,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from msrun_helpers import TP2_WORKER_HEAD, TP2_WORKER_INIT, free_port
 from safetensors.numpy import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
-WORKER = r'''
-import json, sys
-import numpy as np
-import mindspore as ms
-from mindspore.communication import create_group, get_rank, init
-
-sys.path.insert(0, sys.argv[1])
+WORKER = TP2_WORKER_HEAD + r'''
 from finetune.dist import RankInfo
 from finetune.hf_io import export_hf, gather_full, load_hf_config, load_weights
 from finetune.model import Qwen2Config, Qwen2ForCausalLM
-
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
-init()
-create_group("tp", [0, 1])
+''' + TP2_WORKER_INIT + r'''
 rank = RankInfo(rank=get_rank(), world_size=2, tp=2, tp_rank=get_rank(), tp_group="tp")
 out_dir = sys.argv[2]
 g = np.load(sys.argv[3])
@@ -61,12 +52,6 @@ for case, (model_dir, vocab_parallel, chunk) in json.loads(sys.argv[4]).items():
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
     ms = ms_cpu
@@ -81,7 +66,7 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
              "qwen3-tied-vp": [str(GOLDEN / "qwen3-tied"), True, 5]}
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
+    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(free_port()),
            "--join", "True", "--log_dir", str(tmp_path / "logs"), str(tmp_path / "worker.py"), str(REPO),
            str(tmp_path), str(GOLDEN / "untied" / "golden.npz"), json.dumps(cases)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -122,21 +107,13 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
             np.testing.assert_array_equal(exported[name], value, err_msg=f"{case}: {name}")
 
 
-CHECK_WORKER = r'''
-import sys
-import mindspore as ms
-from mindspore.communication import create_group, get_rank, init
-
-sys.path.insert(0, sys.argv[1])
+CHECK_WORKER = TP2_WORKER_HEAD + r'''
 from finetune.config import ExportConfig, Recipe
 from finetune.dist import RankInfo
 from finetune.generate import sample_check
 from finetune.hf_io import export_hf, load_hf_config, load_weights
 from finetune.model import Qwen2Config, Qwen2ForCausalLM
-
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
-init()
-create_group("tp", [0, 1])
+''' + TP2_WORKER_INIT + r'''
 rank = RankInfo(rank=get_rank(), world_size=2, tp=2, tp_rank=get_rank(), tp_group="tp")
 model_dir, out = sys.argv[2], sys.argv[3]
 model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=True)
@@ -162,7 +139,7 @@ def test_inference_check_under_tp2_equals_one_process(ms_cpu, tmp_path, tiny_hf_
     src = tiny_hf_dir(vocab_size=151936)  # the real tokenizer's ids
     (tmp_path / "check_worker.py").write_text(CHECK_WORKER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
+    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(free_port()),
            "--join", "True", "--log_dir", str(tmp_path / "logs"), str(tmp_path / "check_worker.py"), str(REPO),
            str(src), str(tmp_path / "tp2")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

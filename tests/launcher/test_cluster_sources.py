@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from msrun_helpers import free_port
 
 from launcher import ascendjob, cluster, launch
 from launcher.plan import Plan, Topology
@@ -149,12 +149,6 @@ def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "roles").read_text() == "MS_SCHED 16\n"  # one process: the scheduler, no worker
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["scheduler.log"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def test_supervise_waits_for_a_scheduler_only_msrun(tmp_path):

@@ -59,10 +59,17 @@ def test_a_dead_holders_lock_is_taken_over_with_a_log_line(tmp_path):
 
 
 def test_nodes_of_one_job_lock_separately(tmp_path):
+    """Two nodes sharing OUTPUT_DIR each hold their own lock; a second process for node 1 is refused."""
     a = lock.acquire(tmp_path, node_rank=0, nnodes=2)
     b = lock.acquire(tmp_path, node_rank=1, nnodes=2)
-    lock.release(a)
-    lock.release(b)
+    try:
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        assert json.loads((tmp_path / ".lock.node1").read_text())["pid"] == os.getpid()
+        with pytest.raises(lock.Locked):
+            lock.acquire(tmp_path, node_rank=1, nnodes=2)
+    finally:
+        lock.release(a)
+        lock.release(b)
 
 
 def test_checking_creates_no_lock_file_and_holds_an_existing_one(tmp_path):

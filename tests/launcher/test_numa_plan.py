@@ -119,6 +119,14 @@ def test_membind_blocked_by_seccomp_falls_back_to_cpu_affinity(tmp_path, monkeyp
     assert not [k for k in env if k.startswith("AF_NUMACTL_")]
 
 
+def test_membind_failing_otherwise_falls_back_without_blaming_seccomp(tmp_path, monkeypatch):
+    fake_numactl(tmp_path / "bin", monkeypatch, "set_mempolicy: Invalid argument", 1)
+    sys_root = make_sys(tmp_path, eight_numa_nodes(), cpuset_v2="0-191")
+    ranks, info = numa.plan(8, "numactl", atlas_devices(tmp_path), sys_root, have_numactl=True)
+    assert info["method"] == "affinity" and "Invalid argument" in info["fallback"]
+    assert "SYS_NICE" not in info["fallback"] and "cpuset.mems" in info["fallback"]
+
+
 def test_working_membind_keeps_numactl(tmp_path, monkeypatch):
     calls = fake_numactl(tmp_path / "bin", monkeypatch, "", 0)
     sys_root = make_sys(tmp_path, eight_numa_nodes(), cpuset_v2="0-191")

@@ -109,6 +109,7 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 300
     c = container(job)
     assert c["command"] == ["/opt/ascend-finetune/entrypoint.sh"]
+    assert c["securityContext"] == {"capabilities": {"add": ["SYS_NICE"]}}  # numactl --membind (launcher/numa.py)
     assert c["resources"] == {"requests": {"cpu": "96", "memory": "512Gi", "huawei.com/Ascend910": 8},
                               "limits": {"memory": "512Gi", "huawei.com/Ascend910": 8}}
     assert env_of(c) == {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",

@@ -4,23 +4,17 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
+from msrun_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "tie_word_embeddings": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def overrides(port: int) -> list[str]:

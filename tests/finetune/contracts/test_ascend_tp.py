@@ -6,34 +6,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from msrun_helpers import TP2_WORKER_HEAD, TP2_WORKER_INIT, free_port
 
 from tests.finetune.contracts.test_ascend_path import ASCEND, HD16, _packed_batch
 
 REPO = Path(__file__).resolve().parents[3]
 GOLDEN = REPO / "tests" / "finetune" / "golden"
 
-WORKER = r'''
-import json, sys
-import numpy as np
-import mindspore as ms
-from mindspore.communication import create_group, get_rank, init
-
-sys.path.insert(0, sys.argv[1])
+WORKER = TP2_WORKER_HEAD + r'''
 from finetune.dist import RankInfo
 from finetune.hf_io import gather_full, load_hf_config, load_weights
 from finetune.model import Qwen2Config, Qwen2ForCausalLM
 from tests.finetune.contracts.twins import install
-
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
-init()
-create_group("tp", [0, 1])
+''' + TP2_WORKER_INIT + r'''
 calls = install()
 rank = RankInfo(rank=get_rank(), world_size=2, tp=2, tp_rank=get_rank(), tp_group="tp", device_target="Ascend")
 out_dir = sys.argv[2]
@@ -54,12 +45,6 @@ for case, (model_dir, vocab_parallel, dtype, batch) in json.loads(sys.argv[3]).i
     if rank.is_main:
         np.savez(f"{out_dir}/{case}.npz", logits=logits, loss=loss.asnumpy(), calls=json.dumps(calls), **full)
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hd16_dir(path: Path) -> Path:
@@ -91,7 +76,7 @@ def test_tp2_ascend_path_under_twins(ms_cpu, tmp_path):
              "hd16-fp16": [str(hd16), True, "float16", str(tmp_path / "packed-batch.npz")]}
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(_free_port()),
+    cmd = [str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(free_port()),
            "--join", "True", "--log_dir", str(tmp_path / "logs"), str(tmp_path / "worker.py"), str(REPO),
            str(tmp_path), json.dumps(cases)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -10,14 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from msrun_helpers import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
