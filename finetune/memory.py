@@ -110,9 +110,13 @@ class LayoutChoice:
 
 
 def _full_ft(cfg: dict, tp: int, dp: int, seq_len: int, precision: str) -> MemoryEstimate:
-    """Micro batch 1, recompute, the optimizer sharded over DP, vocab-parallel when TP > 1."""
+    """As the NPU recipes train: micro batch 1, recompute, the optimizer sharded over DP, vocab-parallel
+    when TP > 1, the loss over chunks of ``train.loss_chunk_tokens`` (its default)."""
+    from finetune.config import TrainConfig
+
     return estimate_memory(cfg, seq_len=seq_len, micro_batch_size=1, tp=tp, dp=dp, precision=precision,
-                           recompute=True, shard_optimizer=True, vocab_parallel=tp > 1)
+                           recompute=True, shard_optimizer=True, vocab_parallel=tp > 1,
+                           loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
 
 
 def choose_tp(cfg: dict, world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",

@@ -123,15 +123,17 @@ def test_tp_is_the_smallest_that_fits_and_says_why():
     from finetune.qwen_sizes import SIZES
 
     q7, q32 = SIZES["Qwen2.5-7B"], SIZES["Qwen2.5-32B"]
-    c = choose_tp(q7, 8, seq_len=4096)
-    assert (c.tp, c.dp) == (2, 4) and c.why == "TP 2: TP 1 needs 64.3 GiB per NPU > 60 usable"
-    c = choose_tp(q7, 16, seq_len=4096)  # the optimizer sharded over 16: TP 1 fits
-    assert (c.tp, c.dp) == (1, 16) and c.why.startswith("TP 1: fits")
+    c = choose_tp(q7, 4, seq_len=4096)
+    assert (c.tp, c.dp) == (2, 2) and c.why == "TP 2: TP 1 needs 68.9 GiB per NPU > 60 usable"
+    for world, gib in ((8, 58.2), (16, 52.9)):  # the optimizer sharded over 8 or 16: TP 1 fits
+        c = choose_tp(q7, world, seq_len=4096)
+        assert (c.tp, c.dp) == (1, world) and c.why == f"TP 1: fits ({gib} GiB per NPU)"
     assert choose_tp(q32, 8, seq_len=4096).tp is None
     c = choose_tp(q32, 16, seq_len=4096)
-    assert (c.tp, c.dp) == (8, 2) and "TP 4 needs 75.0 GiB per NPU > 60 usable" in c.why
+    assert (c.tp, c.dp) == (8, 2) and "TP 4 needs 73.5 GiB per NPU > 60 usable" in c.why
     assert choose_tp(q32, 16, seq_len=4096, npus_per_node=4).tp is None  # TP stays inside a node
     assert choose_tp(SIZES["Qwen3-32B"], 16, seq_len=4096).tp == 8
+    assert choose_tp(SIZES["Qwen3-8B"], 8, seq_len=4096).why == "TP 2: TP 1 needs 62.4 GiB per NPU > 60 usable"
 
 
 def test_a_layout_that_fits_nowhere_names_the_smallest_world_a_shorter_sequence_or_more_than_zero1():
@@ -144,7 +146,7 @@ def test_a_layout_that_fits_nowhere_names_the_smallest_world_a_shorter_sequence_
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 2, seq_len=4096)
     assert "TP 2 needs" in msg and "4 NPUs (1 node(s))" in msg
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 4, seq_len=131072)  # activations: a shorter sequence fits
-    assert "data.seq_len=32768" in msg
+    assert "8 NPUs (1 node(s))" in msg and "data.seq_len=65536" in msg
     msg = no_fit_advice(SIZES["Qwen2.5-72B"], 16, seq_len=4096)
     assert "more than ZeRO-1 on up to 256 NPUs" in msg and "node(s)" not in msg
 
@@ -170,3 +172,15 @@ def test_the_readme_size_table_is_the_estimators():
     table = readme.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
     assert table == size_table()
     assert "| Qwen2.5-72B | 72.71 B | needs more than ZeRO-1 |" in table
+
+
+def test_the_table_is_what_plan_estimates_for_the_chosen_layout():
+    """plan's estimate (the NPU recipe resolved with the chosen TP on that world) equals the table's."""
+    from finetune.config import load_recipe
+    from finetune.memory import memory_estimate, smallest_world
+    from finetune.qwen_sizes import SIZES
+
+    for name in ("Qwen2.5-7B", "Qwen3-32B"):
+        world, choice = smallest_world(SIZES[name], seq_len=4096)
+        recipe = load_recipe("qwen2.5-7b-full", {"parallel.tp": str(choice.tp)}).resolved(world, "npu")
+        assert memory_estimate(recipe, SIZES[name]).total == choice.estimate.total, name
