@@ -91,3 +91,80 @@ def memory_estimate(recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] 
     return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
                      precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
                      vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)
+
+
+# ---------------------------------------------------------------------------- choosing the layout
+
+NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with (the rest: runtime, HCCL)
+TP_CANDIDATES = (1, 2, 4, 8)
+
+
+@dataclass
+class LayoutChoice:
+    """A full fine-tune layout that fits (``tp`` None: none does) and why it was chosen."""
+
+    tp: int | None
+    dp: int
+    estimate: MemoryEstimate | None
+    why: str
+
+
+def _full_ft(cfg: dict, tp: int, dp: int, seq_len: int, precision: str) -> MemoryEstimate:
+    """As the NPU recipes train: micro batch 1, recompute, the optimizer sharded over DP, vocab-parallel
+    when TP > 1, the loss over chunks of ``train.loss_chunk_tokens`` (its default)."""
+    from finetune.config import TrainConfig
+
+    return estimate_memory(cfg, seq_len=seq_len, micro_batch_size=1, tp=tp, dp=dp, precision=precision,
+                           recompute=True, shard_optimizer=True, vocab_parallel=tp > 1,
+                           loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
+
+
+def choose_tp(cfg: dict, world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+              usable: int = NPU_USABLE_BYTES) -> LayoutChoice:
+    """The smallest TP that divides the heads and KV heads (``tp_problems``), stays inside a node,
+    divides ``world`` and makes the full fine-tune estimate fit ``usable`` bytes per device."""
+    from finetune.qwen2_layout import tp_problems
+
+    refused = []
+    for tp in TP_CANDIDATES:
+        if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=tp > 1):
+            continue
+        est = _full_ft(cfg, tp, world // tp, seq_len, precision)
+        if est.total <= usable:
+            why = f"TP {tp}: " + ("; ".join(refused) if refused else f"fits ({est.total / 2**30:.1f} GiB per NPU)")
+            return LayoutChoice(tp, world // tp, est, why)
+        refused.append(f"TP {tp} needs {est.total / 2**30:.1f} GiB per NPU > {usable / 2**30:.0f} usable")
+    return LayoutChoice(None, 0, None, "; ".join(refused) or f"no TP up to {npus_per_node} divides the heads")
+
+
+def smallest_world(cfg: dict, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+                   usable: int = NPU_USABLE_BYTES, max_world: int = 256) -> tuple[int, LayoutChoice]:
+    """The fewest devices (1, 2, 4, then whole nodes doubling) with a layout that fits; (0, the last
+    refusal) when none up to ``max_world`` (32 nodes) does: ZeRO-1 shards only the optimizer state
+    over DP, so the replicated bf16 weights and fp32 gradients of a TP 8 slice set a floor."""
+    worlds = [w for w in (1, 2, 4) if w < npus_per_node] + \
+        [npus_per_node * 2**k for k in range(max_world.bit_length()) if npus_per_node * 2**k <= max_world]
+    for world in worlds:
+        choice = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision,
+                           usable=usable)
+        if choice.tp is not None:
+            return world, choice
+    return 0, LayoutChoice(None, 0, None, f"at {worlds[-1]} NPUs: {choice.why}")
+
+
+def no_fit_advice(cfg: dict, world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+                  usable: int = NPU_USABLE_BYTES) -> str:
+    """Why no layout of ``world`` devices fits and what would: the smallest world, a shorter sequence."""
+    why = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision,
+                    usable=usable).why
+    need, _ = smallest_world(cfg, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision, usable=usable)
+    fixes = [f"{need} NPUs ({math.ceil(need / npus_per_node)} node(s))" if need else
+             "more than ZeRO-1 on up to 256 NPUs (it shards only the optimizer state over DP: ZeRO-2/3 or "
+             "pipeline stages)"]
+    s = seq_len // 2
+    while s >= 256 and choose_tp(cfg, world, seq_len=s, npus_per_node=npus_per_node, precision=precision,
+                                 usable=usable).tp is None:
+        s //= 2
+    if s >= 256:
+        fixes.append(f"data.seq_len={s}")
+    return f"no layout of {world} NPU(s) fits: {why}; would fit: " + " or ".join(fixes) + " or LoRA (fewer states)"

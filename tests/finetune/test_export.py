@@ -117,13 +117,15 @@ def test_export_imports_no_mindspore():
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 
-@pytest.mark.parametrize("vocab_parallel", [False, True])
-def test_tp1_checkpoint_resumes_under_tp2_and_dp2(ms_cpu, tmp_path, tiny_hf_dir, vocab_parallel):
-    """Each TP rank gets its slice of the weights and moments; a sharded DP rank its bucket chunks."""
+@pytest.mark.parametrize("vocab_parallel,family", [(False, {}), (True, {}),
+                                                   (True, {"model_type": "qwen3", "head_dim": 16})])
+def test_tp1_checkpoint_resumes_under_tp2_and_dp2(ms_cpu, tmp_path, tiny_hf_dir, vocab_parallel, family):
+    """Each TP rank gets its slice of the weights and moments; a sharded DP rank its bucket chunks
+    (Qwen3: its replicated q/k norms whole on every rank)."""
     from finetune.checkpoint import load_checkpoint
 
     ms = ms_cpu
-    src = tiny_hf_dir(tie_word_embeddings=False, num_key_value_heads=1)  # tp=2 > 1 KV head: replicated
+    src = tiny_hf_dir(tie_word_embeddings=False, num_key_value_heads=1, **family)  # tp=2 > 1 KV head: replicated
     path, ref, moments = _checkpoint(ms, tmp_path, src)
     full = {p.name: p.asnumpy() for p in ref.trainable_params()}
     for r in range(2):
@@ -131,6 +133,7 @@ def test_tp1_checkpoint_resumes_under_tp2_and_dp2(ms_cpu, tmp_path, tiny_hf_dir,
         model = _model(ms, src, rank, vocab_parallel=vocab_parallel)
         state, optim = load_checkpoint(path, model.trainable_params(), rank)
         assert state.step == 7 and int(optim["t"]) == 7
+        assert any(p.name.endswith("k_norm.weight") for p in model.trainable_params()) == bool(family)
         for p in model.trainable_params():
             part, want, m = model.tp_layout.get(p.name), full[p.name], moments[f"m.{p.name}"]
             if part is not None:

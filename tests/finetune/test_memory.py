@@ -1,5 +1,6 @@
 """Memory estimator: exact tensor byte counts per layout, and the field guide's 7B figure."""
 import math
+from pathlib import Path
 import subprocess
 import sys
 
@@ -113,3 +114,73 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
         opt = build_optimizer(params, TrainConfig(), rank, shard=shard)
         state = sum(int(v.nbytes) for k, v in opt.state_dict().items() if k not in ("t", "shard.layout"))
         assert state == est.master + est.optimizer, (r, state, est)
+
+
+# ---------------------------------------------------------------------------- layout choice (issue 21)
+
+def test_tp_is_the_smallest_that_fits_and_says_why():
+    from finetune.memory import choose_tp
+    from finetune.qwen_sizes import SIZES
+
+    q7, q32 = SIZES["Qwen2.5-7B"], SIZES["Qwen2.5-32B"]
+    c = choose_tp(q7, 4, seq_len=4096)
+    assert (c.tp, c.dp) == (2, 2) and c.why == "TP 2: TP 1 needs 68.9 GiB per NPU > 60 usable"
+    for world, gib in ((8, 58.2), (16, 52.9)):  # the optimizer sharded over 8 or 16: TP 1 fits
+        c = choose_tp(q7, world, seq_len=4096)
+        assert (c.tp, c.dp) == (1, world) and c.why == f"TP 1: fits ({gib} GiB per NPU)"
+    assert choose_tp(q32, 8, seq_len=4096).tp is None
+    c = choose_tp(q32, 16, seq_len=4096)
+    assert (c.tp, c.dp) == (8, 2) and "TP 4 needs 73.5 GiB per NPU > 60 usable" in c.why
+    assert choose_tp(q32, 16, seq_len=4096, npus_per_node=4).tp is None  # TP stays inside a node
+    assert choose_tp(SIZES["Qwen3-32B"], 16, seq_len=4096).tp == 8
+    assert choose_tp(SIZES["Qwen3-8B"], 8, seq_len=4096).why == "TP 2: TP 1 needs 62.4 GiB per NPU > 60 usable"
+
+
+def test_a_layout_that_fits_nowhere_names_the_smallest_world_a_shorter_sequence_or_more_than_zero1():
+    from finetune.memory import no_fit_advice
+    from finetune.qwen_sizes import SIZES
+
+    msg = no_fit_advice(SIZES["Qwen2.5-32B"], 8, seq_len=4096)
+    assert msg.startswith("no layout of 8 NPU(s) fits: TP 1 needs") and "16 NPUs (2 node(s))" in msg
+    assert "data.seq_len=" not in msg and "LoRA" in msg  # no sequence of >= 256 fits 32B on 8 NPUs
+    msg = no_fit_advice(SIZES["Qwen2.5-7B"], 2, seq_len=4096)
+    assert "TP 2 needs" in msg and "4 NPUs (1 node(s))" in msg
+    msg = no_fit_advice(SIZES["Qwen2.5-7B"], 4, seq_len=131072)  # activations: a shorter sequence fits
+    assert "8 NPUs (1 node(s))" in msg and "data.seq_len=65536" in msg
+    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 16, seq_len=4096)
+    assert "more than ZeRO-1 on up to 256 NPUs" in msg and "node(s)" not in msg
+
+
+def test_qwen3_estimate_counts_its_own_shapes():
+    from finetune.memory import estimate_memory
+    from finetune.qwen2_layout import param_count
+    from finetune.qwen_sizes import SIZES
+
+    q3 = SIZES["Qwen3-0.6B"]  # head_dim 128 with hidden 1024 / 16 heads: q_proj is 2048 x 1024
+    h, i, n, v, hd = 1024, 3072, 28, 151936, 128  # per layer: 2 norms, q/k/v/o, q_norm + k_norm, MLP; tied
+    assert param_count(q3) == v * h + n * (2 * h + 16 * hd * h + 2 * 8 * hd * h + h * 16 * hd + 2 * hd + 3 * h * i) + h
+    qwen2_shaped = {**q3, "model_type": "qwen2", "head_dim": 64}
+    a = estimate_memory(q3, seq_len=4096, micro_batch_size=1)
+    assert a.weights == 2 * param_count(q3) and a.total > estimate_memory(qwen2_shaped, seq_len=4096,
+                                                                          micro_batch_size=1).total
+
+
+def test_the_readme_size_table_is_the_estimators():
+    from finetune.qwen_sizes import size_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
+    assert table == size_table()
+    assert "| Qwen2.5-72B | 72.71 B | needs more than ZeRO-1 |" in table
+
+
+def test_the_table_is_what_plan_estimates_for_the_chosen_layout():
+    """plan's estimate (the NPU recipe resolved with the chosen TP on that world) equals the table's."""
+    from finetune.config import load_recipe
+    from finetune.memory import memory_estimate, smallest_world
+    from finetune.qwen_sizes import SIZES
+
+    for name in ("Qwen2.5-7B", "Qwen3-32B"):
+        world, choice = smallest_world(SIZES[name], seq_len=4096)
+        recipe = load_recipe("qwen2.5-7b-full", {"parallel.tp": str(choice.tp)}).resolved(world, "npu")
+        assert memory_estimate(recipe, SIZES[name]).total == choice.estimate.total, name

@@ -29,18 +29,24 @@ def test_next_token_rules():
     assert a == b
 
 
-@pytest.fixture(scope="module")
-def tied(ms_cpu):
+def _golden(case: str):
     from finetune.hf_io import load_hf_config, load_weights
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / "tied")))
-    load_weights(model, GOLDEN / "tied")
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / case)))
+    load_weights(model, GOLDEN / case)
     return model
 
 
-def test_greedy_generate_follows_full_logits(ms_cpu, tied):
-    ms, model = ms_cpu, tied
+@pytest.fixture(scope="module")
+def tied(ms_cpu):
+    return _golden("tied")
+
+
+@pytest.mark.parametrize("case", ["tied", "qwen3-untied"])
+def test_greedy_generate_follows_full_logits(ms_cpu, tied, case):
+    """Qwen3: the cached keys are the normalized ones (k_norm before RoPE)."""
+    ms, model = ms_cpu, tied if case == "tied" else _golden(case)
     prompt = [5, 17, 99]
     (out,) = generate(model, [prompt], set(), GREEDY)
     # greedy with the key/value cache: each new token is the argmax of the full-sequence logits
