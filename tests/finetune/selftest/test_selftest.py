@@ -106,3 +106,14 @@ def test_collectives_under_msrun_with_two_cpu_workers(ms_cpu, tmp_path, monkeypa
     assert rc == 0, [r for r in report["rows"] if not r["ok"]]
     assert {"collective_all_reduce", "collective_all_gather", "collective_reduce_scatter",
             "collective_async_all_reduce_from_hook"} <= names
+
+
+def test_the_models_rope_shapes_take_the_kernels_cos_bs1d_path():
+    """BSND x with cos/sin [B, S, 1, D] (kernels.rope) is tiled as "cos BS1D", never as BNSD, at every
+    size the model uses, the decode step included; the old BNSD decode case is the kernel's BND mode."""
+    from finetune.selftest.twins import rope_tiling_mode
+
+    for b, s, n in ((1, 4096, 28), (1, 4096, 14), (4, 1, 28), (8, 512, 4)):
+        assert rope_tiling_mode((b, s, n, 128), (b, s, 1, 128)) == "cos BS1D/SB1D"
+    assert rope_tiling_mode((1, 1, 28, 128), (1, 1, 1, 128)) == "BND"
+    assert rope_tiling_mode((4, 16, 2, 32), (1, 1, 2, 32)) == "BNSD"
