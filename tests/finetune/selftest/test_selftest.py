@@ -117,3 +117,16 @@ def test_the_models_rope_shapes_take_the_kernels_cos_bs1d_path():
         assert rope_tiling_mode((b, s, n, 128), (b, s, 1, 128)) == "cos BS1D/SB1D"
     assert rope_tiling_mode((1, 1, 28, 128), (1, 1, 1, 128)) == "BND"
     assert rope_tiling_mode((4, 16, 2, 32), (1, 1, 2, 32)) == "BNSD"
+
+
+def test_docs_list_every_contract_rule_with_its_source():
+    from pathlib import Path
+
+    from tests.finetune.contracts.twins import CONTRACTS
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "ascend-contracts.md").read_text()
+    for (op, key), rule in CONTRACTS.items():
+        row = next((ln for ln in doc.splitlines() if ln.startswith(f"| `{op}/{key}` |")), "")
+        assert rule.text in row and rule.source in row, (op, key)
+    for extra in ("| optimizer kernel |", "| hook contract |", "| buffer lifetime |"):
+        assert extra in doc
