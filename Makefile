@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup train plan preflight prepare-data generate render export test test-fast bench-data image image-test clean
+.PHONY: setup train plan preflight prepare-data selftest generate render export test test-fast bench-data image image-test clean
 
 # MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
@@ -37,6 +37,11 @@ preflight: $(STAMP)
 
 prepare-data: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher prepare-data
+
+## make selftest [ARGS="--quick"]: every fused op, the optimizer and the collectives on this host's devices
+## against fp32 references (CPU: against the contract twins); a table and OUTPUT_DIR/selftest.json.
+selftest: $(STAMP)
+	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher selftest $$ARGS
 
 ## make generate PROMPT="Hello" [ARGS="--max-new-tokens 64"]: the fine-tuned model answers (ARGS=--base: the base model).
 ## PROMPT and ARGS reach the launcher as variables of the shell, never as shell text.

@@ -18,10 +18,11 @@ from pathlib import Path
 from finetune.dist import RankInfo
 from finetune.qwen2_layout import Dims, param_table
 
-# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report: the
-# per-chip figures Huawei's sales channel and public benchmark write-ups circulate. No per-chip
-# Huawei datasheet could be checked (docs/speed.md); correct a value here when yours differs.
-PEAK_TFLOPS = {"910B1": 414.0, "910B2": 376.0, "910B3": 313.0, "910B4": 280.0}
+# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report.
+# Source of every figure: Huawei Cloud's published MFU calculator (ModelArts), as issue 18 §1.8
+# quotes it; MindSpeed's FSDP2 path divides by a flat 354 for any 910B instead (docs/speed.md).
+PEAK_TFLOPS = {"910B1": 378.9, "910B2": 353.9, "910B3": 294.9, "910B4": 270.0}
+PEAK_SOURCE = "Huawei Cloud MFU calculator"
 MEMORY_TOLERANCE = 0.15  # warn when the measured peak is this far from the estimate
 
 
@@ -50,7 +51,7 @@ def device_peak_flops(rank: RankInfo) -> tuple[float | None, str]:
         chip = chip_name(name)
         if chip is None:
             return None, f"no peak known for {name!r} (table: {', '.join(PEAK_TFLOPS)}): MFU not reported"
-        return PEAK_TFLOPS[chip] * 1e12, f"{chip} bf16 peak {PEAK_TFLOPS[chip]:.0f} TFLOPS (table)"
+        return PEAK_TFLOPS[chip] * 1e12, f"{chip} bf16 peak {PEAK_TFLOPS[chip]} TFLOPS ({PEAK_SOURCE}; perf.PEAK_TFLOPS)"
     rate = cpu_matmul_flops()
     return rate, f"measured fp32 matmul rate of this CPU, {rate / 1e9:.1f} GFLOPS"
 
@@ -125,10 +126,16 @@ class StepTimer:
         return out
 
 
+OFFLINE_ANALYSIS = "python -c \"from mindspore.profiler.profiler import analyse; analyse('{dir}')\""
+
+
 class StepProfiler:
     """``train.profile_steps: [start, end]`` on rank 0: MindSpore's profiler on Ascend, cProfile on CPU.
 
-    Steps are 1-based and inclusive; output goes to ``<output_dir>/profile``.
+    Steps are 1-based and inclusive; output goes to ``<output_dir>/profile``. On Ascend the trace is
+    only collected (``mindspore.profiler.profile`` starts itself; ``tensorboard_trace_handler`` with
+    ``analyse_flag=False``): the analysis runs offline afterwards (:data:`OFFLINE_ANALYSIS`), so rank 0
+    never analyses while the other ranks wait in a collective (HCCL_EXEC_TIMEOUT).
     """
 
     def __init__(self, steps: list[int], rank: RankInfo, out_dir: Path):
@@ -144,8 +151,7 @@ class StepProfiler:
         if self.rank.device_target == "Ascend":
             from mindspore.profiler import profile, tensorboard_trace_handler
 
-            self._prof = profile(on_trace_ready=tensorboard_trace_handler(dir_name=str(self.dir)))
-            self._prof.start()
+            self._prof = profile(on_trace_ready=tensorboard_trace_handler(dir_name=str(self.dir), analyse_flag=False))
         else:
             self._prof = cProfile.Profile()
             self._prof.enable()
@@ -161,7 +167,7 @@ class StepProfiler:
                 pstats.Stats(self._prof, stream=f).sort_stats("cumulative").print_stats(40)
             where = f"{self.dir / 'rank0.prof'} (top functions in rank0.txt)"
         else:
-            self._prof.stop()  # the trace handler analyses into self.dir
-            where = str(self.dir)
+            self._prof.stop()  # collection only: the trace handler does not analyse
+            where = f"{self.dir}; analyse it offline, after the run: {OFFLINE_ANALYSIS.format(dir=self.dir)}"
         self._prof = None
         self.rank.log(f"[train] profile of steps {self.first}-{self.last} written to {where}")

@@ -258,14 +258,27 @@ def pin_master(job: Job, host: Host) -> bool:
     return True
 
 
-def run_preflight(job: Job, host: Host) -> bool:
+def run_preflight(job: Job, host: Host, skip_selftest: bool = False) -> bool:
+    """The preflight table; on an NPU host then the self-test (unless ``skip_selftest``)."""
     from finetune.data.formats import check_data
 
     ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root, data_checker=check_data)
     scheduler = job.plan.role == "scheduler"
     rows = ascendjob.scheduler_checks(ctx, job.cluster) if scheduler else preflight.run_checks(ctx)
     print(preflight.table(rows), flush=True)
-    return not preflight.failed(rows)
+    if preflight.failed(rows):
+        return False
+    if not scheduler and job.devices.has_npu and not skip_selftest:
+        log("self-test of this node's NPUs (--skip-selftest skips it)")
+        return run_selftest(job, []) == 0
+    return True
+
+
+def run_selftest(job: Job, options: list[str]) -> int:
+    """``python -m finetune.selftest OUTPUT_DIR`` on this host's devices (its table, selftest.json)."""
+    device = "npu" if job.devices.has_npu else "cpu"
+    return subprocess.call([sys.executable, "-m", "finetune.selftest", job.recipe.output_dir, "--device", device,
+                            *options], env=job.env)
 
 
 def prepare_data(recipe: Recipe) -> int:
@@ -299,7 +312,11 @@ def cmd_prepare_data(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
-    return 0 if pin_master(job, host) and run_preflight(job, host) else 1
+    return 0 if pin_master(job, host) and run_preflight(job, host, getattr(args, "skip_selftest", False)) else 1
+
+
+def cmd_selftest(job: Job, args: argparse.Namespace, host: Host) -> int:
+    return run_selftest(job, args.rest)
 
 
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
@@ -307,7 +324,8 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         return cmd_plan(job, args, host)
     if not pin_master(job, host):
         return 1
-    if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
+    # writes nothing but selftest.json: a refused run leaves OUTPUT_DIR otherwise as it was
+    if not run_preflight(job, host, getattr(args, "skip_selftest", False)):
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
     try:  # one job per OUTPUT_DIR, held until every process of this job is gone
@@ -361,7 +379,8 @@ def cmd_export(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 GENERATE = REPO_ROOT / "finetune" / "generate.py"
-TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py"}
+TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py",
+         "selftest": REPO_ROOT / "finetune" / "selftest" / "__main__.py"}
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
     "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
@@ -373,6 +392,8 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
     "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
     "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
     "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
+    "selftest": (cmd_selftest, "check every fused op, the optimizer and the collectives on this host's devices "
+                               "against fp32 references (--quick: one NPU)", True),
 }
 
 

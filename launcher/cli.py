@@ -35,6 +35,9 @@ def build_parser(commands: Mapping[str, tuple], description: str) -> argparse.Ar
             sp.add_argument("overrides", nargs="*", metavar="key=value",
                             help="recipe overrides (train.lr=1e-5) or variables (TP=2); beat the environment")
     sub.choices["plan"].add_argument("--json", action="store_true", help="print the plan JSON alone (for jq)")
+    for name in ("preflight", "train"):
+        sub.choices[name].add_argument("--skip-selftest", action="store_true",
+                                       help="on an NPU host, do not run the self-test after the preflight checks")
     return ap
 
 

@@ -15,7 +15,9 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from finetune import kernels
+from finetune.dist import RankInfo
 
+FUSED = RankInfo(device_target="Ascend")  # the fused path (on CPU: the twins, installed by the caller)
 ROWS = 8  # rows compared per sequence (first and last ROWS // 2)
 EPS = 1e-6
 
@@ -204,11 +206,10 @@ def adamw_reference(w: np.ndarray, grads: list[np.ndarray], lr: float, betas, ep
     return w
 
 
-def check_optimizer(lay: Layout, dtype, rng, device: str):
+def check_optimizer(lay: Layout, dtype, rng):
     """Two steps of the project's AdamW (low-precision parameters, fp32 masters as the trainer sets them):
     the change of each master weight against torch AdamW's. No change at all is an error of 1."""
     from finetune.config import TrainConfig
-    from finetune.dist import RankInfo
     from finetune.optim import AdamW
 
     cfg = TrainConfig(lr=1e-3, weight_decay=0.1, clip_grad=0.0)
@@ -216,7 +217,7 @@ def check_optimizer(lay: Layout, dtype, rng, device: str):
     params = [ms.Parameter(_rand(rng, s, dtype, 0.1)[0], name=n) for n, s in shapes.items()]
     before = [_np(p) for p in params]
     steps = [[_rand(rng, s, dtype)[0] for s in shapes.values()] for _ in range(2)]
-    opt = AdamW(params, cfg, RankInfo(device_target=device))
+    opt = AdamW(params, cfg, FUSED)
     for grads in steps:
         opt.step(grads, cfg.lr)
     state = opt.state_dict()
@@ -233,14 +234,13 @@ TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidd
         "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 64}
 
 
-def check_tiny_model(dtype, rng, device: str):
+def check_tiny_model(dtype, rng):
     """A two-layer Qwen2 (head_dim 16) on one packed row: loss and every gradient of the fused path in
     ``dtype`` against the model's reference path in fp32 (same device: the host has no model of its own)."""
-    from finetune.dist import RankInfo
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config.from_dict(TINY)
-    fused = Qwen2ForCausalLM(cfg, RankInfo(device_target=device), compute_dtype=dtype)
+    fused = Qwen2ForCausalLM(cfg, FUSED, compute_dtype=dtype)
     ref = Qwen2ForCausalLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32)
     for pf, pr in zip(fused.trainable_params(), ref.trainable_params()):
         base = 1.0 if pf.name.endswith("norm.weight") else 0.0

@@ -121,11 +121,11 @@ def run_device_checks(device: str, dtype, seed: int = 0) -> list[Row]:
                      5.0, "AdamW: the update is written to the fp32 masters and the parameters",
                      "the optimizer's update kernel wrote nothing or the wrong values: "
                      f"{VERSIONS_FIX}; report it with selftest.json",
-                     partial(checks.check_optimizer, lay, dtype, np.random.default_rng(seed), device)))
+                     partial(checks.check_optimizer, lay, dtype, np.random.default_rng(seed))))
     rows.append(_row("tiny_qwen2_fwd_bwd", "2 layers, hidden 64, T=64 (3 seqs)", dtype, tol["model"], 10.0,
                      "the model's fused path (all four kernels and their backward) equals its reference path",
                      f"{VERSIONS_FIX}; a single failing op row above names the kernel",
-                     partial(checks.check_tiny_model, dtype, np.random.default_rng(seed), device)))
+                     partial(checks.check_tiny_model, dtype, np.random.default_rng(seed))))
     return rows
 
 

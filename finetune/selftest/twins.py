@@ -14,6 +14,10 @@ from here (``tests/finetune/contracts/twins.py`` adds the optimizer and collecti
   dtype table for Atlas A2/A3 training products.
 - ``ACLNN-ROPE``: CANN ops-transformer ``posembedding/rotary_position_embedding/docs/
   aclnnRotaryPositionEmbedding.md``, 约束说明 (constraints) for Atlas A2/A3.
+- ``ACLNN-ROPE-TILING``: CANN ops-transformer ``posembedding/rotary_position_embedding/op_host/
+  rope_rotate_half_tiling.cpp`` (``ChooseTilingMode``, ``GetAlignedInfo``, ``CheckBnsdBlockSkip``): the
+  layout the kernel actually takes from the shapes, and when it refuses a BNSD reading. 48 is the most
+  vector cores a 910B has (24 AI cores x 2); the twin refuses whenever some 910B would.
 
 The model calls ``ops.RmsNorm(epsilon)(x, gamma)`` and ``RotaryPositionEmbedding()(x, cos, sin, mode)``
 (``mindspore.ops.auto_generate``): the 2.10 functionals ``ops.rms_norm`` (signature change announced)
@@ -86,8 +90,10 @@ CONTRACTS: dict[tuple[str, str], Rule] = {
     ("rotary_position_embedding", "layout"): Rule("cos/sin layout: x BNSD -> 11SD, B1SD, BNSD; x BSND -> 1S1D, BS1D, "
                                                   "BSND; x SBND -> S11D, SB1D, SBND; with B, N < 1000 in that reading",
                                                   "MS-ROPE layout table; ACLNN-ROPE half mode"),
-    ("rotary_position_embedding", "bnsd"): Rule("x BNSD with B * N > 8 * S and D 32-byte aligned: the interface "
-                                                "cannot be called", "MS-ROPE note"),
+    ("rotary_position_embedding", "bnsd"): Rule("when the kernel's tiling reads x as BNSD (B, N, S its first three "
+                                                "dims): not with D/2 32-byte aligned and B * N > 8 * S, nor with D/2 "
+                                                "unaligned, D < 80 and 2 * B * N > ceil(S / 48 vector cores)",
+                                                "ACLNN-ROPE-TILING CheckBnsdBlockSkip, GetAlignedInfo; MS-ROPE note"),
     # swiglu
     ("swiglu", "dtype"): Rule("input is float16, float32 or bfloat16", "MS-SWIGLU Raises TypeError"),
     ("swiglu", "split"): Rule("the size of dim is divisible by 2", "MS-SWIGLU Raises RuntimeError"),
@@ -198,6 +204,27 @@ def _rope_readings(x: tuple, r: tuple) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def rope_tiling_mode(x: tuple, r: tuple) -> str:
+    """The layout rotate_half's tiling takes for ``x`` and cos/sin ``r`` (first match, in the kernel's order)."""
+    (x1, x2, x3), (r1, r2, r3) = x[:3], r[:3]
+    for mode, hit in (("no broadcast", (r1, r2, r3) == (x1, x2, x3)), ("BND", (r1, r2, r3) == (1, 1, 1)),
+                      ("BNSD", x1 != r1 and x2 != r2), ("BSND", x1 != r1 and x3 != r3),
+                      ("SBND", x2 != r2 and x3 != r3), ("x B1SD/BS1D", x1 != r1 and 1 in (r2, r3)),
+                      ("x SB1D", x2 != r2 and r3 == 1), ("cos BS1D/SB1D", r3 != x3 and (r1, r2) == (x1, x2)),
+                      ("cos B1SD", r2 != x2 and (r1, r3) == (x1, x3))):
+        if hit:
+            return mode
+    return "unknown"
+
+
+def _bnsd_refused(x: tuple, r: tuple, byte: int) -> bool:
+    if rope_tiling_mode(x, r) != "BNSD":
+        return False
+    b, n, s, d = x
+    aligned = (d // 2) % (32 // byte) == 0
+    return b * n > 8 * s if aligned else d < 80 and 2 * b * n > -(-s // 48)
+
+
 def rotary_position_embedding(x, cos, sin, mode=0):
     op = "rotary_position_embedding"
     need(op, "dtype", x.dtype in FLOATS and cos.dtype == x.dtype and sin.dtype == x.dtype,
@@ -210,8 +237,7 @@ def rotary_position_embedding(x, cos, sin, mode=0):
     readings = _rope_readings(tuple(x.shape), tuple(cos.shape))
     fits = [(lay, b, n, s) for lay, b, n, s in readings if b < 1000 and n < 1000]
     need(op, "layout", bool(fits), f"x {x.shape}, cos {cos.shape}")
-    aligned = d * (4 if x.dtype == ms.float32 else 2) % 32 == 0
-    need(op, "bnsd", any(not (lay == "BNSD" and b * n > 8 * s and aligned) for lay, b, n, s in fits),
+    need(op, "bnsd", not _bnsd_refused(tuple(x.shape), tuple(cos.shape), 4 if x.dtype == ms.float32 else 2),
          f"x {x.shape} read as BNSD, cos {cos.shape}")
     h = x.astype(ms.float32)
     half = d // 2

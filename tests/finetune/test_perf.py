@@ -43,3 +43,48 @@ def test_step_timer_reports_means_per_step_and_resets():
     got = t.report(comm_s=0.5)
     assert set(got) == {"time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_comm_s"}
     assert got["time_comm_s"] == 0.25 and t.steps == 0
+
+
+def test_peak_figures_are_the_cited_ones_and_the_log_names_figure_and_source(ms_cpu, monkeypatch):
+    from finetune.dist import RankInfo
+    from finetune.perf import PEAK_SOURCE, device_peak_flops
+
+    assert PEAK_TFLOPS == {"910B1": 378.9, "910B2": 353.9, "910B3": 294.9, "910B4": 270.0}
+    monkeypatch.setattr(ms_cpu.hal, "get_device_name", lambda i, target: "Ascend910B3")
+    peak, source = device_peak_flops(RankInfo(device_target="Ascend"))
+    assert peak == pytest.approx(294.9e12)
+    assert "910B3" in source and "294.9 TFLOPS" in source and PEAK_SOURCE in source and "Huawei Cloud" in source
+
+
+def test_ascend_profiler_starts_itself_and_leaves_the_analysis_offline(ms_cpu, monkeypatch, tmp_path, capsys):
+    """mindspore.profiler.profile starts on construction (a second start() warns); the trace handler
+    must not analyse inside the run, where rank 0 would outlast HCCL_EXEC_TIMEOUT."""
+    import sys
+    import types
+
+    from finetune.dist import RankInfo
+    from finetune.perf import StepProfiler
+
+    events = []
+
+    class Profile:
+        def __init__(self, on_trace_ready=None):
+            events.append(("started", on_trace_ready))
+
+        def start(self):
+            events.append(("start again",))
+
+        def stop(self):
+            events.append(("stop",))
+
+    fake = types.SimpleNamespace(profile=Profile,
+                                 tensorboard_trace_handler=lambda **kw: ("handler", kw))
+    monkeypatch.setitem(sys.modules, "mindspore.profiler", fake)
+    p = StepProfiler([2, 3], RankInfo(device_target="Ascend"), tmp_path)
+    for step in (1, 2, 3, 4):
+        p.before(step)
+        p.after(step)
+    assert [e[0] for e in events] == ["started", "stop"]
+    assert events[0][1] == ("handler", {"dir_name": str(tmp_path / "profile"), "analyse_flag": False})
+    out = capsys.readouterr().out
+    assert "analyse it offline" in out and f"analyse('{tmp_path / 'profile'}')" in out

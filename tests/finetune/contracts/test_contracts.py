@@ -110,9 +110,12 @@ VIOLATIONS = [
     # B = N = 1000 in every reading of the cos pattern (BSND and SBND)
     ("rotary_position_embedding", "layout", lambda: _rope(x=T((1000, 1, 1000, 2)), cos=T((1000, 1, 1, 2)),
                                                           sin=T((1000, 1, 1, 2)))),
-    # BNSD decode step: B*N = 2*8 > 8*S = 8, D = 16 fp16 = 32 bytes (aligned)
-    ("rotary_position_embedding", "bnsd", lambda: _rope(x=T((2, 8, 1, 16)), cos=T((1, 1, 1, 16)),
-                                                        sin=T((1, 1, 1, 16)))),
+    # read as BNSD (cos 11SD), D/2 = 16 fp16 = 32 bytes (aligned), B*N = 64 > 8*S = 16
+    ("rotary_position_embedding", "bnsd", lambda: _rope(x=T((4, 16, 2, 32)), cos=T((1, 1, 2, 32)),
+                                                        sin=T((1, 1, 2, 32)))),
+    # read as BNSD, D/2 = 8 fp16 (unaligned), D < 80, 2*B*N = 128 > ceil(S / 48) = 1
+    ("rotary_position_embedding", "bnsd", lambda: _rope(x=T((4, 16, 2, 16)), cos=T((1, 1, 2, 16)),
+                                                        sin=T((1, 1, 2, 16)))),
     ("swiglu", "dtype", lambda: dict(input=T((2, 8), "float64"))),
     ("swiglu", "split", lambda: dict(input=T((2, 7)))),
     ("AdamWeightDecay", "dtype", lambda: _adam(gradient=T((3, 4)))),
