@@ -43,7 +43,6 @@ class Qwen2Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    attention_bias: bool = False  # Qwen3 only (Qwen2 always has q/k/v biases)
     model_type: str = "qwen2"  # a key of finetune.qwen2_layout.FAMILIES
 
     @classmethod

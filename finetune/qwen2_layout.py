@@ -44,6 +44,9 @@ def family_of(config: dict) -> Family:
         known = [f for f in FAMILIES.values() if f.architecture in archs]
         mt = known[0].model_type if known else ("qwen2" if not archs else None)
     fam = FAMILIES.get(mt)
+    if fam is not None and not fam.qkv_bias and config.get("attention_bias"):
+        raise ValueError(f"config.json: attention_bias true is not supported for model_type {mt!r} (no released "
+                         "model has it; its o_proj bias would be dropped); use a model with attention_bias false")
     if fam is None or (archs and fam.architecture not in archs):
         what = f"model_type {mt!r}" if mt else "architecture"
         raise ValueError(f"config.json: {what} ({', '.join(map(str, archs)) or 'no architectures'}) is not "
@@ -76,7 +79,7 @@ class Dims:
                    layers=config["num_hidden_layers"], heads=nh,
                    kv_heads=config.get("num_key_value_heads") or nh, head_dim=config.get("head_dim") or h // nh,
                    tied=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=fam.qkv_bias or bool(config.get("attention_bias", False)), qk_norm=fam.qk_norm)
+                   qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm)
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,8 @@ def test_config_of_another_family_is_refused_naming_what_is_supported(model_type
     coder = Qwen2Config.from_dict({**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
     assert coder.model_type == "qwen2"  # Qwen2.5-Coder / -Math
     assert Qwen2Config.from_dict({**base, "architectures": ["Qwen3ForCausalLM"]}).model_type == "qwen3"
+    with pytest.raises(ValueError, match="attention_bias true is not supported for model_type 'qwen3'"):
+        Qwen2Config.from_dict({**base, "model_type": "qwen3", "attention_bias": True})
 
 
 def test_half_compute_dtype_keeps_fp32_masters_and_loss(ms_cpu):
