@@ -130,3 +130,12 @@ def test_docs_list_every_contract_rule_with_its_source():
         assert rule.text in row and rule.source in row, (op, key)
     for extra in ("| optimizer kernel |", "| hook contract |", "| buffer lifetime |"):
         assert extra in doc
+
+
+def test_the_budgets_add_up_to_under_two_minutes_on_an_npu_node():
+    from finetune.selftest import collectives, runner
+    from finetune.selftest.__main__ import TOTAL_BUDGET_S
+
+    on_npu = runner.device_budget_s("Ascend") + 4 * collectives.BUDGET_S  # NPUs in parallel, then msrun
+    assert TOTAL_BUDGET_S == 120 and on_npu < TOTAL_BUDGET_S
+    assert all(s.budget_s > 0 for s in runner.specs("Ascend"))
