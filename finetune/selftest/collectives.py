@@ -3,7 +3,7 @@ trainer uses (``finetune.dist``: all-reduce, all-gather, reduce-scatter, and an 
 all-reduce started from a gradient hook, as ``parallel/overlap.py`` does), each compared with the
 numpy sum of every rank's data (each rank rebuilds the others' from their seeds).
 
-Run: ``msrun ... python -m finetune.selftest.collectives OUT_DIR DEVICE``; rank r writes
+Run: ``msrun ... <this file> OUT_DIR DEVICE`` (``__main__.collective_rows``); rank r writes
 ``OUT_DIR/collectives.rank<r>.json`` (its rows); the parent merges them.
 """
 from __future__ import annotations

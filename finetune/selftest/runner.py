@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -73,7 +74,7 @@ def specs(device: str) -> list[Spec]:
              f"{VERSIONS_FIX}; train.recompute does not avoid it; {NO_KEY}", checks.check_flash_backward, heads),
     ]
     for name in checks.matmul_shapes(checks.layouts(device)[0]):
-        out.append(Spec(f"matmul_{name}", "reduce", 3.0, "MatMul in the compute dtype", VERSIONS_FIX,
+        out.append(Spec(f"matmul_{name}", "reduce", 2.0, "MatMul in the compute dtype", VERSIONS_FIX,
                         checks.check_matmul(name),
                         lambda lay, n=name: "x".join(map(str, (lay.tokens,) + checks.matmul_shapes(lay)[n]))))
     return out
@@ -100,10 +101,22 @@ def _row(name: str, shape: str, dtype, tol: float, budget: float, contract: str,
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     seconds = time.perf_counter() - t0
     ok = err is not None and err <= tol
-    if ok and seconds > budget:
-        error = f"slower than its budget of {budget:.0f} s"
     return Row(name, shape, str(dtype).lower().replace("mindspore.", ""), err, tol, ok, round(seconds, 3), budget,
                contract, "" if ok else fix, error)
+
+
+class Budget(NamedTuple):
+    name: str
+    budget_s: float
+
+
+OPTIMIZER, TINY = Budget("optimizer_step", 5.0), Budget("tiny_qwen2_fwd_bwd", 10.0)
+
+
+def device_budget_s(device: str) -> float:
+    """The sum of one device's check budgets (every NPU runs its checks at the same time)."""
+    per_layout = sum(s.budget_s for s in specs(device))
+    return len(checks.layouts(device)) * per_layout + OPTIMIZER.budget_s + TINY.budget_s
 
 
 def run_device_checks(device: str, dtype, seed: int = 0) -> list[Row]:
@@ -117,12 +130,12 @@ def run_device_checks(device: str, dtype, seed: int = 0) -> list[Row]:
             rows.append(_row(f"{s.name}/{lay.name}", s.shape(lay), dtype, tol[s.kind], s.budget_s, s.contract, s.fix,
                              partial(s.run, lay, dtype, rng)))
     lay = checks.layouts(device)[0]
-    rows.append(_row("optimizer_step", f"{lay.hidden}x{lay.hidden} + {lay.hidden}, 2 steps", dtype, tol["reduce"],
-                     5.0, "AdamW: the update is written to the fp32 masters and the parameters",
+    rows.append(_row(OPTIMIZER.name, f"{lay.hidden}x{lay.hidden} + {lay.hidden}, 2 steps", dtype, tol["reduce"],
+                     OPTIMIZER.budget_s, "AdamW: the update is written to the fp32 masters and the parameters",
                      "the optimizer's update kernel wrote nothing or the wrong values: "
                      f"{VERSIONS_FIX}; report it with selftest.json",
                      partial(checks.check_optimizer, lay, dtype, np.random.default_rng(seed))))
-    rows.append(_row("tiny_qwen2_fwd_bwd", "2 layers, hidden 64, T=64 (3 seqs)", dtype, tol["model"], 10.0,
+    rows.append(_row(TINY.name, "2 layers, hidden 64, T=64 (3 seqs)", dtype, tol["model"], TINY.budget_s,
                      "the model's fused path (all four kernels and their backward) equals its reference path",
                      f"{VERSIONS_FIX}; a single failing op row above names the kernel",
                      partial(checks.check_tiny_model, dtype, np.random.default_rng(seed))))

@@ -25,6 +25,10 @@ def _run(tmp_path, monkeypatch, collectives: bool = False, **fns) -> tuple[int, 
     return rc, report
 
 
+def _summary(out: str) -> str:
+    return next(ln for ln in out.splitlines() if " checks ok" in ln)
+
+
 def _failed(report: dict) -> set[str]:
     return {r["name"] for r in report["rows"] if not r["ok"]}
 
@@ -40,7 +44,7 @@ def test_cpu_selftest_runs_every_check_through_the_twins(ms_cpu, tmp_path, monke
         assert report["calls"].get(op, 0) >= 2, op  # the fused path ran the twins, not the reference math
     for r in report["rows"]:
         assert r["max_rel_err"] <= r["tolerance"] and r["budget_s"] > 0 and r["shape"], r
-    assert "22/22 checks ok" in out
+    assert _summary(out) == "[selftest] 22/22 checks ok" and "designed for under 120 s" in out
 
 
 def _anticausal(query, key, value, head_num, actual_seq_qlen=None, actual_seq_kvlen=None, **kw):
@@ -63,7 +67,7 @@ def test_flash_attention_with_the_wrong_causal_direction_fails_its_rows(ms_cpu, 
     assert rc == 1
     assert {"flash_attention_fwd/tp1", "flash_attention_fwd/tp2", "flash_attention_bwd/tp1"} <= _failed(report)
     assert not {n for n in _failed(report) if n.split("/")[0].startswith(("rms_norm", "rope", "swiglu", "matmul"))}
-    assert "FAILED: " in out and "flash_attention_fwd/tp1" in out.splitlines()[-1]
+    assert "FAILED: " in _summary(out) and "flash_attention_fwd/tp1" in _summary(out)
     row = next(r for r in report["rows"] if r["name"] == "flash_attention_fwd/tp1")
     assert "flash_attention_score (TND, sparse_mode 3" in row["contract"] and "versions" in row["fix"]
     assert "contract: flash_attention_score (TND" in out
@@ -86,7 +90,7 @@ def test_an_optimizer_that_writes_no_update_fails_its_row(ms_cpu, tmp_path, monk
     assert rc == 1 and _failed(report) == {"optimizer_step"}
     row = next(r for r in report["rows"] if r["name"] == "optimizer_step")
     assert row["max_rel_err"] == pytest.approx(1.0) and "wrote nothing" in row["fix"]
-    assert "optimizer_step" in capsys.readouterr().out.splitlines()[-1]
+    assert "FAILED: optimizer_step" in _summary(capsys.readouterr().out)
 
 
 def test_a_kernel_that_refuses_the_call_is_a_failed_row_with_its_error(ms_cpu, tmp_path, monkeypatch):
@@ -130,3 +134,12 @@ def test_docs_list_every_contract_rule_with_its_source():
         assert rule.text in row and rule.source in row, (op, key)
     for extra in ("| optimizer kernel |", "| hook contract |", "| buffer lifetime |"):
         assert extra in doc
+
+
+def test_the_budgets_add_up_to_under_two_minutes_on_an_npu_node():
+    from finetune.selftest import collectives, runner
+    from finetune.selftest.__main__ import TOTAL_BUDGET_S
+
+    on_npu = runner.device_budget_s("Ascend") + 4 * collectives.BUDGET_S  # NPUs in parallel, then msrun
+    assert TOTAL_BUDGET_S == 120 and on_npu < TOTAL_BUDGET_S
+    assert all(s.budget_s > 0 for s in runner.specs("Ascend"))
