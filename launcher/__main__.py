@@ -287,6 +287,18 @@ def cmd_preflight(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
+    # --- rerun semantics (finetune/rerun.py): before any work
+    from finetune.rerun import RunSettingsChanged, finished_already
+
+    try:
+        done = finished_already(job.recipe)
+    except RunSettingsChanged as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 2
+    if done:
+        log(done)
+        return 0
+    # ---
     if not run_preflight(job, host):  # writes nothing: a refused run leaves OUTPUT_DIR as it was
         log("preflight failed: nothing started (fix the rows marked fail above)")
         return 1
