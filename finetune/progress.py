@@ -46,7 +46,7 @@ class Reporter:
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)
         if not self.memory_checked:
             self.memory_checked = True
-            t.rank.log(memory_check(peak, memory_estimate(t.recipe, self.model_config).total))
+            t.rank.log(memory_check(peak, memory_estimate(t.recipe, self.model_config).total, t.rank.device_target))
         return record
 
     def write(self, record: dict, total_steps: int) -> None:
