@@ -25,8 +25,8 @@ from safetensors.numpy import load_file, save_file
 
 from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
 from finetune.fsutil import publish
+from finetune.rundir import MANIFEST, RunDir, is_complete, step_name
 
-MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the checkpoint itself
 
@@ -59,11 +59,7 @@ class TrainerState:
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
+    return RunDir(output_dir).checkpoints
 
 
 def layout(rank: RankInfo) -> dict:
@@ -179,7 +175,7 @@ def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_s
     data-parallel ranks are stored once). Collective: every rank must call it at the same step.
     Raises :class:`InsufficientSpace` (on every rank, nothing written) when the disk is too full.
     """
-    final = _step_dir(root, state.step)
+    final = root / step_name(state.step)
     tmp = final.with_name(final.name + ".tmp")
     r = f"rank{rank.rank:05d}"
     shares = {}
@@ -236,7 +232,7 @@ def _write_manifest(tmp: Path, state: TrainerState, rank: RankInfo) -> None:
 
 def _complete(root: Path) -> list[Path]:
     """Published checkpoints (a manifest present), oldest first."""
-    return sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / MANIFEST).is_file())
+    return sorted(p for p in root.glob("step_*") if is_complete(p))
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -265,8 +261,7 @@ def usable(root: Path, log=print) -> list[Path]:
     over (no manifest.json, or unhealthy) is named with the reason."""
     out = []
     for p in sorted((p for p in root.glob("step_*") if p.suffix != ".tmp"), reverse=True):
-        why = f"{p}: no {MANIFEST} (deleted, or its save never finished)" if not (p / MANIFEST).is_file() \
-            else unhealthy(p)
+        why = f"{p}: no {MANIFEST} (deleted, or its save never finished)" if not is_complete(p) else unhealthy(p)
         if why is None:
             out.append(p)
         elif not out:

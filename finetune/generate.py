@@ -27,6 +27,7 @@ from finetune.config import DataConfig  # noqa: E402
 from finetune.data.formats import Sample  # noqa: E402
 from finetune.data.template import render  # noqa: E402
 from finetune.recipe_parse import Problem  # noqa: E402
+from finetune.rundir import RunDir  # noqa: E402
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -253,7 +254,7 @@ def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
     texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8)
     if not rank.is_main:
         return None
-    out = Path(recipe.output_dir) / "samples.jsonl"
+    out = RunDir(recipe.output_dir).samples
     out.write_text("".join(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n"
                            for c, t in zip(convs, texts)), encoding="utf-8")
     rank.log(f"[train] inference check: {len(texts)} answers from the fine-tuned model in {out}")

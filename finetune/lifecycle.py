@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from finetune.fsutil import pid_alive
+from finetune.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "AF_LAUNCHER_PID"
@@ -46,7 +47,7 @@ def die_with_parent() -> None:
 
 def log_dir(output_dir: str | Path) -> Path:
     """Where msrun's worker logs and the rank status files go."""
-    return Path(output_dir) / "logs"
+    return RunDir(output_dir).logs
 
 
 def status_dir(log_dir: str | Path) -> Path:

@@ -25,6 +25,7 @@ from finetune.optim import SkippedSteps, lr_at
 from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
+from finetune.rundir import RunDir
 from finetune.trainer import Trainer, batch_tensors, setup
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
@@ -173,7 +174,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED
     checkpoint = t.save(finished=True)
-    hf_dir = out / "hf"
+    hf_dir = RunDir(out).hf
     if recipe.export.enabled:
         from finetune.config import parse_size
         from finetune.hf_io import export_hf
@@ -189,5 +190,5 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         drop = (1 - summary["last_loss"] / summary["first_loss"]) * 100 if summary["first_loss"] else 0.0
         rank.log(f"[train] done: {summary['steps']} steps, {summary['tokens']:,} tokens, loss "
                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
-                 f"{summary['wall_time_s']:.0f}s; metrics in {out / 'metrics.jsonl'}, curve in {out / 'loss.png'}")
+                 f"{summary['wall_time_s']:.0f}s; metrics in {RunDir(out).metrics}, curve in {RunDir(out).loss_plot}")
     return 0

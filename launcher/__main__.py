@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
+from finetune.rundir import RunDir
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import ascendjob, cli, launch, lock, npu_monitor, numa, preflight, settings
@@ -171,7 +171,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl)
     nodes = numa.numa_nodes(host.sys_root)
     out = Path(recipe.output_dir)
-    log_dir, plan_path = lifecycle.log_dir(out), out / "plan.json"
+    log_dir, plan_path = RunDir(out).logs, RunDir(out).plan
     argv = (launch.direct_argv(plan_path) if world == 1
             else launch.msrun_argv(recipe, nproc, plan_path, log_dir))
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
@@ -340,7 +340,7 @@ def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
     r = job.recipe  # default: the export; the base model only with --base
     ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
-                                            ["--finetuned", str(Path(r.output_dir) / "hf"),
+                                            ["--finetuned", str(RunDir(r.output_dir).hf),
                                              "--base-model", resolved_model_dir(r)])
     return subprocess.call([sys.executable, str(GENERATE), *ours, *args.rest], env=job.env)
 

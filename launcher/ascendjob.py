@@ -19,6 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from finetune.config import Recipe
+from finetune.rundir import RunDir
 from launcher import launch, preflight
 from launcher.cluster import Cluster
 
@@ -33,7 +34,7 @@ def scheduler_only(recipe: Recipe, cluster: Cluster, plan: dict, env: dict[str, 
     ``mindspore.communication.init()``, which serves the cluster, so it never reads the model or data.
     """
     workers = cluster.nproc_per_node or 1
-    plan_path, log_dir = out / PLAN_NAME, out / "logs"
+    plan_path, log_dir = out / PLAN_NAME, RunDir(out).logs
     argv = launch.msrun_argv(recipe, workers, plan_path, log_dir)
     argv[argv.index("--local_worker_num") + 1] = "0"
     plan = copy.deepcopy(plan)
