@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,14 +185,17 @@ def read_prompts(path: str | Path) -> list[dict]:
     return out
 
 
-def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int) -> list[str]:
-    """The assistant's answer to each conversation, in batches of ``batch_size``."""
+def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int,
+           progress: Callable[[str], None] | None = None) -> list[str]:
+    """The assistant's answer to each conversation, in batches of ``batch_size`` (``progress``: told after each)."""
     pad = tokenizer.token_to_id("<|endoftext|>") or 0
     texts = []
     for a in range(0, len(convs), batch_size):
         part = convs[a:a + batch_size]
         ids = [tokenizer.encode(chat_prompt(c["turns"], c["system"]), add_special_tokens=False).ids for c in part]
         texts += [tokenizer.decode(o, skip_special_tokens=True) for o in generate(model, ids, stops, s, pad)]
+        if progress is not None:
+            progress(f"{len(texts)}/{len(convs)} answered")
     return texts
 
 
@@ -251,7 +255,10 @@ def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
     tokenizer = Tokenizer.from_file(str(Path(config_dir) / "tokenizer.json"))
     s = dataclasses.replace(Sampling.of_model(config_dir), max_new_tokens=recipe.export.check_max_new_tokens,
                             seed=recipe.train.seed)
-    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8)
+    rank.log(f"[train] inference check: answering {len(convs)} prompts of {prompts} (up to {s.max_new_tokens} new "
+             "tokens each)")
+    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8,
+                   lambda done: rank.log(f"[train] inference check: {done}"))
     if not rank.is_main:
         return None
     out = RunDir(recipe.output_dir).samples

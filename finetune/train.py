@@ -179,6 +179,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         from finetune.config import parse_size
         from finetune.hf_io import export_hf
 
+        rank.log(f"[train] writing the Hugging Face model to {hf_dir} ({recipe.export.dtype})")
         export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
         rank.log(f"[train] Hugging Face model written to {hf_dir}")
         from finetune.generate import sample_check

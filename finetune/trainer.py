@@ -146,6 +146,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
             + ("" if loader.dynamic else f"train.micro_batch_size {tc.micro_batch_size} x ")
             + f"train.grad_accum {tc.grad_accum} x dp {rank.dp}); lower train.micro_batch_size or train.grad_accum, "
             "use fewer workers, or add data")
+    rank.log(f"[train] building the model and loading the weights of {model_dir}")
     model, params = build_model(recipe, rank, model_dir, dtype)
     opt = build_optimizer(params, tc, rank, recipe.parallel.shard_optimizer)
     overlap = recipe.parallel.overlap_grad_reduce  # resolved: only with dp > 1

@@ -151,7 +151,7 @@ def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
     assert capsys.readouterr().out.count("assistant> ") == 2
 
 
-def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path):
+def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path, capsys):
     """The check after training: the in-memory model gives what `generate` gives on the export."""
     from finetune.config import ExportConfig, Recipe
     from finetune.dist import RankInfo
@@ -162,7 +162,10 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
     model, _, _ = load_model(src, "cpu")
     hf = export_hf(model, src, tmp_path / "out" / "hf", dtype="fp32")
     recipe = Recipe(output_dir=str(tmp_path / "out"), export=ExportConfig(check_max_new_tokens=3))
+    capsys.readouterr()
     out = sample_check(model, hf, recipe, RankInfo())
+    said = capsys.readouterr().out.splitlines()  # issue 19.8: the check says what it does before it starts
+    assert said[0].startswith("[train] inference check: answering 5 prompts of ") and "5/5 answered" in said[1]
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     bundled = Path(recipe.export.check_prompts)
     assert out == tmp_path / "out" / "samples.jsonl" and len(rows) == 5
