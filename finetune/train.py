@@ -141,13 +141,15 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
             rank.log(f"[train] early stop at step {t.step}: no better eval loss than {t.best_eval:.4f} in "
                      f"{t.evals_without_gain} evaluations (train.early_stop_patience)")
             return 0
-        if (saving or stopping) and t.bad_streak:  # a checkpoint holds only healthy weights
+        healthy = not t.bad_streak  # a checkpoint holds only healthy weights
+        if (saving or stopping) and not healthy:
             rank.log(f"[train] no checkpoint at step {t.step}: the last {t.bad_streak} steps had non-finite "
                      f"gradients; the newest healthy one is {t.newest_healthy() or 'none'}")
         elif saving or stopping:
             t.save()
         if stopping:
-            rank.log(f"[train] stop requested at step {t.step}, exiting")
+            rank.log(f"[train] stop requested: {'checkpoint' if healthy else 'no checkpoint'} at step {t.step} "
+                     "written, exiting")
             return EXIT_STOPPED
     return 0
 

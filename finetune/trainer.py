@@ -131,7 +131,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    if rank.local_rank == 0:  # a kill during an earlier export, save or prepare left these behind
+    if rank.is_main:  # a kill during an earlier export, save or prepare left these (pids are this host's)
         out = Path(recipe.output_dir)
         remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=rank.log)
         if tc.resume == "never":
