@@ -245,6 +245,7 @@ def test_no_checkpoint_during_a_run_of_bad_steps_and_the_healthy_one_is_kept(tmp
 def test_too_little_data_for_a_global_batch_gives_the_numbers_and_the_fix(tmp_path):
     """issue 19.6: the message gives the samples, the global batch and dp, and the fix."""
     with pytest.raises(ValueError) as e:
-        run(_recipe(tmp_path, **{"data.max_samples": "1", "train.micro_batch_size": "2", "train.grad_accum": "3"}))
+        run(_recipe(tmp_path, **{"data.max_samples": "1", "data.val_size": "0", "train.micro_batch_size": "2",
+                                 "train.grad_accum": "3"}))
     assert ("1 samples make 1 packed sequences, a global batch takes 6 (train.micro_batch_size 2 x "
             "train.grad_accum 3 x dp 1); lower train.micro_batch_size or train.grad_accum") in str(e.value)
