@@ -25,8 +25,8 @@ from safetensors.numpy import load_file, save_file
 
 from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
 from finetune.fsutil import publish
+from finetune.rundir import MANIFEST, RunDir, is_complete, step_name
 
-MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the checkpoint itself
 
@@ -52,14 +52,14 @@ class TrainerState:
     identity: dict = field(default_factory=dict)  # {"model": ..., "data": ...}: see run_identity
     best_eval: float | None = None  # train.early_stop_patience: the best eval loss so far (None: no eval yet)
     evals_without_gain: int = 0  # and the evaluations since it
+    skipped_steps: int = 0  # steps skipped for non-finite gradients so far (this run and those it resumed)
+    bad_streak: int = 0  # consecutive non-finite steps at the save: > 0 marks the checkpoint unhealthy
+    settings: dict = field(default_factory=dict)  # what was trained and for how long (finetune/rerun.py)
+    finished: bool = False  # the run's final checkpoint (export and check followed)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
+    return RunDir(output_dir).checkpoints
 
 
 def layout(rank: RankInfo) -> dict:
@@ -82,17 +82,13 @@ def _sha256(path: Path, limit: int | None = None) -> str:
 
 
 def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
-    """The base model (config.json + a fingerprint of every weight file: size, first and last MiB) and
-    the token cache (its manifest) a run trains; stored in each checkpoint and compared on resume."""
+    """The base model (config.json + the sha256 of every weight file's whole content: an edit anywhere
+    counts) and the token cache (its manifest) a run trains; stored in each checkpoint and compared on
+    resume. Read right after the weights were loaded, the files come from the page cache."""
     model_dir, h = Path(model_dir), hashlib.sha256()
     h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
     for f in sorted(model_dir.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read())
+        h.update(f"{f.name}:{_sha256(f)}".encode())
     try:
         manifest = json.loads((Path(cache_dir) / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -134,11 +130,14 @@ def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
     if not current or not saved:
         return
     differ = [k for k in ("model", "data") if saved.get(k) != current.get(k)]
-    what = {"model": f"model dir {saved.get('model_dir')}", "data": "token cache"}
+    what = {"model": ("base model", f"{saved.get('model_dir')}", f"{current.get('model_dir')}"),
+            "data": ("token cache", "its data", "this run's data")}
     if differ:
         raise CheckpointMismatch(
             f"{path} was written by another run: its " + " and ".join(
-                f"{k} is {saved.get(k)} ({what[k]}) but this run's is {current.get(k)}" for k in differ) +
+                f"{what[k][0]} is {saved.get(k)} ({what[k][1]}) but this run's is {current.get(k)} ({what[k][2]}"
+                + (", same directory, other contents" if k == "model" and what[k][1] == what[k][2] else "") + ")"
+                for k in differ) +
             f". {ways_out(path.parent.parent)}")
 
 
@@ -176,7 +175,7 @@ def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_s
     data-parallel ranks are stored once). Collective: every rank must call it at the same step.
     Raises :class:`InsufficientSpace` (on every rank, nothing written) when the disk is too full.
     """
-    final = _step_dir(root, state.step)
+    final = root / step_name(state.step)
     tmp = final.with_name(final.name + ".tmp")
     r = f"rank{rank.rank:05d}"
     shares = {}
@@ -233,15 +232,41 @@ def _write_manifest(tmp: Path, state: TrainerState, rank: RankInfo) -> None:
 
 def _complete(root: Path) -> list[Path]:
     """Published checkpoints (a manifest present), oldest first."""
-    return sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / MANIFEST).is_file())
+    return sorted(p for p in root.glob("step_*") if is_complete(p))
 
 
 def _prune(root: Path, keep: int) -> None:
     """Keep the ``keep`` newest checkpoints whose files match their manifest's sizes (never fewer than
-    one: the newest of them is never deleted); older ones go, damaged ones are left for inspection."""
+    one) and always the newest healthy one; older ones go, damaged ones are left for inspection."""
     good = [p for p in _complete(root) if verify(p, hashes=False) is None]
+    healthy = [p for p in good if unhealthy(p) is None]
     for old in good[:-max(keep, 1)] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if not healthy or old != healthy[-1]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def unhealthy(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` must not be resumed or exported (written during a run of non-finite
+    steps), else None; an unreadable state is left to verification."""
+    try:
+        streak = int(json.loads((path / STATE).read_text()).get("bad_streak", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return (f"{path}: unhealthy, written during {streak} consecutive steps with non-finite gradients "
+            "(its weights may be blown up)") if streak else None
+
+
+def usable(root: Path, log=print) -> list[Path]:
+    """The published, healthy checkpoints under ``root``, newest first; a newer step directory passed
+    over (no manifest.json, or unhealthy) is named with the reason."""
+    out = []
+    for p in sorted((p for p in root.glob("step_*") if p.suffix != ".tmp"), reverse=True):
+        why = f"{p}: no {MANIFEST} (deleted, or its save never finished)" if not is_complete(p) else unhealthy(p)
+        if why is None:
+            out.append(p)
+        elif not out:
+            log(f"[checkpoint] skipping {why}; trying the previous checkpoint")
+    return out
 
 
 # -------------------------------------------------------------------------------------- verify, load
@@ -281,12 +306,13 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict |
                 shard: bool | None = None) -> tuple[Path, TrainerState, dict[str, np.ndarray]] | None:
     """Restore the newest checkpoint that verifies and loads on every rank; None when there is none.
 
-    A damaged one is skipped with a line naming the file and the reason. A checkpoint of another
+    A damaged or unhealthy one, or a step directory without manifest, is skipped with a line naming
+    the file and the reason. A checkpoint of another
     model or data, or one that cannot be resharded to this layout, raises :class:`CheckpointMismatch`.
     ``shard``: as for :func:`load_checkpoint`. Collective.
     """
-    candidates = _complete(root)
-    for path in reversed(candidates):
+    candidates = usable(root, log if rank.is_main else (lambda _: None))
+    for path in candidates:
         problem, loaded = None, None
         try:
             loaded = _read(path, model_params, rank, shard)
@@ -305,7 +331,7 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict |
     others = sorted(p.name for p in root.glob("step_*") if p not in candidates)
     if rank.is_main and (candidates or others):
         log(f"[checkpoint] no usable checkpoint in {root} ({len(candidates)} damaged, {len(others)} without a "
-            f"manifest: {', '.join(others[:5])}): starting from step 0")
+            f"manifest or unhealthy: {', '.join(others[:5])}): starting from step 0")
     return None
 
 

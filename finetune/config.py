@@ -20,6 +20,7 @@ from typing import Any
 from finetune.lora_config import LoraConfig, lora_problems
 from finetune.recipe_parse import (ConfigError, Problem, build, merge, nest, overridden, parse_overrides,
                                    parse_size, read_recipe)
+from finetune.rundir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -414,7 +415,7 @@ def resolved_model_dir(r: Recipe) -> str:
     """model.dir, or <output_dir>/base-model where the tiny default is created (no model.dir, model.init set)."""
     if r.model.dir:
         return r.model.dir
-    return str(Path(r.output_dir) / "base-model") if r.model.init is not None else ""
+    return str(RunDir(r.output_dir).base_model) if r.model.init is not None else ""
 
 
 def creates_tiny_model(r: Recipe) -> bool:

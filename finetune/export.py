@@ -15,22 +15,31 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.checkpoint import MANIFEST, checkpoint_root, find_latest, verify  # noqa: E402
+from finetune.checkpoint import MANIFEST, checkpoint_root, unhealthy, usable, verify  # noqa: E402
 from finetune.config import parse_size  # noqa: E402
 from finetune.dist import BUCKET_BYTES  # noqa: E402
 from finetune.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
 from finetune.qwen2_layout import full_shapes  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
+from finetune.rundir import RunDir, is_complete, step_name  # noqa: E402
 
 
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:
     """A checkpoint directory from a path, ``step_N`` / ``N`` (under ``<output_dir>/checkpoints``) or ``latest``."""
     root = checkpoint_root(output_dir)
     m = re.fullmatch(r"(?:step_)?(\d+)", name)
-    path = find_latest(root) if name == "latest" else root / f"step_{int(m.group(1)):08d}" if m else Path(name)
-    if path is None or not (path / MANIFEST).is_file():
-        done = sorted(p.name for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    if name == "latest":
+        found = usable(root, lambda line: print(line, file=sys.stderr))
+        path = found[0] if found else None
+        if path is not None:
+            print(f"[export] latest: {path.name}, the newest complete and healthy checkpoint", file=sys.stderr)
+    else:
+        path = root / step_name(int(m.group(1))) if m else Path(name)
+    if path is not None and unhealthy(path):
+        print(f"[export] warning: {unhealthy(path)}", file=sys.stderr)
+    if path is None or not is_complete(path):
+        done = sorted(p.name for p in root.glob("step_*") if is_complete(p))
         raise ValueError(f"--checkpoint {name}: no complete checkpoint {path or ''} (one with {MANIFEST}); "
                          f"saved in {root}: {', '.join(done) or 'none'}")
     return path
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         ckpt = resolve_checkpoint(args.checkpoint, args.output_dir)
-        out = Path(args.out) if args.out else Path(args.output_dir) / f"hf-{ckpt.name}"
+        out = Path(args.out) if args.out else RunDir(args.output_dir).export(ckpt)
         check_out(out, [ckpt, Path(args.output_dir), Path(args.model_dir)])
         remove_stale_temps(out.parent)
         problem = verify(ckpt)  # the rule train uses: a damaged checkpoint is named, never half-read

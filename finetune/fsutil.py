@@ -1,8 +1,8 @@
 """Directories that appear whole or not at all: built in a temporary sibling, then renamed.
 
 Readers (a resume, a serving container, another rank) never see half a checkpoint, cache, model
-or export. The temporary directory gets the usual 0755-under-umask mode (``tempfile.mkdtemp``'s
-0700 would make an export unreadable to a non-root serving container).
+or export. One mode rule for all of them, whatever the umask: directories 0755, files 0644
+(``tempfile.mkdtemp``'s 0700 or a library's 0600 would lock out a non-root serving container).
 
 Replacement rule (every publish in the project): a directory already standing at the target is
 replaced only when this project wrote it (it holds :data:`MARKER`) or it is empty; anything else
@@ -48,10 +48,13 @@ def check_replaceable(final: Path) -> None:
 
 
 def publish(tmp: Path, final: Path, owned: bool = False) -> None:
-    """Rename ``tmp`` to ``final``, replacing an earlier ``final`` of this project (moved aside first, then
-    removed); ``owned``: the caller knows ``final`` is its own by its place (a checkpoint's step directory)."""
+    """Rename ``tmp`` to ``final`` (its directories made 0755, its files 0644), replacing an earlier ``final`` of
+    this project (moved aside first, then removed); ``owned``: the caller knows ``final`` is its own by its place
+    (a checkpoint's step directory)."""
     if not owned:
         check_replaceable(final)
+    for p in [tmp, *tmp.rglob("*")]:  # one rule for everything published: readable by a non-root reader
+        p.chmod(0o755 if p.is_dir() else 0o644)
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)

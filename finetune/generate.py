@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import numpy as np  # noqa: E402
 from finetune.config import DataConfig  # noqa: E402
 from finetune.data.formats import Sample  # noqa: E402
 from finetune.data.template import render  # noqa: E402
+from finetune.recipe_parse import Problem  # noqa: E402
+from finetune.rundir import RunDir  # noqa: E402
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -182,25 +185,28 @@ def read_prompts(path: str | Path) -> list[dict]:
     return out
 
 
-def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int) -> list[str]:
-    """The assistant's answer to each conversation, in batches of ``batch_size``."""
+def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int,
+           progress: Callable[[str], None] | None = None) -> list[str]:
+    """The assistant's answer to each conversation, in batches of ``batch_size`` (``progress``: told after each)."""
     pad = tokenizer.token_to_id("<|endoftext|>") or 0
     texts = []
     for a in range(0, len(convs), batch_size):
         part = convs[a:a + batch_size]
         ids = [tokenizer.encode(chat_prompt(c["turns"], c["system"]), add_special_tokens=False).ids for c in part]
         texts += [tokenizer.decode(o, skip_special_tokens=True) for o in generate(model, ids, stops, s, pad)]
+        if progress is not None:
+            progress(f"{len(texts)}/{len(convs)} answered")
     return texts
 
 
 def pick_model(args: argparse.Namespace) -> tuple[Path, str]:
-    """(model directory, what it is): ``--model-dir``, else the fine-tuned one, else ``--base``."""
+    """(model directory, what it is): ``--model-dir``, else ``--base``'s base model, else the fine-tuned one."""
     if args.model_dir:
         return Path(args.model_dir), "the model"
-    if args.finetuned and (Path(args.finetuned) / "config.json").is_file():
-        return Path(args.finetuned), "the fine-tuned model"
     if args.base and args.base_model:
         return Path(args.base_model), "the base model (--base)"
+    if args.finetuned and (Path(args.finetuned) / "config.json").is_file():
+        return Path(args.finetuned), "the fine-tuned model"
     raise ValueError(f"no fine-tuned model at {args.finetuned or '(none given)'}: train first (make train), or "
                      "export a checkpoint (python -m launcher export --checkpoint step_N); --base answers with the "
                      "base model" + (f" {args.base_model}" if args.base_model else " (with --base-model DIR)"))
@@ -249,13 +255,39 @@ def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
     tokenizer = Tokenizer.from_file(str(Path(config_dir) / "tokenizer.json"))
     s = dataclasses.replace(Sampling.of_model(config_dir), max_new_tokens=recipe.export.check_max_new_tokens,
                             seed=recipe.train.seed)
-    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8)
+    rank.log(f"[train] inference check: answering {len(convs)} prompts of {prompts} (up to {s.max_new_tokens} new "
+             "tokens each)")
+    texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8,
+                   lambda done: rank.log(f"[train] inference check: {done}"))
     if not rank.is_main:
         return None
-    out = Path(recipe.output_dir) / "samples.jsonl"
+    out = RunDir(recipe.output_dir).samples
     out.write_text("".join(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n"
                            for c, t in zip(convs, texts)), encoding="utf-8")
     rank.log(f"[train] inference check: {len(texts)} answers from the fine-tuned model in {out}")
+    return out
+
+
+# option -> (whether a value is allowed, what is allowed, a value that works)
+LIMITS = {"temperature": (lambda v: v >= 0, "must be >= 0 (0: greedy)", "0.7"),
+          "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]", "0.9"),
+          "top_k": (lambda v: v >= 0, "must be >= 0 (0: no limit)", "50"),
+          "repetition_penalty": (lambda v: v > 0, "must be > 0 (1: none)", "1.1"),
+          "max_new_tokens": (lambda v: v >= 1, "must be >= 1", "256"),
+          "batch_size": (lambda v: v >= 1, "must be >= 1", "8")}
+
+
+def option_problems(args: argparse.Namespace) -> list[Problem]:
+    """Every bad option, checked before the model loads (nothing generated is then lost)."""
+    out = [Problem("--" + k.replace("_", "-"), why, example, str(getattr(args, k)))
+           for k, (ok, why, example) in LIMITS.items() if getattr(args, k) is not None and not ok(getattr(args, k))]
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        out.append(Problem("--output", f"its directory {Path(args.output).resolve().parent} does not exist; create "
+                           "it first", "answers.jsonl", args.output))
+    elif args.output and Path(args.output).is_dir():
+        out.append(Problem("--output", "is a directory; give a file", f"{args.output}/answers.jsonl", args.output))
+    if args.input and not Path(args.input).is_file():
+        out.append(Problem("--input", "no such file", "prompts.jsonl", args.input))
     return out
 
 
@@ -272,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     io.add_argument("--chat", action="store_true", help="an interactive multi-turn chat")
     ap.add_argument("--output", help="write JSONL answers here (default: print them)")
     ap.add_argument("--system", default=None, help=f"system prompt (default: {SYSTEM_PROMPT!r})")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts answered together")
     ap.add_argument("--device", default="auto", choices=["auto", "npu", "cpu"], help="auto: an NPU when present")
     smp = ap.add_argument_group("sampling (defaults: the model's generation_config.json)")
     for f in dataclasses.fields(Sampling):
@@ -281,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if sum(bool(x) for x in (args.prompt, args.input, args.chat)) != 1:
         ap.error("give --prompt (repeatable), --input FILE or --chat")
+    problems = option_problems(args)
+    if problems:
+        print("error: invalid options, nothing loaded:\n" + "\n".join(f"  - {p.text()}" for p in problems),
+              file=sys.stderr)
+        return 2
     try:
         model_dir, what = pick_model(args)
         convs = read_prompts(args.input) if args.input else \

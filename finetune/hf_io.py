@@ -237,10 +237,7 @@ def write_hf_dir(out_dir: str | os.PathLike | None, src_model_dir: str | os.Path
                                   "total_size": sum(s for _, s in sizes)},
                      "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _write_configs(Path(src_model_dir), tmp, dtype)
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
+        _write_configs(Path(src_model_dir), tmp, dtype)  # modes: fsutil.publish's rule
     return Path(out_dir)
 
 

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from finetune.fsutil import pid_alive
+from finetune.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "AF_LAUNCHER_PID"
@@ -46,7 +47,7 @@ def die_with_parent() -> None:
 
 def log_dir(output_dir: str | Path) -> Path:
     """Where msrun's worker logs and the rank status files go."""
-    return Path(output_dir) / "logs"
+    return RunDir(output_dir).logs
 
 
 def status_dir(log_dir: str | Path) -> Path:
@@ -98,7 +99,8 @@ class RankStatus:
 
 
 def run_rank(log_dir: str | Path, rank: int, main) -> int:
-    """Run ``main()`` as rank ``rank`` with its status file; an exception is recorded, printed, exit 1."""
+    """Run ``main()`` as rank ``rank`` with its status file; an exception is one line on stderr naming the
+    status file, which holds its traceback; exit 1."""
     status = RankStatus(log_dir, rank)
     status.start()
     try:
@@ -107,10 +109,10 @@ def run_rank(log_dir: str | Path, rank: int, main) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         status.finish(code)
         raise
-    except BaseException as e:  # noqa: BLE001 - recorded for the launcher, then the usual traceback
+    except BaseException as e:  # noqa: BLE001 - recorded for the launcher: one line here, the traceback in the file
         status.finish(1, e)
-        traceback.print_exc()
-        sys.stderr.flush()
+        print(f"[rank {rank}] error: {type(e).__name__}: {e} (traceback in {status.path})", file=sys.stderr,
+              flush=True)
         return 1
     status.finish(code)
     return code

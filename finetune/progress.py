@@ -12,6 +12,7 @@ from finetune.memory import memory_estimate
 from finetune.metrics import MetricsWriter, progress_line, read_metrics
 from finetune.perf import StepTimer, device_peak_flops, flops_per_token, memory_check, peak_memory_bytes
 from finetune.report import ReportWriter, run_title
+from finetune.rundir import RunDir
 from finetune.trainer import Trainer, batch_tensors
 
 
@@ -29,7 +30,7 @@ class Reporter:
         self.memory_checked = False
         self.metrics = self.report = None
         if rank.is_main:
-            self.metrics = MetricsWriter(t.out / "metrics.jsonl", t.step)
+            self.metrics = MetricsWriter(RunDir(t.out).metrics, t.step)
             self.report = ReportWriter(t.out, run_title(recipe, rank.tp, rank.dp, recipe.parallel.pp),
                                        recipe.train.tensorboard, t.step)
 
@@ -46,7 +47,7 @@ class Reporter:
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)
         if not self.memory_checked:
             self.memory_checked = True
-            t.rank.log(memory_check(peak, memory_estimate(t.recipe, self.model_config).total))
+            t.rank.log(memory_check(peak, memory_estimate(t.recipe, self.model_config).total, t.rank.device_target))
         return record
 
     def write(self, record: dict, total_steps: int) -> None:
@@ -65,7 +66,7 @@ class Reporter:
         """Rank 0: flush TensorBoard, write summary.json and loss.png; the summary."""
         if self.report is None:
             return None
-        return self.report.close(read_metrics(t.out / "metrics.jsonl"), t.tokens_seen, t.elapsed_s(),
+        return self.report.close(read_metrics(RunDir(t.out).metrics), t.tokens_seen, t.elapsed_s(),
                                  last_checkpoint=checkpoint, export_path=export_path)
 
 

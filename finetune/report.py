@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from finetune.config import Recipe
+from finetune.rundir import RunDir
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
         "mfu": "perf/mfu", "peak_memory_bytes": "perf/peak_memory_bytes"}
@@ -75,9 +76,10 @@ def summarize(records: list[dict], out_dir: Path, tokens: int, wall_s: float, ti
               **extra) -> dict:
     """Write summary.json and loss.png; return the summary (``extra``: see :func:`summary`)."""
     s = summary(records, tokens, wall_s, **extra)
-    (out_dir / "summary.json").write_text(json.dumps(s, indent=1))
+    run = RunDir(out_dir)
+    run.summary.write_text(json.dumps(s, indent=1))
     if records:
-        plot(records, out_dir / "loss.png", title)
+        plot(records, run.loss_plot, title)
     return s
 
 
@@ -138,7 +140,7 @@ class ReportWriter:
 
             # the event file is named by the second it was opened: a writer opened in the same second
             # as the last one would truncate its file; the nanosecond suffix keeps both, in order
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=30, filename_suffix=f".{time.time_ns()}",
+            self.tb = SummaryWriter(str(RunDir(out_dir).tensorboard), flush_secs=30, filename_suffix=f".{time.time_ns()}",
                                     purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict) -> None:

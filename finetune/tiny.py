@@ -67,6 +67,15 @@ def random_weights(config: dict, seed: int, std: float = 0.02) -> dict[str, np.n
     return out
 
 
+def tiny_config(overrides: dict | None = None) -> dict:
+    """The config.json of the tiny model that ``model.init`` = ``overrides`` creates."""
+    config = {**TINY_DEFAULTS, **(overrides or {})}
+    family = FAMILIES.get(config.get("model_type", ""))
+    if family and "architectures" not in (overrides or {}):
+        config["architectures"] = [family.architecture]
+    return config
+
+
 def _is_complete(model_dir: Path) -> bool:
     return all((model_dir / f).is_file() for f in ("config.json", "model.safetensors", "generation_config.json",
                                                     *TOKENIZER_FILES))
@@ -84,9 +93,7 @@ def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = Non
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target}: exists but holds no complete model (config.json, model.safetensors, "
                               "tokenizer.json, ...); empty it or set model.dir to a new directory")
-    config = {**TINY_DEFAULTS, **(overrides or {})}
-    if "architectures" not in (overrides or {}):
-        config["architectures"] = [FAMILIES[config["model_type"]].architecture]
+    config = tiny_config(overrides)
     family_of(config)  # refuses a model_type this trainer does not implement
     with atomic_dir(target, "base-model") as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -13,6 +13,7 @@ non-finite steps, are acted on at the next sync point, at most train.log_every s
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -24,6 +25,7 @@ from finetune.optim import SkippedSteps, lr_at
 from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
+from finetune.rundir import RunDir
 from finetune.trainer import Trainer, batch_tensors, setup
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
@@ -116,16 +118,17 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
         if not (logged or saving or evaluating or last):
             continue
         # the step's one sync point: every value the host needs, in one read
-        loss_sum, tokens, stopping, (norm, scale, n_skipped, _, longest) = dp_totals(
+        loss_sum, tokens, stopping, (norm, scale, n_skipped, streak, longest) = dp_totals(
             loss, pending_tokens, stop.set, rank, ops.cat([ops.stack([grad_norm, loss_scale]), skipped.counts]))
         skipped.read()
         t.tokens_seen += tokens
+        t.skipped_steps, t.bad_streak = t.skipped_steps + int(n_skipped), int(streak)
         pending_tokens = 0
         if n_skipped:
             rank.log(f"[train] {n_skipped:.0f} step(s) up to step {t.step} skipped: non-finite gradients (loss scale "
                      f"{scale:g})")
         if longest >= tc.max_bad_steps:
-            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled))
+            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled, t.newest_healthy()))
             return EXIT_DIVERGED
         record = reporter.step_record(t, loss_sum / scale, lr, norm, scale) if logged else {"step": t.step}
         if evaluating:
@@ -138,23 +141,30 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
             rank.log(f"[train] early stop at step {t.step}: no better eval loss than {t.best_eval:.4f} in "
                      f"{t.evals_without_gain} evaluations (train.early_stop_patience)")
             return 0
-        if saving or stopping:
+        healthy = not t.bad_streak  # a checkpoint holds only healthy weights
+        if (saving or stopping) and not healthy:
+            rank.log(f"[train] no checkpoint at step {t.step}: the last {t.bad_streak} steps had non-finite "
+                     f"gradients; the newest healthy one is {t.newest_healthy() or 'none'}")
+        elif saving or stopping:
             t.save()
         if stopping:
-            rank.log(f"[train] stop requested: checkpoint at step {t.step} written, exiting")
+            rank.log(f"[train] stop requested: {'checkpoint' if healthy else 'no checkpoint'} at step {t.step} "
+                     "written, exiting")
             return EXIT_STOPPED
     return 0
 
 
-def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool) -> str:
+def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healthy: Path | None) -> str:
     """Why the run stopped and what usually causes it."""
     causes = "a learning rate too high for this model (train.lr), too little warmup (train.warmup_steps), " \
              "corrupt data (check the prepared samples)"
     if scaled:
         causes += ", fp16 overflow that loss scaling cannot absorb (train.precision=bf16 on Ascend)"
     return (f"[train] error: {bad} consecutive steps with non-finite gradients, found at step {step} (loss "
-            f"scale {loss_scale:g}); stopping without a checkpoint or export (the last checkpoint holds finite "
-            f"weights). Likely causes: {causes}. Raise train.max_bad_steps to tolerate longer runs of bad steps.")
+            f"scale {loss_scale:g}); stopping without a checkpoint or export. A rerun resumes "
+            + (f"the newest healthy checkpoint, {healthy}" if healthy else "from step 0 (no healthy checkpoint)")
+            + f" and diverges again unless a setting changes. Likely causes: {causes}. Raise train.max_bad_steps "
+            "to tolerate longer runs of bad steps.")
 
 
 def finish(t: Trainer, reporter: Reporter) -> int:
@@ -165,12 +175,13 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED
-    checkpoint = t.save()
-    hf_dir = out / "hf"
+    checkpoint = t.save(finished=True)
+    hf_dir = RunDir(out).hf
     if recipe.export.enabled:
         from finetune.config import parse_size
         from finetune.hf_io import export_hf
 
+        rank.log(f"[train] writing the Hugging Face model to {hf_dir} ({recipe.export.dtype})")
         export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
         rank.log(f"[train] Hugging Face model written to {hf_dir}")
         from finetune.generate import sample_check
@@ -182,5 +193,5 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         drop = (1 - summary["last_loss"] / summary["first_loss"]) * 100 if summary["first_loss"] else 0.0
         rank.log(f"[train] done: {summary['steps']} steps, {summary['tokens']:,} tokens, loss "
                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
-                 f"{summary['wall_time_s']:.0f}s; metrics in {out / 'metrics.jsonl'}, curve in {out / 'loss.png'}")
+                 f"{summary['wall_time_s']:.0f}s; metrics in {RunDir(out).metrics}, curve in {RunDir(out).loss_plot}")
     return 0

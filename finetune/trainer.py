@@ -15,8 +15,8 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from finetune.checkpoint import (TrainerState, archive_checkpoints, checkpoint_root, load_checkpoint, load_latest,
-                                 run_identity, save_checkpoint)
+from finetune.checkpoint import (CheckpointMismatch, TrainerState, archive_checkpoints, checkpoint_root,
+                                 load_checkpoint, load_latest, run_identity, save_checkpoint, usable, ways_out)
 from finetune.config import Recipe, TrainConfig, resolved_model_dir
 from finetune.data.batching import BatchLoader
 from finetune.data.cache import cache_dir_for
@@ -24,6 +24,7 @@ from finetune.dist import RankInfo
 from finetune.fsutil import remove_stale_temps
 from finetune.optim import AdamW, LossScaler
 from finetune.parallel.overlap import GradReduction
+from finetune.rerun import changed_settings, run_settings
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -59,6 +60,8 @@ class Trainer:
     identity: dict = field(default_factory=dict)  # the base model and token cache (checkpoint.run_identity)
     best_eval: float = math.inf  # train.early_stop_patience: the best eval loss so far
     evals_without_gain: int = 0  # and the evaluations since it
+    skipped_steps: int = 0  # steps skipped for non-finite gradients, over this run and those it resumed
+    bad_streak: int = 0  # consecutive non-finite steps up to the last sync point (no checkpoint while > 0)
 
     @property
     def out(self) -> Path:
@@ -72,13 +75,15 @@ class Trainer:
         """The summed token loss times ``scale`` (loss scale / label tokens of the global batch)."""
         return self.model(input_ids, labels, position_ids, segment_ids) * scale
 
-    def save(self) -> Path:
-        """Checkpoint every part at the current step (collective: every rank calls it)."""
+    def save(self, finished: bool = False) -> Path:
+        """Checkpoint every part at the current step (collective: every rank calls it); ``finished``: the
+        run's final one."""
         state = TrainerState(step=self.step, loader=self.loader.state_dict(), scaler=self.scaler.state_dict(),
                              seed=self.recipe.train.seed, tokens_seen=self.tokens_seen,
                              elapsed_s=self.elapsed_s(), identity=self.identity,
                              best_eval=None if math.isinf(self.best_eval) else self.best_eval,  # JSON has no inf
-                             evals_without_gain=self.evals_without_gain)
+                             evals_without_gain=self.evals_without_gain, skipped_steps=self.skipped_steps,
+                             bad_streak=self.bad_streak, settings=run_settings(self.recipe), finished=finished)
         sharded = not isinstance(self.opt, AdamW)
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
@@ -97,14 +102,25 @@ class Trainer:
             path, state, optim_state = found
         else:
             state, optim_state = load_checkpoint(path, self.params, self.rank, shard, self.identity)
+        changes = changed_settings(state.settings, self.recipe)
+        if changes:  # the launcher refuses this before any work; a worker started by hand meets it here
+            raise CheckpointMismatch(f"{path} was trained with other settings: {'; '.join(changes)}. "
+                                     f"{ways_out(self.out)}")
         self.opt.load_state_dict(optim_state)
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
         self.step, self.tokens_seen, self.elapsed_before_s = state.step, state.tokens_seen, state.elapsed_s
         self.best_eval = math.inf if state.best_eval is None else state.best_eval
         self.evals_without_gain = state.evals_without_gain
+        self.skipped_steps = state.skipped_steps
         self.started = time.time()
-        self.rank.log(f"[train] resumed from {path} at step {self.step}")
+        self.rank.log(f"[train] resumed from {path} at step {self.step}" + (
+            f" ({self.skipped_steps} non-finite steps skipped so far)" if self.skipped_steps else ""))
+
+    def newest_healthy(self) -> Path | None:
+        """The checkpoint a rerun would resume (the newest complete and healthy one), if any."""
+        found = usable(checkpoint_root(self.out), log=lambda _: None)
+        return found[0] if found else None
 
 
 def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
@@ -115,7 +131,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    if rank.local_rank == 0:  # a kill during an earlier export, save or prepare left these behind
+    if rank.is_main:  # a kill during an earlier export, save or prepare left these (pids are this host's)
         out = Path(recipe.output_dir)
         remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=rank.log)
         if tc.resume == "never":
@@ -123,8 +139,14 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     loader, val_loader = build_loaders(recipe, rank, model_dir)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:
-        raise ValueError(f"the data gives no full global batch of {tc.micro_batch_size * tc.grad_accum * rank.dp} "
-                         "sequences: lower train.micro_batch_size / train.grad_accum or add data")
+        what = "token-budget batches" if loader.dynamic else "packed sequences" if recipe.data.packing else "sequences"
+        raise ValueError(
+            f"the data gives no full global batch: {len(loader.index)} samples make {len(loader.units)} {what}, a "
+            f"global batch takes {loader.per_step} ("
+            + ("" if loader.dynamic else f"train.micro_batch_size {tc.micro_batch_size} x ")
+            + f"train.grad_accum {tc.grad_accum} x dp {rank.dp}); lower train.micro_batch_size or train.grad_accum, "
+            "use fewer workers, or add data")
+    rank.log(f"[train] building the model and loading the weights of {model_dir}")
     model, params = build_model(recipe, rank, model_dir, dtype)
     opt = build_optimizer(params, tc, rank, recipe.parallel.shard_optimizer)
     overlap = recipe.parallel.overlap_grad_reduce  # resolved: only with dp > 1

@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import lifecycle
 from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
+from finetune.rundir import RunDir
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
@@ -186,7 +186,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     rd["launch"]["nproc_per_node"] = nproc
     L, p = recipe.launch, recipe.parallel
     plan = planlib.Plan(
-        recipe=rd, path=out / "plan.json", log_dir=lifecycle.log_dir(out), cluster_time_out=L.cluster_time_out,
+        recipe=rd, path=RunDir(out).plan, log_dir=RunDir(out).logs, cluster_time_out=L.cluster_time_out,
         topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, p.tp, p.pp, p.dp),
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
@@ -322,6 +322,18 @@ def cmd_selftest(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
+    # --- rerun semantics (finetune/rerun.py): before any work
+    from finetune.rerun import RunSettingsChanged, finished_already
+
+    try:
+        done = finished_already(job.recipe)
+    except RunSettingsChanged as e:
+        print(f"[launcher] {e}", file=sys.stderr)
+        return 2
+    if done:
+        log(done)
+        return 0
+    # ---
     if not pin_master(job, host):
         return 1
     # writes nothing but selftest.json: a refused run leaves OUTPUT_DIR otherwise as it was
@@ -366,7 +378,7 @@ def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
     r = job.recipe  # default: the export; the base model only with --base
     ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
-                                            ["--finetuned", str(Path(r.output_dir) / "hf"),
+                                            ["--finetuned", str(RunDir(r.output_dir).hf),
                                              "--base-model", resolved_model_dir(r)])
     return subprocess.call([sys.executable, str(GENERATE), *ours, *args.rest], env=job.env)
 

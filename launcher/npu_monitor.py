@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.rundir import RunDir
 from launcher.devices import Devices
 from launcher.npu_smi import NpuRow, NpuSmi, parse_info
 
@@ -103,7 +104,7 @@ def running(devices: Devices, out: Path, node_rank: int, interval_s: float, npu_
         log(f"NPU monitor: off ({why})")
         yield None
         return
-    path = out / ("npu.jsonl" if node_rank == 0 else f"npu-node{node_rank}.jsonl")
+    path = RunDir(out).npu_log(node_rank)
     log(f"NPU monitor: npu-smi every {interval_s:g} s into {path}")
     mon = NpuMonitor(path, devices.visible, npu_smi, lambda m: log(f"warning: {m}")).start(interval_s)
     try:

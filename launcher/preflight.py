@@ -21,7 +21,7 @@ from finetune import qwen2_layout
 from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
 from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
 from finetune import native as nativelib
-from finetune.tiny import TINY_DEFAULTS
+from finetune.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
 from launcher.mounts import LibraryLoader, load_libraries, mount_problems
 
@@ -59,12 +59,13 @@ class Context:
 
 
 def model_config(recipe: Recipe) -> dict | None:
-    """config.json of the model dir, or None when missing/unreadable."""
+    """config.json of the model dir (the tiny model's, before it is created, when model.init says so), or None
+    when missing/unreadable."""
     path = Path(resolved_model_dir(recipe) or ".") / "config.json"
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return None
+        return tiny_config(recipe.model.init) if creates_tiny_model(recipe) and not path.exists() else None
 
 
 def param_count(cfg: dict) -> int:
@@ -358,7 +359,7 @@ def check_world(c: Context) -> list[Check]:
     if c.nproc % tp:
         out.append(Check("layout", "fail", f"TP={tp} does not divide NPROC_PER_NODE={c.nproc} (TP stays in a node)",
                          "e.g. TP=2 with 8 NPUs per node"))
-    cfg = model_config(r) or (r.model.init and {**TINY_DEFAULTS, **r.model.init})
+    cfg = model_config(r) or (r.model.init and tiny_config(r.model.init))
     try:
         problems = qwen2_layout.tp_problems(cfg, tp, r.parallel.vocab_parallel) if cfg else []
     except (KeyError, TypeError, ZeroDivisionError, ValueError):

@@ -27,6 +27,7 @@ import numpy as np
 from finetune.config import Recipe
 from finetune.data.files import Source, resolve_sources
 from finetune.data.template import TEMPLATE_VERSION
+from finetune.rundir import RunDir
 
 MANIFEST = "manifest.json"
 VAL_INDEX = "val_index.npy"
@@ -48,7 +49,7 @@ class CacheInfo:
 
 def cache_dir_for(recipe: Recipe) -> Path:
     """data.cache_dir, or <output_dir>/data."""
-    return Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
+    return Path(recipe.data.cache_dir) if recipe.data.cache_dir else RunDir(recipe.output_dir).data
 
 
 def file_hash(path: Path) -> str:

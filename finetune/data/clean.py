@@ -14,7 +14,7 @@ from finetune.config import CleanConfig
 from finetune.data.formats import Sample, is_text
 
 # drop reasons, in the order they are checked (the report lists them in this order)
-RULES = ("invalid_utf8", "empty_response", "repeat_prompt", "repeated_chars", "mojibake",
+RULES = ("invalid_utf8", "role_order", "empty_response", "repeat_prompt", "repeated_chars", "mojibake",
          "too_short", "too_long", "cannot_fit", "dedup")
 
 # control characters other than \t \n \r, DEL/C1 controls, U+FFFD, lone surrogates, private use
@@ -71,11 +71,19 @@ def may_repeat(samples: list[Sample], max_run: int) -> list[bool]:
     return out.tolist()
 
 
+def alternating(s: Sample) -> bool:
+    """Whether the turns go user, assistant, user, assistant, ... (ShareGPT's rule, as LLaMA-Factory
+    applies it: a conversation opening with an answer, or two questions in a row, is dropped)."""
+    return all(role == ("user", "assistant")[i % 2] for i, (role, _) in enumerate(s.turns))
+
+
 def text_rule(s: Sample, cfg: CleanConfig, run_possible: bool = True) -> str | None:
     """The first text rule that drops the sample, or None to keep it (``run_possible`` False: the
     sample is known to pass repeated_chars; plain-text documents are not checked for runs)."""
     if cfg.invalid_utf8 and s.bad_utf8:
         return "invalid_utf8"
+    if not is_text(s) and not alternating(s):
+        return "role_order"
     answers = _answers(s)
     if cfg.empty_response and (not answers or any(not a.strip() for a in answers)):
         return "empty_response"

@@ -31,6 +31,7 @@ class Progress:
 # one line per figure: data_report.json carries them ("meaning") and the console table prints them
 RULE_MEANING = {
     "invalid_utf8": "bytes that are not UTF-8 (data.clean.invalid_utf8)",
+    "role_order": "turns out of order: not user, assistant, user, ... (an answer first, or two questions in a row)",
     "empty_response": "an empty answer, or an empty document",
     "repeat_prompt": "the answer repeats its prompt",
     "repeated_chars": "one character repeated more than data.clean.repeated_chars_max_run times",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune.checkpoint import STATE, checkpoint_root, data_id, find_latest, ways_out
+from finetune.checkpoint import STATE, checkpoint_root, data_id, usable, ways_out
 from finetune.config import Recipe
 from finetune.data import cache
 from finetune.data.files import DataError, resolve_sources
@@ -52,7 +52,8 @@ def check_same_data(recipe: Recipe, tokenizer_path: str | Path) -> None:
     that ``train.resume`` would continue; call it only when the cache is not fresh."""
     if recipe.train.resume == "never":
         return
-    ckpt = Path(recipe.train.resume) if recipe.train.resume != "auto" else find_latest(checkpoint_root(recipe.output_dir))
+    found = usable(checkpoint_root(recipe.output_dir), log=lambda _: None)
+    ckpt = Path(recipe.train.resume) if recipe.train.resume != "auto" else found[0] if found else None
     old = cache.read_manifest(cache.cache_dir_for(recipe))
     if ckpt is None or old is None:
         return

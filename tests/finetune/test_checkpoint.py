@@ -145,8 +145,9 @@ def test_no_usable_checkpoint_says_so(tmp_path):
         (_save(root, step) / "manifest.json").unlink()
     lines = []
     assert load_latest(root, _params(1), RankInfo(), log=lines.append) is None
-    assert len(lines) == 1 and "no usable checkpoint" in lines[0] and "2 without a manifest" in lines[0]
-    assert "starting from step 0" in lines[0]
+    assert len(lines) == 3 and all("no manifest.json (deleted" in line for line in lines[:2])
+    assert "no usable checkpoint" in lines[2] and "2 without a manifest" in lines[2]
+    assert "starting from step 0" in lines[2]
 
 
 def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny_hf_dir):
@@ -171,7 +172,7 @@ def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny
     (cache / "manifest.json").write_text(json.dumps(rebuilt))
     assert run_identity(a, cache) == ident_a  # the same data moved, touched or re-prepared
     (cache / "manifest.json").write_text(json.dumps({**manifest, "num_tokens": 100}))
-    with pytest.raises(CheckpointMismatch, match="data is"):
+    with pytest.raises(CheckpointMismatch, match="token cache is"):
         load_latest(root, _params(1), RankInfo(), identity=run_identity(a, cache))
 
 
@@ -206,3 +207,47 @@ def test_resume_never_moves_the_old_checkpoints_aside(tmp_path):
     assert dest is not None and dest.name.startswith("checkpoints.old-") and (dest / "step_00000010").is_dir()
     assert not (tmp_path / "checkpoints").exists() and str(dest) in said[0]
     assert archive_checkpoints(tmp_path, said.append) is None and len(said) == 1
+
+
+def test_unhealthy_and_manifestless_checkpoints_are_passed_over_with_the_reason(tmp_path):
+    """issue 19.11: a checkpoint written during a run of non-finite steps is never resumed, and pruning keeps
+    the newest healthy one; 19.14: a step directory whose manifest.json was deleted is skipped, saying why."""
+    root = tmp_path / "checkpoints"
+    src = _params(0)
+
+    def save(step, streak, keep=1):
+        state = TrainerState(step, {"pos": step}, {"scale": 1.0, "good_steps": 0}, 0, skipped_steps=5,
+                             bad_streak=streak)
+        save_checkpoint(root, state, src, {"t": np.array(step)}, RankInfo(), keep=keep)
+
+    save(10, 0)
+    save(20, 3)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020"]  # 10: newest healthy
+    save(30, 0, keep=3)
+    (root / "step_00000030" / "manifest.json").unlink()
+    said = []
+    found = load_latest(root, _params(1), RankInfo(), log=said.append)
+    assert found, said
+    path, state, _ = found
+    assert path.name == "step_00000010" and state.skipped_steps == 5
+    assert "step_00000030: no manifest.json" in said[0]
+    assert "step_00000020: unhealthy, written during 3 consecutive steps with non-finite gradients" in said[1]
+
+
+def test_a_base_model_edited_in_the_middle_is_another_model(tmp_path, tiny_hf_dir):
+    """issue 19.12: only each file's size and first and last MiB were hashed; an edit in the middle resumed."""
+    model = tiny_hf_dir("m", vocab_size=32768)
+    cache = tmp_path / "cache"
+    before = run_identity(model, cache)
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    assert len(data) > 3 << 20  # an edit outside the first and last MiB
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    after = run_identity(model, cache)
+    assert after["model"] != before["model"]
+    root = tmp_path / "checkpoints"
+    _save(root, 10, identity=before)
+    with pytest.raises(CheckpointMismatch, match=f"base model is .*\\({model}\\).*\\({model}, same directory, "
+                                                 "other contents\\)"):
+        load_latest(root, _params(1), RankInfo(), identity=after)

@@ -75,3 +75,17 @@ def test_stale_temps_of_dead_processes_are_removed_and_named(tmp_path):
     assert remove_stale_temps(tmp_path, log=said.append) == [stale]
     assert not stale.exists() and live.exists() and (tmp_path / "hf").exists()
     assert str(stale) in said[0] and str(dead.pid) in said[0]
+
+
+def test_everything_published_is_0755_and_0644_whatever_the_umask(tmp_path):
+    """issue 19 (smaller): checkpoints and the created base model were 0600 while exports were 0644."""
+    old_umask = os.umask(0o077)
+    try:
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "w.safetensors").write_bytes(b"x")
+            os.chmod(tmp / "sub" / "w.safetensors", 0o600)
+    finally:
+        os.umask(old_umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
+    assert modes == {"out": 0o755, "sub": 0o755, "w.safetensors": 0o644, MARKER: 0o644}

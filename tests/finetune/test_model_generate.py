@@ -1,6 +1,7 @@
 """Sampling, batched generation with the key/value cache, and the generate CLI."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -109,6 +110,27 @@ def test_cli_prompts_files_and_which_model(ms_cpu, tiny_hf_dir, tmp_path, capsys
     assert main([*args, "--base"]) == 0 and "the base model (--base)" in capsys.readouterr().err
 
 
+def test_cli_checks_options_before_the_model_loads(ms_cpu, tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    """issue 19.4: bad sampling options were accepted, --batch-size 0 failed after the model loaded, --output into
+    a missing directory failed after generating everything; --base answered with the fine-tuned model."""
+    import finetune.generate
+
+    d = tiny_hf_dir()
+    monkeypatch.setattr(finetune.generate, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["--model-dir", str(d), "--prompt", "x", "--temperature", "-1", "--top-p", "2", "--top-k", "-3",
+                 "--repetition-penalty", "0", "--max-new-tokens", "0", "--batch-size", "0",
+                 "--output", str(tmp_path / "missing" / "a.jsonl")]) == 2
+    err = capsys.readouterr().err
+    for line in ("--temperature=-1.0: must be >= 0 (0: greedy) (e.g. --temperature=0.7)", "--top-p=2.0: must be in (0, 1]",
+                 "--top-k=-3", "--repetition-penalty=0.0", "--max-new-tokens=0: must be >= 1", "--batch-size=0",
+                 f"its directory {tmp_path / 'missing'} does not exist"):
+        assert line in err
+    hf = tiny_hf_dir("hf")
+    picked = finetune.generate.pick_model(argparse.Namespace(model_dir=None, base=True, base_model=str(d),
+                                                             finetuned=str(hf)))
+    assert picked == (d, "the base model (--base)")  # even though the fine-tuned export exists
+
+
 def test_cli_checks_weights_before_building(ms_cpu, tiny_hf_dir, capsys, monkeypatch):
     import finetune.model
 
@@ -135,7 +157,7 @@ def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
     assert capsys.readouterr().out.count("assistant> ") == 2
 
 
-def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path):
+def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path, capsys):
     """The check after training: the in-memory model gives what `generate` gives on the export."""
     from finetune.config import ExportConfig, Recipe
     from finetune.dist import RankInfo
@@ -146,7 +168,10 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
     model, _, _ = load_model(src, "cpu")
     hf = export_hf(model, src, tmp_path / "out" / "hf", dtype="fp32")
     recipe = Recipe(output_dir=str(tmp_path / "out"), export=ExportConfig(check_max_new_tokens=3))
+    capsys.readouterr()
     out = sample_check(model, hf, recipe, RankInfo())
+    said = capsys.readouterr().out.splitlines()  # issue 19.8: the check says what it does before it starts
+    assert said[0].startswith("[train] inference check: answering 5 prompts of ") and "5/5 answered" in said[1]
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     bundled = Path(recipe.export.check_prompts)
     assert out == tmp_path / "out" / "samples.jsonl" and len(rows) == 5

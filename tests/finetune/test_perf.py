@@ -34,6 +34,12 @@ def test_memory_check_warns_beyond_15_percent():
     assert "warning" in memory_check(int(0.8e9), int(1e9))
 
 
+def test_memory_check_does_not_warn_on_cpu():
+    """issue 19.9: the clean embedded default warned "-50%: more than 15% off ... report it" on CPU."""
+    line = memory_check(int(0.5e9), int(1e9), "CPU")
+    assert "warning" not in line and "-50%" in line and "process RSS" in line
+
+
 def test_step_timer_reports_means_per_step_and_resets():
     t = StepTimer()
     for _ in range(2):

@@ -228,3 +228,24 @@ def test_early_stop_when_the_eval_loss_stops_improving(tmp_path, capsys):
     assert "early stop at step 2" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert (out / "checkpoints" / "step_00000002").is_dir() and (out / "hf").is_dir()
+
+
+def test_no_checkpoint_during_a_run_of_bad_steps_and_the_healthy_one_is_kept(tmp_path, capsys):
+    """issue 19.11: with save_every below max_bad_steps and keep_checkpoints=1, the checkpoints written while
+    the steps were non-finite pruned the last good one; a rerun resumed the blown-up weights."""
+    out = tmp_path / "diverged"
+    assert run(_recipe(out, **{"train.lr": "1e38", "train.max_bad_steps": "3", "train.save_every": "1",
+                               "train.keep_checkpoints": "1", "train.log_every": "1"})) == 3
+    text = capsys.readouterr().out
+    assert "no checkpoint at step 2: the last 1 steps had non-finite gradients" in text
+    assert f"A rerun resumes the newest healthy checkpoint, {out / 'checkpoints' / 'step_00000001'}" in text
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+def test_too_little_data_for_a_global_batch_gives_the_numbers_and_the_fix(tmp_path):
+    """issue 19.6: the message gives the samples, the global batch and dp, and the fix."""
+    with pytest.raises(ValueError) as e:
+        run(_recipe(tmp_path, **{"data.max_samples": "1", "data.val_size": "0", "train.micro_batch_size": "2",
+                                 "train.grad_accum": "3"}))
+    assert ("1 samples make 1 packed sequences, a global batch takes 6 (train.micro_batch_size 2 x "
+            "train.grad_accum 3 x dp 1); lower train.micro_batch_size or train.grad_accum") in str(e.value)

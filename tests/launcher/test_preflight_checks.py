@@ -274,3 +274,13 @@ def test_model_template_row_names_a_changed_chat_template(tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     (r,) = rows(c, "template")
     assert r.status == "warn" and "<observation>" in r.detail and "template" in r.fix
+
+
+def test_the_embedded_default_gets_a_memory_estimate_before_its_model_exists(tmp_path):
+    """issue 19.9: the clean first run warned "memory estimate unavailable (no config.json yet)"."""
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "out")}).resolved(1, "cpu")
+    c = preflight.Context(recipe, devices.probe(tmp_path / "dev", tmp_path, {}, None), 1, root=tmp_path,
+                          data_checker=lambda cfg: [], port_free=lambda port: True)
+    (memory,) = [r for r in preflight.check_memory(c)]
+    assert memory.status == "ok" and "GiB per device" in memory.detail
+    assert not (tmp_path / "out" / "base-model").exists()

@@ -1,11 +1,15 @@
 """Each cleaning rule: samples it must drop, samples it must keep, and the switch."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from finetune.config import CleanConfig
 from finetune.data.clean import dedup_key, text_rule, token_rule
 from finetune.data.formats import Sample
+from finetune.data.prepare import prepare
+from tests.finetune.data.data_helpers import TOKENIZER, recipe_for, write_json
 
 
 def s(q, a, bad=False, system=None):
@@ -71,3 +75,18 @@ def test_may_repeat_never_misses_a_run_the_regex_finds():
         assert all(g or not e for g, e in zip(got, exact))
         assert sum(got) < len(samples)
     assert may_repeat([], 10) == []
+
+
+def test_sharegpt_turns_out_of_order_are_dropped_and_counted(tmp_path):
+    """issue 19.7: a conversation opening with an answer, or two questions in a row, was kept silently."""
+    def conv(*turns):
+        return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+    good = [conv(("human", f"What is {i} plus {i}?"), ("gpt", f"It is {2 * i}.")) for i in range(6)]
+    bad = [conv(("gpt", "I answer first."), ("human", "Why?"), ("gpt", "Because.")),
+           conv(("human", "One question."), ("human", "Another question."), ("gpt", "An answer."))]
+    path = write_json(tmp_path / "chat.json", good + bad)
+    info = prepare(recipe_for(tmp_path, [path]), TOKENIZER, progress=False)
+    report = json.loads((info.dir / "data_report.json").read_text())
+    assert report["dropped"]["role_order"]["count"] == 2 and info.num_samples == 6
+    assert "turns out of order" in report["meaning"]["dropped.role_order"]

@@ -44,3 +44,4 @@ def test_resume_never_or_no_checkpoint_rebuilds(tmp_path):
     r.train.resume = "never"
     assert main(r) == 0
     assert cache.read_manifest(tmp_path / "out" / "data")["num_samples"] == 10
+
