@@ -180,6 +180,7 @@ class ExportConfig:
     enabled: bool = True
     dtype: str = "bf16"  # bf16 | fp16 | fp32
     shard_size: str = "2GB"
+    merge: bool = True  # train.method=lora: also write base + adapter merged to hf/ (adapter/ always)
     check_prompts: str = "assets/prompts/check.jsonl"  # answered after export into <output_dir>/samples.jsonl; "": no check
     check_max_new_tokens: int = 64
 

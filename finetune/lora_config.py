@@ -89,3 +89,22 @@ def _target_problems(c: LoraConfig) -> list[Problem]:
         return [Problem("lora.target_modules", f"unknown layer(s) {', '.join(bad)}; names are {', '.join(TARGETS)} "
                         "(or one regex)", "q_proj,v_proj", repr(t))]
     return []
+
+
+def trainable_elements(model_config: dict, c: LoraConfig, tp: int = 1, vocab_parallel: bool = False
+                       ) -> tuple[int, int]:
+    """(adapter elements, modules_to_save elements) one TP rank holds: a column-parallel layer's B and a
+    row-parallel layer's A are split like the layer (finetune/lora.py); the rest whole."""
+    from finetune.qwen2_layout import local_shapes, param_table
+
+    local = local_shapes(model_config, tp, vocab_parallel)
+    adapters = 0
+    for spec in param_table(model_config):
+        module = spec.name.removesuffix(".weight")
+        if spec.name.endswith(".weight") and module.rsplit(".", 1)[-1] in TARGETS and c.targets(module):
+            (out, fan_in), (lout, lin) = spec.shape, local[spec.name]
+            adapters += c.r * (fan_in + lout) if spec.tp_axis == 0 else c.r * (lin + out)
+    saved = {"embed_tokens": "model.embed_tokens.weight",
+             "lm_head": "lm_head.weight" if "lm_head.weight" in local else "model.embed_tokens.weight"}
+    full = {saved[m] for m in c.modules_to_save}
+    return adapters, sum(local[n][0] * local[n][1] for n in full)
