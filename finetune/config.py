@@ -320,7 +320,7 @@ def validate(r: Recipe) -> list[Problem]:
     """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
-    p += compile_layers_problems(r) + lora_problems(t.method, r.lora)
+    p += compile_layers_problems(r) + lora_problems(t.method, r.lora, t.compile_layers)
     _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt", "text"))
     p += _validate_data_sources(r.data)
     _choice(p, "train.schedule", t.schedule, ("cosine", "constant"))

@@ -98,6 +98,9 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
     from finetune.hf_io import read_header, read_tensor
 
     d = Path(adapter_dir)
+    if not (d / ADAPTER_CONFIG).is_file() or not (d / ADAPTER_FILE).is_file():
+        raise ValueError(f"{d}: no {ADAPTER_CONFIG} and {ADAPTER_FILE}; give a LoRA adapter directory in peft's "
+                         "format, e.g. --adapter output/adapter")
     raw = json.loads((d / ADAPTER_CONFIG).read_text())
     if raw.get("peft_type") != "LORA":
         raise ValueError(f"{d / ADAPTER_CONFIG}: peft_type {raw.get('peft_type')!r} is not LORA")

@@ -72,3 +72,15 @@ def test_resume_is_exact_and_refused_over_other_adapters(lora_run, tmp_path):
     b = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_generate_with_the_adapter_answers_as_the_merged_model(lora_run, tmp_path, capsys):
+    from finetune.generate import main
+
+    common = ["--prompt", "Name a color.", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
+    assert main(["--model-dir", str(lora_run / "base-model"), "--adapter", str(lora_run / "adapter"), *common]) == 0
+    with_adapter = capsys.readouterr().out
+    assert main(["--model-dir", str(lora_run / "hf"), *common]) == 0
+    assert capsys.readouterr().out == with_adapter
+    assert main(["--model-dir", str(lora_run / "base-model"), "--adapter", str(tmp_path), *common]) == 2
+    assert "adapter_config.json" in capsys.readouterr().err
