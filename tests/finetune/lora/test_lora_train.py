@@ -13,8 +13,9 @@ from finetune.config import load_recipe, resolved_model_dir
 from finetune.tiny import ensure_tiny_model
 from finetune.train import run
 
+# dropout 0: its masks come from MindSpore's global RNG, which a checkpoint does not restore (docs/lora.md)
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
-        "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "lora.dropout": "0.1"}
+        "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "lora.dropout": "0"}
 
 
 def _recipe(out, **extra):
