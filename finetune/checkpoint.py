@@ -129,9 +129,10 @@ def archive_checkpoints(output_dir: str | Path, log=print) -> Path | None:
 def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
     if not current or not saved:
         return
-    differ = [k for k in ("model", "data") if saved.get(k) != current.get(k)]
+    differ = [k for k in ("model", "data", "method") if saved.get(k) != current.get(k)]
     what = {"model": ("base model", f"{saved.get('model_dir')}", f"{current.get('model_dir')}"),
-            "data": ("token cache", "its data", "this run's data")}
+            "data": ("token cache", "its data", "this run's data"),
+            "method": ("train.method and LoRA adapters", "absent: full fine-tuning", "absent: full fine-tuning")}
     if differ:
         raise CheckpointMismatch(
             f"{path} was written by another run: its " + " and ".join(
@@ -315,14 +316,13 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict |
     for path in candidates:
         problem, loaded = None, None
         try:
-            loaded = _read(path, model_params, rank, shard)
+            loaded = _read(path, model_params, rank, shard, identity)
         except CheckpointMismatch:
             raise
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
             problem = str(e) if str(path) in str(e) else f"{path}: {type(e).__name__}: {e}"
         if not _world_sum([1.0 if problem else 0.0], rank)[0]:
             state, weights, optim = loaded
-            _check_identity(path, state.identity, identity)
             _apply(model_params, weights)
             return path, state, optim
         if problem or rank.is_main:
@@ -345,8 +345,7 @@ def load_checkpoint(path: Path, model_params: list, rank: RankInfo, shard: bool 
     optimizer is sharded over DP (None: when dp > 1, the default), which decides the format of the
     returned optimizer state.
     """
-    state, weights, optim = _read(path, model_params, rank, shard)
-    _check_identity(path, state.identity, identity)
+    state, weights, optim = _read(path, model_params, rank, shard, identity)
     _apply(model_params, weights)
     return state, optim
 
@@ -357,14 +356,16 @@ def _verified(path: Path, names: list[str] | None = None) -> None:
         raise ValueError(problem)
 
 
-def _read(path: Path, model_params: list, rank: RankInfo,
-          shard: bool | None) -> tuple[TrainerState, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Verify the files this rank reads, then read them: (state, weights, optimizer state); nothing applied."""
+def _read(path: Path, model_params: list, rank: RankInfo, shard: bool | None, identity: dict | None
+          ) -> tuple[TrainerState, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Verify the files this rank reads, then read them: (state, weights, optimizer state); nothing applied.
+    A checkpoint of another run (``identity``: model, data, method) is refused before its tensors are read."""
     import mindspore as ms
 
     _verified(path, [STATE])  # and the manifest itself
     manifest = json.loads((path / MANIFEST).read_text())
     state = TrainerState(**json.loads((path / STATE).read_text()))
+    _check_identity(path, state.identity, identity)
     same = manifest["layout"]["tp"] == rank.tp and manifest["layout"]["world_size"] == rank.world_size
     model_file = _owner_file(path, "model", rank) if same else None
     if model_file is not None:

@@ -181,6 +181,7 @@ class ExportConfig:
     enabled: bool = True
     dtype: str = "bf16"  # bf16 | fp16 | fp32
     shard_size: str = "2GB"
+    merge: bool = True  # train.method=lora: also write base + adapter merged to hf/ (adapter/ always)
     check_prompts: str = "assets/prompts/check.jsonl"  # answered after export into <output_dir>/samples.jsonl; "": no check
     check_max_new_tokens: int = 64
 
@@ -325,7 +326,7 @@ def validate(r: Recipe) -> list[Problem]:
     """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
-    p += compile_layers_problems(r) + lora_problems(t.method, r.lora)
+    p += compile_layers_problems(r) + lora_problems(t.method, r.lora, t.compile_layers)
     _choice(p, "data.format", r.data.format, ("auto", "alpaca", "sharegpt", "text"))
     p += _validate_data_sources(r.data)
     _choice(p, "train.schedule", t.schedule, ("cosine", "constant"))

@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--finetuned", help="the fine-tune's export (refused when missing unless --base)")
     src.add_argument("--base-model", help="the base model, used with --base")
     src.add_argument("--base", action="store_true", help="answer with the base model when no fine-tuned one exists")
+    src.add_argument("--adapter", help="a LoRA adapter in peft's format (OUTPUT_DIR/adapter), applied to the model "
+                     "without merging")
     io = ap.add_argument_group("prompts (one of)")
     io.add_argument("--prompt", action="append", default=[], help="a user prompt; repeat for several")
     io.add_argument("--input", help="JSONL (prompt / instruction / messages) or text file (one prompt a line)")
@@ -325,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         s = dataclasses.replace(Sampling.of_model(model_dir), **{f.name: getattr(args, f.name) for f in dataclasses.fields(Sampling)
                                       if getattr(args, f.name) is not None})
         model, tokenizer, target = load_model(model_dir, args.device)
+        if args.adapter:
+            from finetune.lora_io import load_adapter
+
+            load_adapter(model, args.adapter)
+            what += f" with the LoRA adapter {args.adapter}"
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -152,14 +152,18 @@ def gather_full(model, name: str, param, rank: RankInfo) -> np.ndarray:
     AllGather only works on the world group on CPU, so each rank places its slice into zeros and
     the TP group sums them with AllReduce (replicated copies are counted once via ``owner``).
     """
-    part = model.tp_layout.get(name)
-    local = param.asnumpy().astype(np.float32)
+    return gather_slice(param.asnumpy().astype(np.float32), model.hf_shapes()[name], model.tp_layout.get(name), rank)
+
+
+def gather_slice(local: np.ndarray, shape: tuple[int, ...], part, rank: RankInfo) -> np.ndarray:
+    """The full tensor of ``shape`` from each TP rank's slice ``local`` (``part``: its TPSlice, None:
+    held whole); collective over the TP group (see :func:`gather_full`)."""
     if part is None or rank.tp == 1:
         return local
     import mindspore as ms
     from mindspore import ops
 
-    full = np.zeros(model.hf_shapes()[name], np.float32)
+    full = np.zeros(shape, np.float32)
     if part.owner:
         index = [slice(None)] * full.ndim
         index[part.axis] = slice(part.start, part.start + part.size)

@@ -46,11 +46,14 @@ def module_path(layer: int, name: str) -> str:
     return f"model.layers.{layer}.{'mlp' if name in TARGETS[4:] else 'self_attn'}.{name}"
 
 
-def lora_problems(method: str, c: LoraConfig) -> list[Problem]:
+def lora_problems(method: str, c: LoraConfig, compile_layers: bool = False) -> list[Problem]:
     """Every bad value of ``train.method`` and the ``lora`` section."""
     p: list[Problem] = []
     if method not in METHODS:
         p.append(Problem("train.method", f"must be one of {', '.join(METHODS)}", "lora", repr(method)))
+    if method == "lora" and compile_layers:
+        p.append(Problem("train.compile_layers", "not with train.method=lora: compiled layers with adapters are not "
+                         "shown equal to the op-by-op ones", "false", "true"))
     if c.r < 1:
         p.append(Problem("lora.r", "the adapter rank must be >= 1", "8", repr(c.r)))
     if not c.alpha > 0:
@@ -89,3 +92,22 @@ def _target_problems(c: LoraConfig) -> list[Problem]:
         return [Problem("lora.target_modules", f"unknown layer(s) {', '.join(bad)}; names are {', '.join(TARGETS)} "
                         "(or one regex)", "q_proj,v_proj", repr(t))]
     return []
+
+
+def trainable_elements(model_config: dict, c: LoraConfig, tp: int = 1, vocab_parallel: bool = False
+                       ) -> tuple[int, int]:
+    """(adapter elements, modules_to_save elements) one TP rank holds: a column-parallel layer's B and a
+    row-parallel layer's A are split like the layer (finetune/lora.py); the rest whole."""
+    from finetune.qwen2_layout import local_shapes, param_table
+
+    local = local_shapes(model_config, tp, vocab_parallel)
+    adapters = 0
+    for spec in param_table(model_config):
+        module = spec.name.removesuffix(".weight")
+        if spec.name.endswith(".weight") and module.rsplit(".", 1)[-1] in TARGETS and c.targets(module):
+            (out, fan_in), (lout, lin) = spec.shape, local[spec.name]
+            adapters += c.r * (fan_in + lout) if spec.tp_axis == 0 else c.r * (lin + out)
+    saved = {"embed_tokens": "model.embed_tokens.weight",
+             "lm_head": "lm_head.weight" if "lm_head.weight" in local else "model.embed_tokens.weight"}
+    full = {saved[m] for m in c.modules_to_save}
+    return adapters, sum(local[n][0] * local[n][1] for n in full)

@@ -1,4 +1,4 @@
-"""Per-device memory estimate for a full fine-tune (pure Python; the launcher imports it).
+"""Per-device memory estimate for a full or LoRA fine-tune (pure Python; the launcher imports it).
 
 Weights, gradients, fp32 master weights and Adam moments are exact element counts of the local
 tensors under the layout (the TP split rules of ``finetune.qwen2_layout``, which the model uses too;
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from finetune.dist import BUCKET_BYTES
+from finetune.lora_config import trainable_elements
 from finetune.qwen2_layout import Dims, local_kv_heads, local_shapes
 
 WORKSPACE_BYTES = 1_500_000_000
@@ -64,15 +65,20 @@ def _layer_activation_elems(cfg: dict, tp: int) -> int:
 
 def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
-                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0) -> MemoryEstimate:
-    """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout."""
+                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0, lora=None) -> MemoryEstimate:
+    """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout. ``lora`` (a
+    LoraConfig, train.method=lora): the base is frozen in the compute dtype; only the fp32 adapters
+    (and modules_to_save, with fp32 masters) have gradients and optimizer state."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}: one of bf16, fp16, fp32 for the estimate")
     nbytes = _DTYPE_BYTES[precision]
     n = sum(math.prod(s) for s in local_shapes(model_config, tp, vocab_parallel).values())
+    adapters, saved = trainable_elements(model_config, lora, tp, vocab_parallel) if lora else (0, n)
+    trained = adapters + saved
     sharded = shard_optimizer and dp > 1
-    state = shard_elements(n, dp) if sharded else n
-    master = state * 4 if precision != "fp32" else 0  # fp32 params are their own master
+    state = shard_elements(trained, dp) if sharded else trained
+    # fp32 params are their own master; adapters always are
+    master = (shard_elements(saved, dp) if sharded else saved) * 4 if precision != "fp32" else 0
     tokens = seq_len * micro_batch_size
     h, layers, vocab = model_config["hidden_size"], model_config["num_hidden_layers"], model_config["vocab_size"]
     per_layer = _layer_activation_elems(model_config, tp) * tokens * nbytes
@@ -80,7 +86,11 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
     head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
     acts += head_tokens * (vocab // tp if vocab_parallel else vocab) * (3 * 4 + nbytes)
     # gradients are accumulated and reduced in fp32 whatever the compute dtype (finetune/train.py accumulate)
-    return MemoryEstimate(weights=n * nbytes, grads=n * 4, master=master, optimizer=2 * state * 4,
+    if lora is not None and lora.dropout > 0:  # each adapter keeps its dropped input (column: whole, row: split)
+        d = Dims.of(model_config)
+        inputs = 5 * d.hidden + (d.heads * d.head_dim + d.inter) // tp
+        acts += (layers if not recompute else 1) * tokens * inputs * nbytes
+    return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=trained * 4, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=WORKSPACE_BYTES)
 
 
@@ -90,7 +100,8 @@ def memory_estimate(recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] 
     p, t = recipe.parallel, recipe.train
     return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
                      precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
-                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens)
+                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
+                     lora=recipe.lora if t.method == "lora" else None)
 
 
 # ---------------------------------------------------------------------------- choosing the layout

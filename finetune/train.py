@@ -182,8 +182,16 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         from finetune.hf_io import export_hf
 
         rank.log(f"[train] writing the Hugging Face model to {hf_dir} ({recipe.export.dtype})")
-        export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
-        rank.log(f"[train] Hugging Face model written to {hf_dir}")
+        if recipe.train.method == "lora":  # adapter/ in peft's format; hf/: the merged model (export.merge)
+            from finetune.lora_io import export_lora
+
+            export_lora(t.model, t.params, recipe.lora, t.model_dir, out, recipe.export.dtype,
+                        parse_size(recipe.export.shard_size), recipe.export.merge, rank)
+            rank.log(f"[train] LoRA adapter written to {out / 'adapter'}"
+                     + (f", merged model to {hf_dir}" if recipe.export.merge else ""))
+        else:
+            export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
+            rank.log(f"[train] Hugging Face model written to {hf_dir}")
         from finetune.generate import sample_check
 
         sample_check(t.model, t.model_dir, recipe, rank)  # collective; tokenizer from the base (every node has it)

@@ -161,6 +161,10 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
              f"({loader.steps_per_epoch} per epoch), global batch "
              f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
     trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
+    if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
+        from finetune.lora_io import adapter_identity
+
+        trainer.identity["method"] = adapter_identity(recipe.lora)
     if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
         trainer.restore(None if tc.resume == "auto" else Path(tc.resume))
     return trainer
@@ -200,6 +204,10 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
                  "(train.compile_layers; the first step compiles them)")
     params = model.trainable_params()
     model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
+    if tc.method == "lora":  # the base frozen in the compute dtype; the optimizer gets the fp32 adapters
+        from finetune.lora import apply_lora
+
+        params = apply_lora(model, recipe.lora, tc.seed)
     model.set_train(True)  # training mode: the LM head keeps its logits for the backward (evaluate() leaves it)
     return model, params
 

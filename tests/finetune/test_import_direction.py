@@ -84,8 +84,8 @@ def test_no_import_circles_in_finetune_or_launcher():
     graph = _graph("finetune")
     assert "finetune.recipe_parse" in graph["finetune.config"]
     circle = _cycle({**graph, "finetune.recipe_parse": {"finetune.config"}})
-    assert circle in (["finetune.config", "finetune.recipe_parse", "finetune.config"],
-                      ["finetune.recipe_parse", "finetune.config", "finetune.recipe_parse"])
+    assert circle[0] == circle[-1] and {"finetune.config", "finetune.recipe_parse"} <= set(circle)  # the
+    # edge added closes a circle through both (config -> lora_config -> recipe_parse -> config, or directly)
 
 
 def test_the_data_package_and_cpus_import_no_mindspore():

@@ -24,6 +24,8 @@ def test_every_bad_value_is_reported_at_once():
     assert keys == ["train.method", "lora.r", "lora.alpha", "lora.dropout", "lora.bias", "lora.init",
                     "lora.target_modules", "lora.modules_to_save"]
     assert "qkv" in str(e.value) and "e.g. lora.r=8" in str(e.value)
+    with pytest.raises(ConfigError, match="train.compile_layers.*train.method=lora"):
+        load_recipe("tiny-cpu-lora", {"train.compile_layers": "true"})
 
 
 @pytest.mark.parametrize("regex,ok", [(r".*\.(q|v)_proj", True), ("(q", False), (r".*\.qkv", False)])
@@ -34,3 +36,22 @@ def test_target_modules_takes_one_regex(regex, ok):
     else:
         with pytest.raises(ConfigError, match="lora.target_modules"):
             load_recipe("tiny-cpu", {"lora.target_modules": regex})
+
+
+def test_7b_lora_at_4096_fits_one_64gb_npu_by_the_estimate():
+    """Qwen2.5-7B, r 8 on all seven layers: peft's 20,185,088 trainable parameters; the frozen bf16 base
+    dominates, gradients and Adam state are the adapters' only."""
+    from finetune.lora_config import trainable_elements
+    from finetune.memory import estimate_memory
+
+    qwen7b = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    assert trainable_elements(qwen7b, LoraConfig()) == (20_185_088, 0)
+    kw = dict(seq_len=4096, micro_batch_size=1, precision="bf16", recompute=True, loss_chunk_tokens=1024)
+    lora, full = estimate_memory(qwen7b, lora=LoraConfig(), **kw), estimate_memory(qwen7b, **kw)
+    print(lora.table())
+    assert lora.total < 64e9 * 0.5 < full.total
+    assert (lora.grads, lora.master, lora.optimizer) == (20_185_088 * 4, 0, 2 * 20_185_088 * 4)
+    assert lora.weights == full.weights + 20_185_088 * 4  # the base in bf16 + the fp32 adapters
+    saved = estimate_memory(qwen7b, lora=LoraConfig(modules_to_save=["lm_head"]), **kw)
+    assert saved.master == 152064 * 3584 * 4 and saved.grads == (20_185_088 + 152064 * 3584) * 4

@@ -85,3 +85,14 @@ def test_targets_and_modules_to_save(ms_cpu, kw, names):
     assert len(params) == names
     assert [p.name for p in model.trainable_params()] == [p.name for p in params]
     assert ("lm_head.weight" in [p.name for p in params]) == ("modules_to_save" in kw)
+
+
+def test_dropout_acts_in_training_only(ms_cpu):
+    ms = ms_cpu
+    model, params = lora_model(ms, dropout=0.5)
+    golden_init(ms, params)
+    batch, n = _batch(ms)
+    model.set_train(True)
+    assert abs(float(model(*batch).asnumpy()) / n - float(np.load(G)["loss"])) > 1e-4
+    model.set_train(False)
+    np.testing.assert_allclose(float(model(*batch).asnumpy()) / n, float(np.load(G)["loss"]), rtol=1e-5)

@@ -1,0 +1,129 @@
+"""LoRA adapters in and out in peft's format: ``adapter/`` (adapter_model.safetensors, adapter_config.json,
+tokenizer files), the merged full model (``hf/``: base + scale * B @ A) and loading an adapter back.
+
+Names: ours are the layer's path + ``.lora_A.weight`` (finetune/lora.py); peft's prefix them with
+``base_model.model.`` and store ``modules_to_save`` weights under their own name with the same prefix.
+Export is collective (TP slices gathered, see hf_io.gather_slice); only the main rank writes.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from finetune.dist import RankInfo
+from finetune.fsutil import atomic_dir
+from finetune.hf_io import (EXPORT_DTYPES, TOKENIZER_FILES, _convert, _write_shard, gather_full, gather_slice,
+                            write_hf_dir)
+from finetune.lora_config import TARGETS, LoraConfig
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def adapter_identity(cfg: LoraConfig) -> str:
+    """What a checkpoint's adapters are (compared on resume): rank, targets, saved modules."""
+    return f"lora r={cfg.r} targets={','.join(cfg.target_modules)} save={','.join(cfg.modules_to_save)}"
+
+
+def peft_config(cfg: LoraConfig, base_model: str) -> dict:
+    """adapter_config.json as peft writes it for a causal LM."""
+    t = cfg.target_modules
+    regex = len(t) == 1 and t[0] not in TARGETS
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.r,
+            "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": t[0] if regex else sorted(t),
+            "bias": cfg.bias, "use_rslora": cfg.use_rslora, "modules_to_save": cfg.modules_to_save or None,
+            "init_lora_weights": "gaussian" if cfg.init == "gaussian" else True, "fan_in_fan_out": False,
+            "inference_mode": True, "use_dora": False, "layers_to_transform": None, "layers_pattern": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "revision": None}
+
+
+def adapter_tensors(model, params: list, rank: RankInfo) -> dict[str, np.ndarray]:
+    """Our name -> the full fp32 tensor of every trained parameter (collective over TP)."""
+    shapes = model.hf_shapes()
+    return {p.name: gather_slice(p.asnumpy().astype(np.float32), getattr(p, "hf_shape", None) or shapes[p.name],
+                                 getattr(p, "tp_slice", None), rank) for p in params}
+
+
+def write_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray], cfg: LoraConfig, base_dir: str | Path,
+                  dtype: str = "fp32") -> Path:
+    """``out_dir`` in peft's layout (written whole or not at all); tokenizer files from the base."""
+    st_dtype = EXPORT_DTYPES[dtype][0]
+    with atomic_dir(out_dir) as tmp:
+        _write_shard(tmp / ADAPTER_FILE, {PEFT_PREFIX + n: _convert(a, dtype) for n, a in tensors.items()}, st_dtype)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, str(base_dir)), indent=2, sort_keys=True) + "\n")
+        for f in TOKENIZER_FILES:
+            if (Path(base_dir) / f).is_file():
+                shutil.copyfile(Path(base_dir) / f, tmp / f)
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+    return Path(out_dir)
+
+
+def merged_weights(model, tensors: dict[str, np.ndarray], cfg: LoraConfig, rank: RankInfo):
+    """``fetch(name)`` of the full merged weights: base (gathered) + scale * B @ A, or a saved module."""
+    state = model.hf_state()
+
+    def fetch(name: str) -> np.ndarray:
+        if name in tensors:  # modules_to_save
+            return tensors[name]
+        w = gather_full(model, name, state[name], rank)
+        a = tensors.get(name.removesuffix(".weight") + ".lora_A.weight")
+        if a is None:
+            return w
+        b = tensors[name.removesuffix(".weight") + ".lora_B.weight"]
+        return (w.astype(np.float64) + cfg.scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+
+    return fetch
+
+
+def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, out: str | Path, dtype: str,
+                shard_size_bytes: int, merge: bool, rank: RankInfo) -> None:
+    """``out/adapter`` (peft, fp32) and, with ``merge``, the merged model as ``out/hf`` in ``dtype``.
+    Every rank calls it; only the main rank writes."""
+    tensors = adapter_tensors(model, params, rank)
+    if rank.is_main:
+        write_adapter(Path(out) / "adapter", tensors, cfg, base_dir)
+    if merge:
+        full = model.hf_shapes()
+        write_hf_dir(Path(out) / "hf" if rank.is_main else None, base_dir, {n: full[n] for n in model.hf_state()},
+                     merged_weights(model, tensors, cfg, rank), dtype, shard_size_bytes)
+
+
+def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """A peft LoRA directory: (its config, our name -> fp32 tensor)."""
+    from finetune.hf_io import read_header, read_tensor
+
+    d = Path(adapter_dir)
+    if not (d / ADAPTER_CONFIG).is_file() or not (d / ADAPTER_FILE).is_file():
+        raise ValueError(f"{d}: no {ADAPTER_CONFIG} and {ADAPTER_FILE}; give a LoRA adapter directory in peft's "
+                         "format, e.g. --adapter output/adapter")
+    raw = json.loads((d / ADAPTER_CONFIG).read_text())
+    if raw.get("peft_type") != "LORA":
+        raise ValueError(f"{d / ADAPTER_CONFIG}: peft_type {raw.get('peft_type')!r} is not LORA")
+    t = raw["target_modules"]
+    cfg = LoraConfig(r=raw["r"], alpha=raw["lora_alpha"], dropout=0.0, use_rslora=bool(raw.get("use_rslora")),
+                     target_modules=[t] if isinstance(t, str) else list(t),
+                     modules_to_save=list(raw.get("modules_to_save") or []))
+    return cfg, {n.removeprefix(PEFT_PREFIX): read_tensor(d / ADAPTER_FILE, n) for n in read_header(d / ADAPTER_FILE)[0]}
+
+
+def load_adapter(model, adapter_dir: str | Path) -> list:
+    """Attach the adapter of ``adapter_dir`` to ``model`` (each TP rank its slices); its parameters."""
+    import mindspore as ms
+
+    from finetune.lora import apply_lora
+    from finetune.reshard import cut
+
+    cfg, tensors = read_adapter(adapter_dir)
+    params = apply_lora(model, cfg, seed=0)
+    missing = [p.name for p in params if p.name not in tensors]
+    if missing:
+        raise ValueError(f"{adapter_dir}: {ADAPTER_FILE} lacks {', '.join(missing[:3])}: not an adapter of this model")
+    for p in params:
+        p.set_data(ms.Tensor(cut(tensors[p.name], getattr(p, "tp_slice", None) or model.tp_layout.get(p.name)),
+                             p.dtype))
+    return params
