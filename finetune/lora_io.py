@@ -51,7 +51,7 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray], cfg: Lora
                   dtype: str = "fp32") -> Path:
     """``out_dir`` in peft's layout (written whole or not at all); tokenizer files from the base."""
     st_dtype = EXPORT_DTYPES[dtype][0]
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "lora-adapter") as tmp:
         _write_shard(tmp / ADAPTER_FILE, {PEFT_PREFIX + n: _convert(a, dtype) for n, a in tensors.items()}, st_dtype)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, str(base_dir)), indent=2, sort_keys=True) + "\n")
         for f in TOKENIZER_FILES:
