@@ -21,7 +21,7 @@ from finetune.config import Recipe, TrainConfig, resolved_model_dir
 from finetune.data.batching import BatchLoader
 from finetune.data.cache import cache_dir_for
 from finetune.dist import RankInfo
-from finetune.optim import AdamW, LossScaler
+from finetune.optim import AdamW, LossScaler, Optimizer
 from finetune.parallel.overlap import GradReduction
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
@@ -45,7 +45,7 @@ class Trainer:
     model: Any  # Qwen2ForCausalLM
     model_dir: Path
     params: list
-    opt: Any  # AdamW or ShardedAdamW
+    opt: Optimizer  # AdamW or ShardedAdamW
     reduction: GradReduction  # the DP gradient reduction by the optimizer's buckets
     scaler: LossScaler
     loader: BatchLoader
@@ -78,7 +78,7 @@ class Trainer:
                              elapsed_s=self.elapsed_s(), identity=self.identity,
                              best_eval=None if math.isinf(self.best_eval) else self.best_eval,  # JSON has no inf
                              evals_without_gain=self.evals_without_gain)
-        sharded = not isinstance(self.opt, AdamW)
+        sharded = self.opt.sharded
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
                                owns_optim=sharded or self.rank.dp_rank == 0)
@@ -88,7 +88,7 @@ class Trainer:
     def restore(self, path: Path | None) -> None:
         """Continue from the checkpoint at ``path`` (None: the newest one that verifies, if any): weights,
         optimizer, data position, loss scale, counters."""
-        shard = not isinstance(self.opt, AdamW)
+        shard = self.opt.sharded
         if path is None:
             found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print, shard)
             if found is None:
@@ -176,7 +176,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     return model, params
 
 
-def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool):
+def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool) -> Optimizer:
     """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
     if shard and rank.dp > 1:
         from finetune.parallel.zero import ShardedAdamW
