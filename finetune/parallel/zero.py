@@ -30,7 +30,7 @@ from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
                            native_collectives, reduce_scatter_sum_async)
 from finetune.optim import BiasCorrection, StepGate, write_param
-from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
+from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
@@ -165,13 +165,7 @@ class ShardedAdamW:
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> ms.Tensor:
-        split = ops.zeros((PARTIALS,), ms.float32)
-        rep = ops.zeros((PARTIALS,), ms.float32)
-        for g, segs in zip(shards, self.segs):
-            for a, b, _, ws, wr in segs:
-                sq = square_partials(g[a:b])
-                split = split + sq * ws
-                rep = rep + sq * wr
+        split, rep = norm_partials((g[a:b], ws, wr) for g, segs in zip(shards, self.segs) for a, b, _, ws, wr in segs)
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 
