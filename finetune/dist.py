@@ -196,13 +196,18 @@ class Ready:
 
 
 class InFlight:
-    """An asynchronous collective writing into ``out``: ``wait`` waits for it and returns ``out[lo:hi]``."""
+    """An asynchronous collective writing into ``out``: ``wait`` waits for it and returns ``out[lo:hi]``.
 
-    def __init__(self, handle: Any, out: Any, lo: int = 0, hi: int | None = None):
-        self.handle, self.out, self.lo, self.hi = handle, out, lo, hi
+    It keeps every buffer handed to the collective (``out`` and ``inputs``) referenced until ``wait``
+    returns, as MindSpore's own DistributedDataParallel does: a buffer freed while the collective still
+    reads it could be reused by a later kernel (docs/ascend-contracts.md, "buffer lifetime")."""
+
+    def __init__(self, handle: Any, out: Any, lo: int = 0, hi: int | None = None, inputs: tuple = ()):
+        self.handle, self.out, self.lo, self.hi, self.inputs = handle, out, lo, hi, inputs
 
     def wait(self) -> Any:
         self.handle.wait()
+        self.inputs = ()
         return self.out if self.lo == 0 and self.hi is None else self.out[self.lo:self.hi]
 
 
@@ -233,7 +238,8 @@ def reduce_scatter_sum_async(buf: Any, size: int, index: int, group: str | None,
     from mindspore.mint import distributed
 
     out = ops.zeros((n,), buf.dtype)
-    return InFlight(distributed.reduce_scatter_tensor(out, buf, op="sum", group=group, async_op=True), out)
+    return InFlight(distributed.reduce_scatter_tensor(out, buf, op="sum", group=group, async_op=True), out,
+                    inputs=(buf,))
 
 
 def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native: bool) -> Any:

@@ -10,7 +10,7 @@ decisions read the norm (``StepGate``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import mindspore as ms
 import numpy as np
@@ -19,7 +19,7 @@ from mindspore import ops
 from finetune.config import LossScaleConfig, TrainConfig
 from finetune.dist import BUCKET_BYTES, RankInfo, Ready
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
-from finetune.parallel.overlap import reduce_now
+from finetune.parallel.overlap import Bucketed, reduce_now
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -48,13 +48,33 @@ def unscale_and_clip(grads: list, norm: ms.Tensor, max_norm: float, grad_scale: 
 
 
 class KernelScalars(NamedTuple):
-    """Arguments of the in-place ``AdamWeightDecay`` kernel for one step (fp32 device scalars)."""
+    """Scalars of ``adamw_update`` for one step (fp32 device scalars)."""
 
     lr: ms.Tensor
     beta1: ms.Tensor
     beta2: ms.Tensor
     eps: ms.Tensor
     decay_factor: ms.Tensor  # weight decay ``wd`` enters the kernel as ``wd * decay_factor``
+
+
+def adamw_update(w: ms.Tensor, m: ms.Tensor, v: ms.Tensor, g: ms.Tensor, k: KernelScalars, wd: ms.Tensor
+                 ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
+    """The optimizer kernel: one AdamW step of the fp32 ``w`` as NEW tensors (w', m', v'); writes none
+    of its inputs, so the caller keeps what it returns (docs/ascend-contracts.md, "optimizer kernel").
+
+    m' = b1 m + (1 - b1) g;  v' = b2 v + (1 - b2) g^2;  w' = w (1 - lr' wd) - lr' m' / (sqrt(v') + eps'),
+    torch's AdamW step (decay first) with the bias corrections folded into lr', eps' and wd
+    (BiasCorrection), from documented ops (``lerp``, ``addcmul``, ...: eight passes) that return
+    their results in PyNative on every backend (not ``addcdiv``: MindSpore 2.10's CPU kernel gives NaN
+    for value 0, a skipped step's lr', with a zero numerator). ``ops.AdamWeightDecay`` (one pass on CPU, about
+    5x faster there) is not used: it works by writing its inputs in place, which MindSpore documents
+    for no non-Parameter tensor in PyNative (on the CPU its returned tensors are zeros), and on Ascend
+    it lowers to a non-aclnn kernel; ``mint.optim.AdamW``'s ``ops.auto_generate.AdamW`` is Ascend-only
+    and also writes in place.
+    """
+    m = ops.lerp(m, g, 1.0 - k.beta1)
+    v = ops.addcmul(v * k.beta2, g, g, 1.0 - k.beta2)
+    return w * (1.0 - k.lr * wd) - k.lr * (m / (ops.sqrt(v) + k.eps)), m, v
 
 
 class BiasCorrection:
@@ -65,7 +85,7 @@ class BiasCorrection:
     With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
     Row t of the table: (sqrt(bc2)/bc1, eps*sqrt(bc2), bc1/sqrt(bc2)) of step t, in float64 made fp32.
     A skipped step gets lr' 0 (on the device gate the kernel then leaves the weights as they were and
-    ``kernel_step`` keeps the moments; on the host gate no kernel runs; see StepGate).
+    ``StepGate.update`` keeps the old moments; on the host gate no kernel runs; see StepGate).
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -103,11 +123,10 @@ class StepGate:
     """Where the step decides whether it is applied (its gradient norm is finite) and clips.
 
     On the device (Ascend): nothing is read; the gradients are unscaled, clipped and, on a
-    non-finite norm, zeroed with ``ops.where``, and the kernel runs with lr' 0 on copies of the
-    moments, of which the old ones are kept (``kernel_step``), so the launch queue never waits for the
-    host. On the host (CPU, where kernels run synchronously and a read costs nothing): the norm is
-    read once, a non-finite step calls no kernel at all, and the kernel updates the moments in
-    place: five fewer passes over the state. Both give the same numbers (tests/finetune/test_optim.py).
+    non-finite norm, zeroed with ``ops.where``, and the kernel runs with lr' 0, its new moments
+    dropped for the old ones, so the launch queue never waits for the host. On the host (CPU,
+    where kernels run synchronously and a read costs nothing): the norm is read once and a
+    non-finite step calls no kernel at all. Both give the same numbers (tests/finetune/test_optim.py).
     """
 
     def __init__(self, rank: RankInfo):
@@ -130,25 +149,54 @@ class StepGate:
             coef = 1.0 / grad_scale if coef is None else coef / grad_scale
         return (grads if coef is None else [g * coef for g in grads]), norm, ok
 
-    def update(self, kernel, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
-               ) -> tuple[ms.Tensor, ms.Tensor]:
-        """One AdamWeightDecay step of ``w``; the moments to keep (``m``, ``v`` themselves on the host)."""
+    def update(self, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
+               ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
+        """One ``adamw_update`` of ``w``: the new (w, m, v) to keep (on the device gate the old moments
+        when the step is skipped; ``w`` is then unchanged: lr' 0, zeroed gradients)."""
+        w_new, m_new, v_new = adamw_update(w, m, v, g, k, wd)
         if self.on_device:
-            return kernel_step(kernel, w, m, v, k, wd, g, ok)
-        kernel(w, m, v, k.lr, k.beta1, k.beta2, k.eps, wd, g)
-        return m, v
+            return w_new, ops.where(ok, m_new, m), ops.where(ok, v_new, v)
+        return w_new, m_new, v_new
 
 
-def kernel_step(update, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
-                ) -> tuple[ms.Tensor, ms.Tensor]:
-    """One in-place AdamWeightDecay call (``update``) on ``w`` and on copies of the moments ``m``, ``v``;
-    returns the moments to keep: the new ones, or ``m`` and ``v`` themselves when the step is skipped
-    (``ok`` False; ``w`` is then unchanged: lr' 0, zeroed gradients). The kernel raises ValueError for
-    betas outside (0, 1) (MindSpore's ops.AdamWeightDecay), so betas of 1 cannot keep the moments."""
-    m_new, v_new = ops.where(ok, m, m), ops.where(ok, v, v)  # bit copies on the device (Tensor.copy reads
-    # through the host; mint.clone has no CPU kernel)
-    update(w, m_new, v_new, k.lr, k.beta1, k.beta2, k.eps, wd, g)
-    return ops.where(ok, m_new, m), ops.where(ok, v_new, v)
+def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
+    """Copy ``value`` into the storage of ``p`` (``ops.assign``: the documented in-place write to a Parameter)."""
+    ops.assign(p, value if value.dtype == p.dtype else value.astype(p.dtype))
+
+
+class UpdateCheck:
+    """The run fails loudly when the optimizer changes no weight (issue 18: a kernel whose results do
+    not reach the weights gives a flat loss for hours). Built before the first step, it keeps on the
+    host the first ``SAMPLE`` values of every fp32 master and the applied-step count; ``verify`` (at a
+    sync point, until it passed once) compares them again once this run applied a step (with
+    ``train.lr`` 0 nothing is meant to change and nothing is checked)."""
+
+    SAMPLE = 64
+
+    def __init__(self, opt: Optimizer, lr: float):
+        self.opt = opt
+        self.before, self.applied = self._read() if lr > 0 else (None, 0)
+
+    def _read(self) -> tuple[np.ndarray, int]:
+        """(the sampled master values, the applied-step count) in one host read."""
+        parts = [w.reshape(-1)[:self.SAMPLE].astype(ms.float32) for w in self.opt.masters()]
+        values = ops.cat(parts + [self.opt.corrections.applied.astype(ms.float32).reshape(1)]).asnumpy()
+        return values[:-1], int(values[-1])
+
+    def verify(self, step: int) -> None:
+        """RuntimeError when this run applied steps and no sampled master value changed."""
+        if self.before is None:
+            return
+        now, applied = self._read()
+        if applied == self.applied:
+            return
+        if np.array_equal(now, self.before):
+            raise RuntimeError(
+                f"the optimizer applied {applied - self.applied} step(s) up to step {step} but no master "
+                "weight changed: the AdamW update does not reach the weights on this device and software "
+                "stack, so the loss would stay flat. Stopped before wasting the run; check the MindSpore/CANN "
+                "versions against README.md and run the self-test (make selftest) on this host")
+        self.before = None
 
 
 class LossScaler:
@@ -204,6 +252,29 @@ class SkippedSteps:
         self.counts = self.counts * ms.Tensor(np.array([0.0, 1.0, 0.0], np.float32))
 
 
+class Optimizer(Bucketed, Protocol):
+    """What the trainer, the gradient reduction (``Bucketed``) and the checkpoint use of an optimizer:
+    ``AdamW`` or ``parallel.zero.ShardedAdamW``."""
+
+    sharded: bool  # the state is split over the DP ranks (each rank saves its own shard)
+    corrections: BiasCorrection  # the applied-step count and torch's bias corrections
+
+    def apply(self, reduced: list, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """Apply the DP-reduced gradients; (grad norm, applied) as device scalars."""
+
+    def step(self, grads: tuple | list, lr: float, grad_scale: ms.Tensor | None = None) -> tuple[ms.Tensor, ms.Tensor]:
+        """Reduce, then apply."""
+
+    def masters(self) -> list[ms.Tensor]:
+        """The fp32 weights the kernel updates (this rank's)."""
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The state to checkpoint (this rank's part when sharded)."""
+
+    def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
+        """Restore ``state_dict``'s output."""
+
+
 class AdamW:
     """torch.optim.AdamW semantics (decoupled weight decay), gradients clipped by global norm.
 
@@ -211,17 +282,17 @@ class AdamW:
     their own master. Norm and bias parameters (1-D) get no weight decay.
     """
 
+    sharded = False
+
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
         self.params, self.cfg, self.rank = list(params), cfg, rank
-        self.master = [p if p.dtype == ms.float32 else ms.Parameter(p.astype(ms.float32), name="master." + p.name)
-                       for p in self.params]
+        self.master = [p if p.dtype == ms.float32 else p.astype(ms.float32) for p in self.params]
         self.m = [ops.zeros(p.shape, ms.float32) for p in self.params]  # replaced each step (StepGate.update)
         self.v = [ops.zeros(p.shape, ms.float32) for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
         self.bucket_params = buckets_by_bytes([int(np.prod(p.shape)) for p in self.params], 4, bucket_bytes)
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
-        self._update = ops.AdamWeightDecay()  # in place; ~7x faster than composed ops on CPU
 
     def launch(self, k: int, grads) -> BucketSum | Ready:
         """Start the DP sum of bucket ``k`` of ``grads`` (see overlap.GradReduction); ``wait()`` gives
@@ -247,12 +318,17 @@ class AdamW:
         if grads is None:  # skipped on the host: nothing to run
             return norm, ok
         wd_t = {d: k.decay_factor * d for d in set(self.decay)}  # one per distinct decay
-        for i, (p, w, g) in enumerate(zip(self.params, self.master, grads)):
-            wd = wd_t[self.decay[i]]
-            self.m[i], self.v[i] = self.gate.update(self._update, w, self.m[i], self.v[i], k, wd, g, ok)
-            if w is not p:
-                p.set_data(w.astype(p.dtype))
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            w, self.m[i], self.v[i] = self.gate.update(self.master[i], self.m[i], self.v[i], k, wd_t[self.decay[i]],
+                                                       g, ok)
+            if self.master[i] is not p:
+                self.master[i] = w
+            write_param(p, w)
         return norm, ok
+
+    def masters(self) -> list[ms.Tensor]:
+        """The fp32 weights the kernel updates (for UpdateCheck)."""
+        return self.master
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Moments (and masters when separate), keyed by parameter name."""
@@ -270,5 +346,5 @@ class AdamW:
             self.m[i] = ms.Tensor(d[f"m.{p.name}"], ms.float32)
             self.v[i] = ms.Tensor(d[f"v.{p.name}"], ms.float32)
             if self.master[i] is not p:
-                self.master[i].set_data(ms.Tensor(d[f"master.{p.name}"], ms.float32))
+                self.master[i] = ms.Tensor(d[f"master.{p.name}"], ms.float32)
 

@@ -21,7 +21,7 @@ from mindspore import ops
 
 from finetune.config import Recipe
 from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
-from finetune.optim import SkippedSteps, lr_at
+from finetune.optim import SkippedSteps, UpdateCheck, lr_at
 from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
@@ -94,6 +94,7 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     profiler = StepProfiler(tc.profile_steps, rank, t.out)
     timer = reporter.timer
     pending_tokens, skipped = 0, SkippedSteps()
+    update_check = UpdateCheck(t.opt, tc.lr)  # fails the run at the first sync point if no weight changed
     while t.step < t.total_steps:
         profiler.before(t.step + 1)
         timer.start()
@@ -121,6 +122,7 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
         loss_sum, tokens, stopping, (norm, scale, n_skipped, streak, longest) = dp_totals(
             loss, pending_tokens, stop.set, rank, ops.cat([ops.stack([grad_norm, loss_scale]), skipped.counts]))
         skipped.read()
+        update_check.verify(t.step)
         t.tokens_seen += tokens
         t.skipped_steps, t.bad_streak = t.skipped_steps + int(n_skipped), int(streak)
         pending_tokens = 0

@@ -22,7 +22,7 @@ from finetune.data.batching import BatchLoader
 from finetune.data.cache import cache_dir_for
 from finetune.dist import RankInfo
 from finetune.fsutil import remove_stale_temps
-from finetune.optim import AdamW, LossScaler
+from finetune.optim import AdamW, LossScaler, Optimizer
 from finetune.parallel.overlap import GradReduction
 from finetune.rerun import changed_settings, run_settings
 
@@ -47,7 +47,7 @@ class Trainer:
     model: Any  # Qwen2ForCausalLM
     model_dir: Path
     params: list
-    opt: Any  # AdamW or ShardedAdamW
+    opt: Optimizer  # AdamW or ShardedAdamW
     reduction: GradReduction  # the DP gradient reduction by the optimizer's buckets
     scaler: LossScaler
     loader: BatchLoader
@@ -84,7 +84,7 @@ class Trainer:
                              best_eval=None if math.isinf(self.best_eval) else self.best_eval,  # JSON has no inf
                              evals_without_gain=self.evals_without_gain, skipped_steps=self.skipped_steps,
                              bad_streak=self.bad_streak, settings=run_settings(self.recipe), finished=finished)
-        sharded = not isinstance(self.opt, AdamW)
+        sharded = self.opt.sharded
         path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
                                owns_optim=sharded or self.rank.dp_rank == 0)
@@ -94,7 +94,7 @@ class Trainer:
     def restore(self, path: Path | None) -> None:
         """Continue from the checkpoint at ``path`` (None: the newest one that verifies, if any): weights,
         optimizer, data position, loss scale, counters."""
-        shard = not isinstance(self.opt, AdamW)
+        shard = self.opt.sharded
         if path is None:
             found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print, shard)
             if found is None:
@@ -212,7 +212,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     return model, params
 
 
-def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool):
+def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool) -> Optimizer:
     """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
     if shard and rank.dp > 1:
         from finetune.parallel.zero import ShardedAdamW

@@ -113,16 +113,21 @@ def finish_norm(split: ms.Tensor, replicated: ms.Tensor, rank: RankInfo) -> ms.T
     return ops.sqrt(tree_sum(all_reduce_sum(split, rank.tp_group) + replicated))
 
 
+def norm_partials(pieces) -> tuple[ms.Tensor, ms.Tensor]:
+    """(split, replicated) square partials of ``pieces``: (gradient slice, its split and replicated
+    weights from ``norm_weights``), summed in order; the one accumulation of the whole-model norm."""
+    split = ops.zeros((PARTIALS,), ms.float32)
+    rep = ops.zeros((PARTIALS,), ms.float32)
+    for g, ws, wr in pieces:
+        sq = square_partials(g)
+        if ws:
+            split = split + sq * ws
+        if wr:
+            rep = rep + sq * wr
+    return split, rep
+
+
 def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Tensor:
     """L2 norm of the whole model's (DP-reduced) gradient, a device scalar; each TP slice counted
     once; deterministic."""
-    split = ops.zeros((PARTIALS,), ms.float32)
-    rep = ops.zeros((PARTIALS,), ms.float32)
-    for g, p in zip(grads, params):
-        sq = square_partials(g)
-        ws, wr = norm_weights(p)
-        if ws:
-            split = split + sq
-        if wr:
-            rep = rep + sq
-    return finish_norm(split, rep, rank)
+    return finish_norm(*norm_partials((g, *norm_weights(p)) for g, p in zip(grads, params)), rank)

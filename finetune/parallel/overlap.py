@@ -74,9 +74,11 @@ class GradReduction:
         self.launched_after = []
 
     def _hook(self, i: int):
-        def hook(grad):
+        def hook(grad: ms.Tensor) -> ms.Tensor:
+            """Returns the gradient unchanged (the ``Tensor.register_hook`` contract of MindSpore 2.10)."""
             if self.armed:
                 self._arrive(i, grad)
+            return grad
         return hook
 
     def _arrive(self, i: int, grad: ms.Tensor) -> None:

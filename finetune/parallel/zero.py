@@ -14,7 +14,7 @@ the DP group to get this rank's chunk, unscale, take the global norm over all ch
 slices), skip on a non-finite norm, clip, AdamW-update the chunk, then all-gather the updated
 chunks and write them back into the parameters. The math per element is that of
 ``finetune.optim.AdamW`` (torch AdamW: decoupled decay, bias corrections, no decay on 1-D params),
-with the same in-place AdamWeightDecay kernel (1.7x faster than composed ops on CPU).
+with the same kernel (``optim.adamw_update``, returning new tensors).
 Where the backend lacks ReduceScatter/AllGather on the DP group (CPU), AllReduce-based
 equivalents give the same numbers; the choice is logged once.
 """
@@ -29,8 +29,8 @@ from mindspore import ops
 from finetune.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
                            native_collectives, reduce_scatter_sum_async)
-from finetune.optim import BiasCorrection, StepGate
-from finetune.parallel.grads import PARTIALS, finish_norm, norm_weights, square_partials
+from finetune.optim import BiasCorrection, StepGate, write_param
+from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
@@ -47,7 +47,10 @@ def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Pi
 
 
 class ShardedAdamW:
-    """AdamW whose fp32 state is partitioned over the DP group; same interface as ``optim.AdamW``."""
+    """AdamW whose fp32 state is partitioned over the DP group; same interface as ``optim.AdamW``
+    (``optim.Optimizer``)."""
+
+    sharded = True
 
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
         self.params, self.cfg, self.rank = list(params), cfg, rank
@@ -67,7 +70,6 @@ class ShardedAdamW:
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
-        self._update = ops.AdamWeightDecay()  # in place on (chunk, m, v)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
         rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
@@ -132,7 +134,7 @@ class ShardedAdamW:
         GradReduction.finish), all-gather the new weights; returns (global grad_norm, applied) as
         device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
         shards, norm, ok = self.gate.gradients(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
-        # In-place AdamWeightDecay kernel with torch's bias correction folded in (optim.BiasCorrection);
+        # optim.adamw_update with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
         ks = self.corrections.step(lr, ok)
         if shards is None:  # skipped on the host: nothing to run
@@ -148,7 +150,7 @@ class ShardedAdamW:
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
                 w = self._decayed(w, k, keep_t)
-            self.m[k], self.v[k] = self.gate.update(self._update, w, self.m[k], self.v[k], ks, wd, g, ok)
+            w, self.m[k], self.v[k] = self.gate.update(w, self.m[k], self.v[k], ks, wd, g, ok)
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w, pending)
@@ -163,13 +165,7 @@ class ShardedAdamW:
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> ms.Tensor:
-        split = ops.zeros((PARTIALS,), ms.float32)
-        rep = ops.zeros((PARTIALS,), ms.float32)
-        for g, segs in zip(shards, self.segs):
-            for a, b, _, ws, wr in segs:
-                sq = square_partials(g[a:b])
-                split = split + sq * ws
-                rep = rep + sq * wr
+        split, rep = norm_partials((g[a:b], ws, wr) for g, segs in zip(shards, self.segs) for a, b, _, ws, wr in segs)
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 
@@ -187,7 +183,11 @@ class ShardedAdamW:
                 parts = pending.pop(i)
                 p = self.params[i]
                 flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-                p.set_data(flat.reshape(p.shape).astype(p.dtype))
+                write_param(p, flat.reshape(p.shape))
+
+    def masters(self) -> list[ms.Tensor]:
+        """This rank's fp32 chunks the kernel updates (for optim.UpdateCheck)."""
+        return self.master if self.keep_master else [self._own_chunk(k) for k in range(len(self.buckets))]
 
     # ---------------------------------------------------------------- state
     def state_nbytes(self) -> int:

@@ -44,3 +44,63 @@ def test_a_hook_that_fires_twice_is_refused_naming_the_parameter_and_the_fix():
     red._hook(1)(ms.Tensor(np.ones(2, np.float32)))
     with pytest.raises(RuntimeError, match=r"p1 ran twice.*OVERRIDES='parallel.overlap_grad_reduce=false'"):
         red._hook(1)(ms.Tensor(np.ones(2, np.float32)))
+
+
+def test_the_hooks_return_the_gradient_and_backward_runs_under_the_hook_twin(monkeypatch):
+    """Issue 18 section 1.4: MindSpore 2.10's Tensor.register_hook says a hook returns the gradient,
+    never None (the old hooks returned None). Under the twin, which checks every hook's return, a
+    backward with overlapping reduction gives the gradients of a backward without hooks."""
+    from mindspore import ops
+
+    from tests.finetune.contracts import twins
+
+    red = GradReduction(_params(), Buckets(), overlap=True)
+    g = ms.Tensor(np.ones(2, np.float32))
+    assert red._hook(0)(g) is g  # unarmed, as in the earlier micro-batches' backward
+    red.arm(None)
+    assert red._hook(1)(g) is g
+
+    calls = {}
+    monkeypatch.setattr(ms.Parameter, "register_hook", twins.register_hook_twin(ms.Parameter.register_hook, calls))
+    params = _params()
+    x = ms.Tensor(np.arange(2, dtype=np.float32))
+
+    def loss():
+        return ops.sum(params[0] * x) + ops.sum(params[1] * params[2] * x)
+
+    _, plain = ms.value_and_grad(loss, None, params)()
+    opt = Buckets()
+    red = GradReduction(params, opt, overlap=True)
+    red.arm(None)
+    _, hooked = ms.value_and_grad(loss, None, params)()
+    out = red.finish(hooked)
+    assert calls["register_hook"] == 3 and opt.launched == [2, 1, 0]
+    for a, b in zip(hooked, plain):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    assert [[x.asnumpy().tolist() for x in b] for b in out] == \
+        [[plain[0].asnumpy().tolist()], [plain[1].asnumpy().tolist(), plain[2].asnumpy().tolist()],
+         [plain[2].asnumpy().tolist()]]
+
+
+def test_the_reduce_scatter_input_stays_referenced_until_wait(monkeypatch):
+    """Issue 18 section 1.4: the buffer handed to an asynchronous reduce_scatter_tensor is kept until its
+    wait() (the old InFlight kept only the output: a bucket built for the call was freed at once).
+    The twin holds only a weak reference and refuses a wait() after the input was freed."""
+    import gc
+
+    from mindspore import ops
+    from mindspore.mint import distributed
+
+    from finetune.dist import reduce_scatter_sum_async
+    from tests.finetune.contracts import twins
+
+    class Done:
+        def wait(self):
+            pass
+
+    calls = {}
+    monkeypatch.setattr(distributed, "reduce_scatter_tensor", twins.reduce_scatter_tensor_twin(
+        lambda t, op, group, async_op: Done(), lambda group: 2, lambda group: 1, calls))
+    flight = reduce_scatter_sum_async(ops.arange(8).astype(ms.float32) * 2, 2, 1, "dp-0-1", native=True)
+    gc.collect()
+    assert flight.wait().asnumpy().tolist() == [8.0, 10.0, 12.0, 14.0] and calls["reduce_scatter_tensor"] == 1

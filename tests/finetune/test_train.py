@@ -138,11 +138,12 @@ def test_a_diverging_run_stops_nonzero_and_exports_nothing(tmp_path, capsys, log
     assert not (out / "hf").exists() and not list(out.glob("checkpoints/step_*"))
 
 
-@pytest.mark.parametrize("on_device, want", [(True, [4]), (False, [0, 1, 2, 3, 4])])
+@pytest.mark.parametrize("on_device, want", [(True, [0, 4, 4]), (False, [0, 0, 1, 2, 3, 4, 4])])
 def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_device, want):
     """Issue 12 item 8: no loss copy per micro-batch, no stop all-reduce and no norm read per step
     (clip and skip stay on the device, as on Ascend); one read at a logged step. On CPU (the host
-    gate, where kernels are synchronous) the norm is read once per step, nothing else."""
+    gate, where kernels are synchronous) the norm is read once per step, nothing else. The update
+    check (optim.UpdateCheck) adds one read before the first step and one at the first sync point."""
     import mindspore as ms
 
     from finetune.dist import init_distributed
@@ -164,6 +165,26 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
                                                                                  _f(self, *a, **k))[1])
     assert train_loop(trainer, reporter, StopFlag()) == 0
     assert reads == want  # the logged step 4 (and each step's norm on the host gate)
+
+
+def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(tmp_path, monkeypatch):
+    """Issue 18 section 1.3: an optimizer kernel whose results do not reach the weights (the old
+    optimizer under a kernel that does not write its inputs) stops the run at the first sync point
+    with what it means, instead of hours of flat loss."""
+    import mindspore as ms
+
+    from finetune import optim
+    from finetune.dist import init_distributed
+    from finetune.progress import Reporter
+    from finetune.train import StopFlag, train_loop
+    from finetune.trainer import setup
+
+    recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
+                                  "data.val_size": "0"})
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
+    monkeypatch.setattr(optim, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
+    with pytest.raises(RuntimeError, match=r"applied 2 step\(s\) up to step 2 but no master weight changed"):
+        train_loop(trainer, Reporter(trainer), StopFlag())
 
 
 def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):

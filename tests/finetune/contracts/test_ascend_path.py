@@ -170,8 +170,9 @@ def test_rope_falls_back_outside_its_documented_sizes(twins):
 
 
 def test_optimizer_kernel_under_its_twin(twins):
-    """The AdamW step (fp16 parameters with fp32 masters, as the trainer on Ascend) calls AdamWeightDecay
-    within its contract: fp32 var/m/v/grad, fp32 scalar hyper-parameters."""
+    """The AdamW step (fp16 parameters with fp32 masters, as the trainer on Ascend) calls the optimizer
+    kernel within its contract (fp32 w/m/v/grad, fp32 scalar hyper-parameters) and keeps what it returns:
+    under the strict twin, which writes none of its inputs, every weight changes."""
     ms = __import__("mindspore")
     from finetune.config import TrainConfig
     from finetune.optim import AdamW
@@ -182,15 +183,15 @@ def test_optimizer_kernel_under_its_twin(twins):
     before = {p.name: p.asnumpy().copy() for p in model.trainable_params()}
     opt = AdamW(model.trainable_params(), TrainConfig(lr=1e-2), ASCEND)
     _, applied = opt.step(grads, 1e-2)
-    assert bool(applied.asnumpy()) and twins["AdamWeightDecay"] == len(before)
+    assert bool(applied.asnumpy()) and twins["adamw_update"] == len(before) and "AdamWeightDecay" not in twins
     assert all(not np.array_equal(p.asnumpy(), before[p.name]) for p in model.trainable_params())
 
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_skipped_step_calls_the_optimizer_kernel_within_its_contract(twins, sharded):
     """A step with non-finite gradients is skipped on the device by the same kernel call: its betas
-    must stay in (0, 1) (ops.AdamWeightDecay raises ValueError otherwise; betas of 1 were passed
-    once), and weights and moments stay bit for bit as they were."""
+    must stay in (0, 1) (betas of 1 were passed once), and weights and moments stay bit for bit as
+    they were."""
     ms = __import__("mindspore")
     from finetune.config import TrainConfig
     from finetune.optim import AdamW
@@ -255,3 +256,54 @@ def test_packed_spec_comes_from_the_host_batch_not_the_device(twins):
     del tensors[-1].host
     with pytest.raises(AssertionError, match="read from the device"):
         model(*tensors)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_adamw_matches_torch_under_the_strict_kernel_twin(twins, on_device):
+    """Issue 18 section 1.3: with a kernel that returns new tensors and writes none of its inputs (the
+    twin), AdamW still equals torch's AdamW (tools/make_optim_golden.py), on both step gates. The old
+    optimizer relied on ops.AdamWeightDecay writing its inputs in place and learned nothing here."""
+    import json
+
+    ms = __import__("mindspore")
+    from finetune.config import TrainConfig
+    from finetune.optim import AdamW
+
+    golden = json.loads((GOLDEN / "adamw.json").read_text())
+    params = [ms.Parameter(ms.Tensor(np.array(golden["init"][k], np.float32)), name=k) for k in ("w", "b")]
+    opt = AdamW(params, TrainConfig(lr=1e-2, clip_grad=1.0), RankInfo())
+    opt.gate.on_device = on_device
+    for g, lr in zip(golden["grads"], golden["lrs"]):
+        opt.step(tuple(ms.Tensor(np.array(g[k], np.float32)) for k in ("w", "b")), lr)
+    assert twins["adamw_update"] == 2 * len(golden["grads"])
+    for p, k in zip(params, ("w", "b")):
+        np.testing.assert_allclose(p.asnumpy(), np.array(golden["final"][k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_update_that_reaches_no_weight_stops_the_run(twins, monkeypatch, sharded):
+    """The runtime guard (optim.UpdateCheck): a kernel whose results do not reach the weights (here one
+    that returns its inputs, as a write-nothing kernel looks to a caller relying on in-place writes)
+    fails at the first check after an applied step, saying what it means; a working one passes."""
+    ms = __import__("mindspore")
+    from finetune import optim
+    from finetune.config import TrainConfig
+    from finetune.parallel.zero import ShardedAdamW
+
+    def run(kernel):
+        if kernel is not None:
+            monkeypatch.setattr(optim, "adamw_update", kernel)
+        model = _hd16_model(ASCEND, "float16")
+        params = model.trainable_params()
+        _, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(*(ms.Tensor(x) for x in _packed_batch()))
+        cfg = TrainConfig(lr=1e-2, weight_decay=0.0)  # the sharded decay of mixed chunks is outside the kernel
+        opt = ShardedAdamW(params, cfg, ASCEND, bucket_bytes=4096) if sharded else optim.AdamW(params, cfg, ASCEND)
+        check = optim.UpdateCheck(opt, cfg.lr)
+        check.verify(0)  # nothing applied yet: nothing to say
+        opt.step(grads, 1e-2)
+        check.verify(1)
+
+    run(None)  # the strict twin: the weights change
+    with pytest.raises(RuntimeError, match=r"applied 1 step\(s\) up to step 1 but no master weight changed.*"
+                                           r"loss would stay flat.*make selftest"):
+        run(lambda w, m, v, g, k, wd: (w, m, v))

@@ -54,6 +54,17 @@ def _adam(**over):
     return args
 
 
+def _kernel(**over):
+    """Arguments of finetune.optim.adamw_update (one step of a 3x4 weight)."""
+    from finetune.optim import KernelScalars
+
+    a = _adam()
+    args = dict(w=a["var"] * 1, m=a["m"] * 1, v=a["v"] * 1, g=a["gradient"],
+                k=KernelScalars(a["lr"], a["beta1"], a["beta2"], a["epsilon"], _f32(1.0)), wd=a["decay"])
+    args.update(over)
+    return args
+
+
 def _f32(v: float):
     import mindspore as ms
 
@@ -123,21 +134,57 @@ VIOLATIONS = [
     ("AdamWeightDecay", "scalars", lambda: _adam(lr=1e-3)),
     ("AdamWeightDecay", "scalars", lambda: _adam(decay=T((), "float32") * 0 - 1)),
     ("AdamWeightDecay", "scalars", lambda: _adam(beta1=_f32(1.0))),  # once passed on a skipped step
+    ("adamw_update", "dtype", lambda: _kernel(g=T((3, 4)))),
+    ("adamw_update", "shape", lambda: _kernel(g=T((4, 3), "float32"))),
+    ("adamw_update", "scalars", lambda: _kernel(wd=1e-2)),
+    ("adamw_update", "scalars", lambda: _kernel(wd=_f32(-1.0))),
     ("reduce_scatter_tensor", "args", lambda: _rs(output=T((4,), "float16"))),
     ("reduce_scatter_tensor", "args", lambda: _rs(group=None)),
     ("reduce_scatter_tensor", "args", lambda: _rs(op="mean")),
+    ("reduce_scatter_tensor", "lifetime", lambda: dict(freed=True)),
+    ("all_reduce", "lifetime", lambda: dict(freed=True)),
+    ("register_hook", "returns", lambda: dict(hook=lambda grad: None)),  # the old overlap hooks returned None
     ("reduce_scatter_tensor", "shape", lambda: _rs(input=T((7,), "float32"))),
     ("reduce_scatter_tensor", "shape", lambda: _rs(output=T((8,), "float32"))),
 ]
 
 
+class _Done:
+    """A finished collective (the handle a fake all_reduce returns)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def _fake_all_reduce(tensor, op="sum", group=None, async_op=False):
+    return _Done() if async_op else None
+
+
 def _call(op: str, kwargs: dict):
-    from mindspore import ops
+    import gc
 
     from tests.finetune.contracts import twins
 
+    if kwargs.get("freed"):  # start on a buffer no one keeps, then wait
+        if op == "all_reduce":
+            handle = twins.all_reduce_twin(_fake_all_reduce, {})(T((8,), "float32") * 1, group="dp_0", async_op=True)
+        else:
+            handle = twins.reduce_scatter_tensor_twin(_fake_all_reduce, lambda group: 2, lambda group: 0, {})(
+                **_rs(input=T((8,), "float32") * 1))
+        gc.collect()
+        return handle.wait()
+    if op == "register_hook":
+        import mindspore as ms
+
+        hooks = []
+        twins.register_hook_twin(lambda param, hook: hooks.append(hook), {})(
+            ms.Parameter(T((2,), "float32"), name="p"), kwargs["hook"])
+        return hooks[0](T((2,), "float32"))
+
     if op == "AdamWeightDecay":
-        return twins.adam_weight_decay_twin(ops.AdamWeightDecay, {})()(**kwargs)
+        return twins.adam_weight_decay_twin({})()(**kwargs)
+    if op == "adamw_update":
+        return twins.adamw_update_twin({})(**kwargs)
     if op == "reduce_scatter_tensor":  # refused before any collective runs
         return twins.reduce_scatter_tensor_twin(None, lambda group: 2, lambda group: 0, {})(**kwargs)
     return getattr(twins, op)(**kwargs)
@@ -183,6 +230,18 @@ def test_valid_calls_compute_the_reference(ms_cpu):
     np.testing.assert_allclose(_call("swiglu", dict(input=ops.cat((gate, up), -1))).asnumpy(),
                                kernels.swiglu(gate, up, fused=False).asnumpy(), atol=2e-3)
     adam = _adam()
-    before = adam["var"].asnumpy().copy()
-    _call("AdamWeightDecay", adam)
-    assert not np.allclose(adam["var"].asnumpy(), before)  # the real kernel ran in place
+    inputs = {k: v.asnumpy().copy() for k, v in adam.items()}
+    outputs = _call("AdamWeightDecay", adam)
+    assert all(np.array_equal(v.asnumpy(), inputs[k]) for k, v in adam.items())  # strict: nothing written
+    from finetune.optim import adamw_update
+
+    kernel = _kernel()
+    inputs = {k: v.asnumpy().copy() for k, v in kernel.items() if k != "k"}
+    ours = adamw_update(**kernel)  # the project's kernel, documented ops only
+    assert all(np.array_equal(kernel[k].asnumpy(), inputs[k]) for k in inputs)  # writes none of its inputs
+    twin = _call("adamw_update", kernel)
+    assert all(np.array_equal(kernel[k].asnumpy(), inputs[k]) for k in inputs)
+    for new, ref, old in zip(ours, twin, outputs):
+        np.testing.assert_allclose(new.asnumpy(), ref.asnumpy(), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(old.asnumpy(), ref.asnumpy(), rtol=1e-6, atol=1e-9)
+    assert not np.allclose(ours[0].asnumpy(), inputs["w"])

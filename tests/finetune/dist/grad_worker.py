@@ -8,7 +8,8 @@ Each DP rank runs the toy model in fp16 over MICRO micro-batches of its own data
 the last micro-batch's backward (``GradReduction``). Writes ``rank<r>.npz``: the raw fp16
 micro-batch gradients (``raw.<mb>.<i>``), the reduced results (``sum.<i>``, ``shard.<bucket>``;
 overlapped: ``overlap-sum.<i>``, ``overlap-shard.<bucket>``; overlapped through Ascend's native
-reduce-scatter, here its contract twin: ``native-shard.<bucket>``, ``calls.reduce_scatter_tensor``)
+reduce-scatter, here its contract twin: ``native-shard.<bucket>``; the calls of the collective and hook twins:
+``calls.<op>``)
 and, per overlapped launch, how many gradients the backward had produced (``launched_after.sum``,
 ``launched_after.shard``).
 """
@@ -77,6 +78,9 @@ def main() -> None:
     calls: dict[str, int] = {}
     distributed.reduce_scatter_tensor = twins.reduce_scatter_tensor_twin(distributed.all_reduce, get_group_size,
                                                                          get_rank, calls)
+    # every asynchronous all-reduce checks its buffer is alive at wait(), every backward hook its return
+    distributed.all_reduce = twins.all_reduce_twin(distributed.all_reduce, calls)
+    ms.Parameter.register_hook = twins.register_hook_twin(ms.Parameter.register_hook, calls)
     for name, opt, variants in (("sum", AdamW(params, CFG, rank, bucket_bytes=256), (("", False), ("overlap-", True))),
                                 ("shard", ShardedAdamW(params, CFG, rank, bucket_bytes=256),
                                  (("", False), ("overlap-", True))),
@@ -88,7 +92,8 @@ def main() -> None:
             result.update({f"{prefix}{name}.{i}": g.asnumpy() for i, g in enumerate(got)})
             if prefix == "overlap-":
                 result[f"launched_after.{name}"] = np.array(reduction.launched_after)
-    result["calls.reduce_scatter_tensor"] = np.array(calls.get("reduce_scatter_tensor", 0))
+    for op in ("reduce_scatter_tensor", "all_reduce", "register_hook"):
+        result[f"calls.{op}"] = np.array(calls.get(op, 0))
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"rank{rank.rank}.npz", **result)
 

@@ -99,3 +99,4 @@ def test_the_reduction_overlapped_with_the_backward_equals_the_one_after_it(redu
             assert len(launched) == buckets
             assert launched[0] < len(params), (name, launched)  # started before the last gradient arrived
         assert int(reduced[r]["calls.reduce_scatter_tensor"]) == len(keys)  # one per bucket of the native run
+        assert int(reduced[r]["calls.all_reduce"]) > 0 and int(reduced[r]["calls.register_hook"]) > 0  # twins ran
