@@ -47,6 +47,15 @@ def test_rounds_interleave_each_of_our_paths_with_torch():
     assert [r for r, _ in order] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+def test_each_of_our_steps_is_paired_with_the_torch_step_right_after_it():
+    cond = _load("bench_conditions")
+    order = cond.interleave(["a", "b"], 2)
+    times, after = cond.by_path([(p, float(i)) for i, (_, p) in enumerate(order)])
+    assert times == {"a": [0.0, 4.0], "torch": [1.0, 3.0, 5.0, 7.0], "b": [2.0, 6.0]}
+    assert after == {"a": [1.0, 5.0], "b": [3.0, 7.0]}
+    assert cond.by_path([("torch", 1.0), ("a", 2.0)])[1] == {}  # torch with no step of ours before it
+
+
 def test_ratio_is_the_median_of_per_round_ratios_with_its_spread():
     stats = _load("bench_conditions").ratio_stats([1.0, 2.0, 4.0], [2.0, 2.0, 2.0])
     assert stats == {"median": 1.0, "min": 0.5, "max": 2.0, "n": 3}
@@ -61,9 +70,11 @@ def test_a_load_above_the_cores_at_any_sample_withholds_the_ratio():
     watch.sample(), watch.sample()
     assert watch.invalid() == "NOT VALID: load average 3.50 > cores 2"
     bench = _load("bench_train")
-    times = {"ours-opbyop": [1.0, 1.0], "torch": [2.0, 2.0]}
-    assert "ratio_to_torch" not in bench.summarize(times, 10, watch.invalid())["ours-opbyop"]
-    assert bench.summarize(times, 10, "")["ours-opbyop"]["ratio_to_torch"]["median"] == 2.0
+    times = {"ours-opbyop": [1.0, 1.0], "ours-compiled": [1.0, 1.0], "torch": [2.0, 4.0, 2.0, 4.0]}
+    after = {"ours-opbyop": [2.0, 2.0], "ours-compiled": [4.0, 4.0]}
+    assert "ratio_to_torch" not in bench.summarize(times, after, 10, watch.invalid())["ours-opbyop"]
+    ok = bench.summarize(times, after, 10, "")
+    assert (ok["ours-opbyop"]["ratio_to_torch"]["median"], ok["ours-compiled"]["ratio_to_torch"]["median"]) == (2.0, 4.0)
 
 
 def test_cpu_info_reads_model_and_vector_flags(tmp_path):

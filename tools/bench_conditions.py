@@ -14,6 +14,20 @@ def interleave(paths: list[str], rounds: int, reference: str = "torch") -> list[
     return [(r, p) for r in range(rounds) for path in paths for p in (path, reference)]
 
 
+def by_path(steps: list[tuple[str, float]], reference: str = "torch") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """From timed (path, seconds) in run order: seconds per path, and per path the reference's seconds of
+    the step run right after each of its steps (the pair its ratio is taken from)."""
+    times: dict[str, list[float]] = {}
+    after: dict[str, list[float]] = {}
+    prev = ""
+    for name, s in steps:
+        times.setdefault(name, []).append(s)
+        if name == reference and prev and prev != reference:
+            after.setdefault(prev, []).append(s)
+        prev = name
+    return times, after
+
+
 def ratio_stats(ours: list[float], ref: list[float]) -> dict[str, float]:
     """Median and min/max of the per-pair speed ratios ours/reference from step seconds.
 

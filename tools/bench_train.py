@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_conditions import LoadWatch, cpu_info, interleave, ratio_stats, read_loadavg  # noqa: E402
+from bench_conditions import LoadWatch, by_path, cpu_info, interleave, ratio_stats, read_loadavg  # noqa: E402
 
 SHAPE = {"vocab_size": 151936, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -166,13 +166,16 @@ def torch_available(python: str) -> str:
 PATHS = {"ours-opbyop": False, "ours-compiled": True}  # our paths -> train.compile_layers
 
 
-def summarize(times: dict[str, list[float]], tokens: int, invalid: str) -> dict[str, object]:
-    """Per our path: median tokens/s ratio to torch and its min/max over rounds; no ratio when ``invalid``."""
+def summarize(times: dict[str, list[float]], after: dict[str, list[float]], tokens: int,
+              invalid: str) -> dict[str, object]:
+    """Per path the median tokens/s; per our path also the median ratio to torch over rounds and its
+    min/max, each round's step against the torch step run right after it (``after[path]``); no ratio
+    when ``invalid``."""
     out: dict[str, object] = {"valid": not invalid, "why_invalid": invalid}
     for name, secs in times.items():
-        entry: dict[str, object] = {"tokens_per_s_median": tokens / float(np.median(secs))} if secs else {}
-        if name != "torch" and times.get("torch") and not invalid:
-            entry["ratio_to_torch"] = ratio_stats(secs, times["torch"][:len(secs)])
+        entry: dict[str, object] = {"tokens_per_s_median": tokens / float(np.median(secs))}
+        if after.get(name) and not invalid:
+            entry["ratio_to_torch"] = ratio_stats(secs, after[name])
         out[name] = entry
     return out
 
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
         else:
             print(f"torch {torch.info['torch']} + transformers {torch.info['transformers']} eager, "
                   f"{torch.info['threads']} threads")
-        times: dict[str, list[float]] = {p: [] for p in runners}
+        steps: list[tuple[str, float]] = []
         for r, name in interleave(paths, args.rounds + 1):  # round 0 warms up
             if runners[name] is None:
                 continue
@@ -223,10 +226,10 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
             print(f"  round {r} {name:14s} {s:7.2f} s  loss {loss:.4f}{'  (warm-up)' if r == 0 else ''}"
                   f"  load {watch.sample():.2f}", flush=True)
             if r:
-                times[name].append(s)
+                steps.append((name, s))
         if torch is not None:
             torch.close()
-        result = summarize({k: v for k, v in times.items() if v}, tokens, watch.invalid())
+        result = summarize(*by_path(steps), tokens, watch.invalid())
         for name in paths:
             ratio = result[name].get("ratio_to_torch")
             line = f"{name:14s} {result[name]['tokens_per_s_median']:8.1f} tokens/s (median of {args.rounds})"
