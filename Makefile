@@ -67,9 +67,14 @@ bench-data: $(STAMP)
 
 ## Our training step vs transformers + torch eager (docs/speed.md); TORCH_PYTHON: an interpreter with both.
 TORCH_PYTHON ?= $(CURDIR)/$(PY)
-.PHONY: bench-train
+## BENCH_ARGS e.g. "--rounds 6 --json bench.json" or "--paths ours-opbyop"; a method switch goes beside --paths.
+.PHONY: bench-train profile-step
 bench-train: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" $(BENCH_ARGS)
+
+## Per-phase and per-op times of one step, ours against torch at the bench shape (docs/speed.md).
+profile-step: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/profile_step.py --torch-python "$(TORCH_PYTHON)" $(PROFILE_ARGS)
 
 clean:
 	rm -rf output build .pytest_cache

@@ -32,3 +32,58 @@ def test_the_benchmark_steps_the_model_the_trainer_builds(ms_cpu, tmp_path, monk
     first = ours.step()[1]
     assert ours.model.training and calls == [2 * 15]
     assert np.isfinite(first) and ours.step()[1] != first  # the optimizer stepped
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rounds_interleave_each_of_our_paths_with_torch():
+    order = _load("bench_conditions").interleave(["ours-opbyop", "ours-compiled"], 2)
+    assert [p for _, p in order] == ["ours-opbyop", "torch", "ours-compiled", "torch"] * 2
+    assert [r for r, _ in order] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_each_of_our_steps_is_paired_with_the_torch_step_right_after_it():
+    cond = _load("bench_conditions")
+    order = cond.interleave(["a", "b"], 2)
+    times, after = cond.by_path([(p, float(i)) for i, (_, p) in enumerate(order)])
+    assert times == {"a": [0.0, 4.0], "torch": [1.0, 3.0, 5.0, 7.0], "b": [2.0, 6.0]}
+    assert after == {"a": [1.0, 5.0], "b": [3.0, 7.0]}
+    assert cond.by_path([("torch", 1.0), ("a", 2.0)])[1] == {}  # torch with no step of ours before it
+
+
+def test_ratio_is_the_median_of_per_round_ratios_with_its_spread():
+    stats = _load("bench_conditions").ratio_stats([1.0, 2.0, 4.0], [2.0, 2.0, 2.0])
+    assert stats == {"median": 1.0, "min": 0.5, "max": 2.0, "n": 3}
+
+
+def test_a_load_above_the_cores_at_any_sample_withholds_the_ratio():
+    cond = _load("bench_conditions")
+    loads = iter([0.5, 3.5, 0.2])
+    watch = cond.LoadWatch(2, lambda: next(loads))
+    watch.sample()
+    assert watch.invalid() == ""
+    watch.sample(), watch.sample()
+    assert watch.invalid() == "NOT VALID: load average 3.50 > cores 2"
+    bench = _load("bench_train")
+    times = {"ours-opbyop": [1.0, 1.0], "ours-compiled": [1.0, 1.0], "torch": [2.0, 4.0, 2.0, 4.0]}
+    after = {"ours-opbyop": [2.0, 2.0], "ours-compiled": [4.0, 4.0]}
+    assert "ratio_to_torch" not in bench.summarize(times, after, 10, watch.invalid())["ours-opbyop"]
+    ok = bench.summarize(times, after, 10, "")
+    assert (ok["ours-opbyop"]["ratio_to_torch"]["median"], ok["ours-compiled"]["ratio_to_torch"]["median"]) == (2.0, 4.0)
+
+
+def test_cpu_info_reads_model_and_vector_flags(tmp_path):
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx2 sse\n")
+    info = _load("bench_conditions").cpu_info(f)
+    assert (info["model"], info["avx2"], info["avx512f"]) == ("Test CPU", True, False) and info["cores"] >= 1
+
+
+def test_an_unknown_path_is_refused_before_any_work(capsys):
+    assert _load("bench_train").main(["--paths", "ours-opbyop,ours-fast"], loadavg=lambda: 0.0) == 2
+    assert "unknown --paths ours-fast; e.g. --paths ours-opbyop,ours-compiled" in capsys.readouterr().err

@@ -1,14 +1,15 @@
 """Training speed: our trainer's step against transformers + torch eager on the same model and batch.
 
     make bench-train                       # Qwen2 hidden 512, 4 layers, FFN 1408, vocab 151936, untied
-    python tools/bench_train.py --steps 4 --torch-python /path/to/venv/bin/python
-    python tools/bench_train.py --breakdown   # our step split into forward, backward and optimizer
+    python tools/bench_train.py --rounds 4 --torch-python /path/to/venv/bin/python --json out.json
+    python tools/bench_train.py --paths ours-opbyop --breakdown   # one path, split into phases
 
 Both load the same seeded weights (fp32) and train on the same micro-batch (4 x 256 tokens, every
-token labelled) with AdamW. The steps are interleaved: ours, then torch's, ``--steps`` times, each
-framework in its own process (torch in ``--torch-python``, default this interpreter) so both get
-all cores while the other waits. Prints tokens/s of each (median step) and the ratio ours/torch;
-without torch + transformers the torch part is skipped with a note. A tool, not a test.
+token labelled) with AdamW. Steps are interleaved over ``--rounds`` rounds: ours op by op, torch,
+ours with compiled layers (``train.compile_layers``), torch; torch in its own process
+(``--torch-python``). Prints per path the median over rounds of the tokens/s ratio to torch with
+its min/max, the CPU model and flags, cores and load average; when the 1-minute load average exceeds
+the core count before or during the run no ratio is reported (NOT VALID). A tool, not a test.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ import numpy as np
 
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_conditions import LoadWatch, by_path, cpu_info, interleave, ratio_stats, read_loadavg  # noqa: E402
 
 SHAPE = {"vocab_size": 151936, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -71,6 +75,14 @@ def make_batch(batch: int, seq: int, seed: int = 1) -> dict[str, np.ndarray]:
     ids = np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], (batch, seq)).astype(np.int32)
     return {"ids": ids, "labels": ids.copy(), "pos": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
             "seg": np.ones_like(ids)}
+
+
+def write_inputs(tmp: Path, batch: int, seq: int) -> dict[str, np.ndarray]:
+    """The model in ``tmp/model`` and the micro-batch in ``tmp/batch.npz``; returns the batch."""
+    write_model(tmp / "model")
+    arrays = make_batch(batch, seq)
+    np.savez(tmp / "batch.npz", **arrays)
+    return arrays
 
 
 class Ours:
@@ -151,53 +163,87 @@ def torch_available(python: str) -> str:
     return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
-def main(argv: list[str] | None = None) -> int:
+PATHS = {"ours-opbyop": False, "ours-compiled": True}  # our paths -> train.compile_layers
+
+
+def summarize(times: dict[str, list[float]], after: dict[str, list[float]], tokens: int,
+              invalid: str) -> dict[str, object]:
+    """Per path the median tokens/s; per our path also the median ratio to torch over rounds and its
+    min/max, each round's step against the torch step run right after it (``after[path]``); no ratio
+    when ``invalid``."""
+    out: dict[str, object] = {"valid": not invalid, "why_invalid": invalid}
+    for name, secs in times.items():
+        entry: dict[str, object] = {"tokens_per_s_median": tokens / float(np.median(secs))}
+        if after.get(name) and not invalid:
+            entry["ratio_to_torch"] = ratio_stats(secs, after[name])
+        out[name] = entry
+    return out
+
+
+def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
     ap = argparse.ArgumentParser(prog="bench_train", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed steps of each (after one warm-up step)")
+    ap.add_argument("--rounds", type=int, default=4, help="timed rounds (after one warm-up round)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers")
-    ap.add_argument("--jit-layers", action="store_true", help="each decoder layer as one graph (Qwen2Model.compile_layers)")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"our paths to time, of {', '.join(PATHS)}")
     ap.add_argument("--breakdown", action="store_true", help="also time our forward, backward and optimizer")
+    ap.add_argument("--json", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        print(f"bench_train: unknown --paths {','.join(unknown)}; e.g. --paths {','.join(PATHS)}", file=sys.stderr)
+        return 2
     tokens = args.batch * args.seq
+    cpu = cpu_info()
+    watch = LoadWatch(int(cpu["cores"]), loadavg)
+    watch.sample()
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         tmp_path = Path(tmp)
-        write_model(tmp_path / "model")
-        batch = make_batch(args.batch, args.seq)
-        np.savez(tmp_path / "batch.npz", **batch)
+        batch = write_inputs(tmp_path, args.batch, args.seq)
         why = torch_available(args.torch_python)
         torch = None if why else Torch(args.torch_python, tmp_path / "model", tmp_path / "batch.npz",
                                        tmp_path / "torch_worker.py")
-        ours = Ours(tmp_path / "model", batch, args.jit_layers)
+        runners = {p: Ours(tmp_path / "model", batch, PATHS[p]) for p in paths}
+        runners["torch"] = torch
         print(f"model: hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, FFN "
               f"{SHAPE['intermediate_size']}, vocab {SHAPE['vocab_size']}, untied; micro-batch {args.batch} x "
-              f"{args.seq}; fp32; AdamW{'; jit on decoder layers' if args.jit_layers else ''}")
+              f"{args.seq}; fp32; AdamW")
+        print(f"cpu: {cpu['model']}; avx512f {cpu['avx512f']}, avx2 {cpu['avx2']}; {cpu['cores']} cores; "
+              f"load average {watch.samples[0]:.2f}")
         if torch is None:
             print(f"torch part skipped: {args.torch_python} cannot import torch + transformers ({why}); "
                   "pass --torch-python")
         else:
             print(f"torch {torch.info['torch']} + transformers {torch.info['transformers']} eager, "
                   f"{torch.info['threads']} threads")
-        times: dict[str, list[float]] = {"ours": [], "torch": []}
-        for i in range(args.steps + 1):  # step 0 warms up
-            for name, fw in (("ours", ours), ("torch", torch)):
-                if fw is None:
-                    continue
-                s, loss = fw.step()
-                print(f"  step {i} {name:5s} {s:7.2f} s  loss {loss:.4f}{'  (warm-up)' if i == 0 else ''}",
-                      flush=True)
-                if i:
-                    times[name].append(s)
-        rate = {k: tokens / float(np.median(v)) for k, v in times.items() if v}
-        print(f"ours:  {rate['ours']:8.1f} tokens/s (median of {args.steps} steps)")
+        steps: list[tuple[str, float]] = []
+        for r, name in interleave(paths, args.rounds + 1):  # round 0 warms up
+            if runners[name] is None:
+                continue
+            s, loss = runners[name].step()
+            print(f"  round {r} {name:14s} {s:7.2f} s  loss {loss:.4f}{'  (warm-up)' if r == 0 else ''}"
+                  f"  load {watch.sample():.2f}", flush=True)
+            if r:
+                steps.append((name, s))
         if torch is not None:
             torch.close()
-            print(f"torch: {rate['torch']:8.1f} tokens/s")
-            print(f"ratio ours/torch: {rate['ours'] / rate['torch']:.2f}")
+        result = summarize(*by_path(steps), tokens, watch.invalid())
+        for name in paths:
+            ratio = result[name].get("ratio_to_torch")
+            line = f"{name:14s} {result[name]['tokens_per_s_median']:8.1f} tokens/s (median of {args.rounds})"
+            if ratio:
+                line += f"; ratio to torch median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})"
+            print(line)
+        if watch.invalid():
+            print(f"{watch.invalid()}: no ratio reported; rerun on an idle machine")
+        result.update(cpu=cpu, load_samples=watch.samples, rounds=args.rounds, tokens_per_step=tokens)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
         if args.breakdown:
-            parts = [ours.breakdown() for _ in range(2)][-1]
-            print("ours, one step: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()))
+            parts = [runners[paths[0]].breakdown() for _ in range(2)][-1]
+            print(f"{paths[0]}, one step: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()))
     return 0
 
 
