@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 # MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
-# the installed MindSpore's native code matches this machine (python -m finetune.native).
+# the installed MindSpore's native code matches this machine (python -m jobspec.native).
 MINDSPORE_WHEEL ?=
 
 $(STAMP): pyproject.toml
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 setup: $(STAMP)
-	$(PY) -m finetune.native$(if $(MINDSPORE_WHEEL), || { $(PY) -m pip install -q --no-deps --force-reinstall \
-	    "$(MINDSPORE_WHEEL)" && $(PY) -m finetune.native; })
+	$(PY) -m jobspec.native$(if $(MINDSPORE_WHEEL), || { $(PY) -m pip install -q --no-deps --force-reinstall \
+	    "$(MINDSPORE_WHEEL)" && $(PY) -m jobspec.native; })
 
 ## The main job: with no NPU and no settings it runs recipes/tiny-cpu.yaml end to end.
 train: $(STAMP)

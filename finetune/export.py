@@ -15,14 +15,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.checkpoint import MANIFEST, checkpoint_root, unhealthy, usable, verify  # noqa: E402
-from finetune.config import parse_size  # noqa: E402
+from jobspec.checkpoints import checkpoint_root, unhealthy, usable
+from finetune.checkpoint import MANIFEST, verify  # noqa: E402
+from jobspec.config import parse_size  # noqa: E402
 from finetune.dist import BUCKET_BYTES  # noqa: E402
-from finetune.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
+from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
-from finetune.qwen2_layout import full_shapes  # noqa: E402
+from jobspec.qwen2_layout import full_shapes  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
-from finetune.rundir import RunDir, is_complete, step_name  # noqa: E402
+from jobspec.rundir import RunDir, is_complete, step_name  # noqa: E402
 
 
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:

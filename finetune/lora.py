@@ -4,7 +4,7 @@
 and attaches a :class:`LoraAdapter` to each targeted linear layer of a built model:
 ``y = base(x) + scale * B @ A @ dropout(x)``. The adapters stay fp32 (their own masters for AdamW).
 
-Tensor parallelism follows the base layer's split in the layout table (finetune/qwen2_layout.py): a
+Tensor parallelism follows the base layer's split in the layout table (jobspec/qwen2_layout.py): a
 column-parallel layer (split output rows) keeps A ``[r, in]`` whole on every rank and splits B
 ``[out, r]`` like its output; its gradient of ``A @ x`` is summed over the TP group (``CopyToTP``).
 A row-parallel layer (split input columns) splits A like its input and keeps B whole; ``A @ x`` is
@@ -21,9 +21,9 @@ import numpy as np
 from mindspore import Parameter, nn
 
 from finetune.dist import RankInfo
-from finetune.lora_config import TARGETS, LoraConfig, module_path
+from jobspec.lora_config import TARGETS, LoraConfig, module_path
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, linear
-from finetune.qwen2_layout import TPSlice
+from jobspec.qwen2_layout import TPSlice
 from finetune.reshard import cut
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from finetune.dist import RankInfo
-from finetune.fsutil import atomic_dir
+from jobspec.fsutil import atomic_dir
 from finetune.hf_io import (EXPORT_DTYPES, TOKENIZER_FILES, _convert, _write_shard, gather_full, gather_slice,
                             write_hf_dir)
-from finetune.lora_config import TARGETS, LoraConfig
+from jobspec.lora_config import TARGETS, LoraConfig
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -95,7 +95,7 @@ def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, out:
 
 def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
     """A peft LoRA directory: (its config, our name -> fp32 tensor)."""
-    from finetune.hf_io import read_header, read_tensor
+    from jobspec.hf_files import read_header, read_tensor
 
     d = Path(adapter_dir)
     if not (d / ADAPTER_CONFIG).is_file() or not (d / ADAPTER_FILE).is_file():

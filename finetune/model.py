@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5 and Qwen3 dense causal LMs in MindSpore (PyNative), parameter names equal to
-Hugging Face's. The family (``finetune.qwen2_layout.FAMILIES``) fixes the attention: Qwen2 has
+Hugging Face's. The family (``jobspec.qwen2_layout.FAMILIES``) fixes the attention: Qwen2 has
 q/k/v biases, Qwen3 none and an RMSNorm over each query and key head before RoPE.
 
 Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
@@ -22,7 +22,7 @@ from finetune import kernels
 from finetune.dist import RankInfo
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
-from finetune.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
+from jobspec.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
 
 IGNORE_INDEX = -100
 _MASKED = -1e9
@@ -43,7 +43,7 @@ class Qwen2Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    model_type: str = "qwen2"  # a key of finetune.qwen2_layout.FAMILIES
+    model_type: str = "qwen2"  # a key of jobspec.qwen2_layout.FAMILIES
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":

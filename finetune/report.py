@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from finetune.config import Recipe
-from finetune.rundir import RunDir
+from jobspec.config import Recipe
+from jobspec.rundir import RunDir
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
         "mfu": "perf/mfu", "peak_memory_bytes": "perf/peak_memory_bytes"}

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.cpus import parse_cpulist
+from jobspec.cpus import parse_cpulist
 from launcher.mounts import DRIVER_MOUNTS, MGMT_DEVICES
 from launcher.npu_smi import NpuProcess, NpuSmi, dcmi_error, parse_info, parse_processes, run_npu_smi
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.rundir import RunDir
+from jobspec.rundir import RunDir
 from launcher.devices import Devices
 from launcher.npu_smi import NpuRow, NpuSmi, parse_info
 

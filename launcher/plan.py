@@ -34,7 +34,7 @@ class Topology:
 
 @dataclass
 class Plan:
-    recipe: dict[str, Any]  # the resolved recipe the workers load (finetune.config.to_dict form)
+    recipe: dict[str, Any]  # the resolved recipe the workers load (jobspec.config.to_dict form)
     topology: Topology
     path: Path  # where plan.json is written (the workers' --config)
     log_dir: Path

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from finetune.config import (ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden,
+from jobspec.config import (ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden,
                              parse_overrides)
 
 # HCCL variables: defaults the launcher sets when unset (CANN's are 120 s connect and 1836 s exec on Atlas A2,

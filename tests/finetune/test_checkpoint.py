@@ -9,8 +9,8 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from finetune.checkpoint import (CheckpointMismatch, InsufficientSpace, TrainerState, find_latest, load_checkpoint,
-                                 load_latest, run_identity, save_checkpoint, verify)
+from jobspec.checkpoints import find_latest, run_identity, verify
+from finetune.checkpoint import CheckpointMismatch, InsufficientSpace, TrainerState, load_checkpoint, load_latest, save_checkpoint
 from finetune.dist import RankInfo
 
 
@@ -199,7 +199,7 @@ def test_a_full_disk_stops_before_writing_and_leaves_older_checkpoints(tmp_path)
 
 def test_resume_never_moves_the_old_checkpoints_aside(tmp_path):
     """issue 19.2: train.resume=never must not mix a new run's checkpoints with (or prune into) the old ones."""
-    from finetune.checkpoint import archive_checkpoints
+    from jobspec.checkpoints import archive_checkpoints
 
     _save(tmp_path / "checkpoints", 10)
     said = []

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_tiny_qwen3_trains_through_the_launcher_from_transformers_first_loss(tmp_path):
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     g = json.loads((GOLDEN / "golden.json").read_text())
     model_dir = tmp_path / "qwen3-tiny"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from launcher_fakes import FIXTURES, make_dev, make_driver, npu_smi_with_info, recorded_npu_smi
 
-from finetune.config import Recipe
+from jobspec.config import Recipe
 from launcher import devices, npu_smi, preflight
 
 BUSY_25 = "info-procs-25.2.0-910b2.txt"  # vllm-ascend#4866: every NPU held by a VLLMWorker_DP

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.config import ConfigError, load_recipe
-from finetune.lora_config import TARGETS, LoraConfig
+from jobspec.config import ConfigError, load_recipe
+from jobspec.lora_config import TARGETS, LoraConfig
 
 
 def test_defaults_are_peft_s():
@@ -41,8 +41,8 @@ def test_target_modules_takes_one_regex(regex, ok):
 def test_7b_lora_at_4096_fits_one_64gb_npu_by_the_estimate():
     """Qwen2.5-7B, r 8 on all seven layers: peft's 20,185,088 trainable parameters; the frozen bf16 base
     dominates, gradients and Adam state are the adapters' only."""
-    from finetune.lora_config import trainable_elements
-    from finetune.memory import estimate_memory
+    from jobspec.lora_config import trainable_elements
+    from jobspec.memory import estimate_memory
 
     qwen7b = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                   num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)

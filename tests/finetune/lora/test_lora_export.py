@@ -22,7 +22,7 @@ def _model(path):
 
 def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     from finetune.dist import RankInfo
-    from finetune.lora_config import LoraConfig
+    from jobspec.lora_config import LoraConfig
     from finetune.lora_io import export_lora, load_adapter
 
     ms = ms_cpu

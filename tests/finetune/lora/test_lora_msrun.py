@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 import harness  # noqa: E402
 from test_msrun_train import WORKER, _assert_same_run, _plan, _run_once  # noqa: E402
 
-from finetune.config import load_recipe  # noqa: E402
+from jobspec.config import load_recipe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LORA = {"train.method": "lora", "lora.dropout": "0", "lora.r": "4"}
@@ -19,7 +19,7 @@ LORA = {"train.method": "lora", "lora.dropout": "0", "lora.r": "4"}
 
 @pytest.fixture(scope="module")
 def tmp(module_tmp) -> Path:
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     ensure_tiny_model(module_tmp / "base-model", load_recipe("tiny-cpu").model.init, 0)
     harness.python(WORKER, ["--config", str(_plan(module_tmp, "one", 1, 1, **LORA))], module_tmp / "one")

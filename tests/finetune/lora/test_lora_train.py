@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from finetune.checkpoint import CheckpointMismatch
-from finetune.config import load_recipe, resolved_model_dir
-from finetune.tiny import ensure_tiny_model
+from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.tiny import ensure_tiny_model
 from finetune.train import run
 
 # dropout 0: its masks come from MindSpore's global RNG, which a checkpoint does not restore (docs/lora.md)

@@ -1,0 +1,138 @@
+"""Finding a run's checkpoints without MindSpore: where they live, which are published, healthy and intact,
+which run wrote them (model and data identity), and moving them aside (train.resume=never).
+
+finetune/checkpoint.py saves and loads them inside the ranks; the launcher's rerun check and prepare-data's
+run check read them here before any rank starts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from jobspec.rundir import MANIFEST, RunDir, is_complete
+
+STATE = "trainer_state.json"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return RunDir(output_dir).checkpoints
+
+
+def _sha256(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = limit
+        while chunk := f.read(1 << 22 if left is None else min(1 << 22, left)):
+            h.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+                if left <= 0:
+                    break
+    return h.hexdigest()
+
+
+def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
+    """The base model (config.json + the sha256 of every weight file's whole content: an edit anywhere
+    counts) and the token cache (its manifest) a run trains; stored in each checkpoint and compared on
+    resume. Read right after the weights were loaded, the files come from the page cache."""
+    model_dir, h = Path(model_dir), hashlib.sha256()
+    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{_sha256(f)}".encode())
+    try:
+        manifest = json.loads((Path(cache_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    return {"model": h.hexdigest()[:16], "data": data_id(manifest), "model_dir": str(model_dir)}
+
+
+def data_id(m: dict | None) -> str:
+    """A token cache manifest's settings, source contents and counts (not paths, mtimes or its build time)."""
+    if m is None:
+        return "none"
+    sources = [(s.get("sha256") or s.get("size"), s.get("weight")) for s in m.get("sources", [])]
+    key = [m.get("settings"), sources, m.get("num_samples"), m.get("num_tokens")]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ways_out(output_dir: str | Path) -> str:
+    """The two ways out of a refused resume, as one sentence."""
+    return (f"Start a new run in another directory (OUTPUT_DIR={Path(output_dir)}-2), or set train.resume=never "
+            f"to start over in {output_dir} (its checkpoints are moved to checkpoints.old-<time>, never mixed)")
+
+
+def archive_checkpoints(output_dir: str | Path, log=print) -> Path | None:
+    """train.resume=never: move the run's checkpoints aside (``checkpoints.old-<time>``) so that the new
+    run never mixes with, prunes or resumes them; the new place, None when there were none."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir() or not any(root.iterdir()):
+        return None
+    dest = root.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        root.rename(dest)
+    except FileNotFoundError:  # another process of this node moved it first
+        return None
+    log(f"[train] train.resume=never: the earlier checkpoints moved to {dest} (delete it when no longer needed)")
+    return dest
+
+
+def _complete(root: Path) -> list[Path]:
+    """Published checkpoints (a manifest present), oldest first."""
+    return sorted(p for p in root.glob("step_*") if is_complete(p))
+
+
+def unhealthy(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` must not be resumed or exported (written during a run of non-finite
+    steps), else None; an unreadable state is left to verification."""
+    try:
+        streak = int(json.loads((path / STATE).read_text()).get("bad_streak", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return (f"{path}: unhealthy, written during {streak} consecutive steps with non-finite gradients "
+            "(its weights may be blown up)") if streak else None
+
+
+def usable(root: Path, log=print) -> list[Path]:
+    """The published, healthy checkpoints under ``root``, newest first; a newer step directory passed
+    over (no manifest.json, or unhealthy) is named with the reason."""
+    out = []
+    for p in sorted((p for p in root.glob("step_*") if p.suffix != ".tmp"), reverse=True):
+        why = f"{p}: no {MANIFEST} (deleted, or its save never finished)" if not is_complete(p) else unhealthy(p)
+        if why is None:
+            out.append(p)
+        elif not out:
+            log(f"[checkpoint] skipping {why}; trying the previous checkpoint")
+    return out
+
+
+def verify(path: Path, names: list[str] | None = None, hashes: bool = True) -> str | None:
+    """None when ``names`` (default: every file in the manifest) match the manifest, else the problem
+    naming the file. ``hashes=False`` checks presence and sizes only."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path / MANIFEST}: unreadable ({type(e).__name__}: {e})"
+    entries = {n: None for n in files} if isinstance(files, list) else files  # a list: older manifests, names only
+    for name in names if names is not None else list(entries):
+        f = path / name
+        if name not in entries:
+            return f"{f}: not listed in the manifest"
+        if not f.is_file():
+            return f"{f}: missing"
+        want = entries[name]
+        if want is None:
+            continue
+        if f.stat().st_size != want["size"]:
+            return f"{f}: {f.stat().st_size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if hashes and _sha256(f) != want["sha256"]:
+            return f"{f}: contents differ from the manifest's sha256 (corrupted)"
+    return None
+
+
+def find_latest(root: Path) -> Path | None:
+    """Newest published checkpoint (one with a manifest), or None; not yet verified."""
+    done = _complete(root)
+    return done[-1] if done else None
