@@ -76,5 +76,5 @@ RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_
     [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
     python -m pip install --quiet --no-deps -e "$APP_DIR" \
     && chmod 0755 "$APP_DIR/entrypoint.sh" \
-    && python -m finetune.native \
-    && python -c "import mindspore, finetune.config, launcher; print('mindspore', mindspore.__version__)"
+    && python -m jobspec.native \
+    && python -c "import mindspore, jobspec.config, launcher; print('mindspore', mindspore.__version__)"

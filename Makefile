@@ -8,11 +8,11 @@ export PYTHONPATH := $(CURDIR)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup train plan preflight prepare-data generate render export test test-fast bench-data image image-test clean
+.PHONY: setup train plan preflight prepare-data generate render export test test-fast lint bench-data image image-test clean
 
 # MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
-# the installed MindSpore's native code matches this machine (python -m finetune.native).
+# the installed MindSpore's native code matches this machine (python -m jobspec.native).
 MINDSPORE_WHEEL ?=
 
 $(STAMP): pyproject.toml
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 setup: $(STAMP)
-	$(PY) -m finetune.native$(if $(MINDSPORE_WHEEL), || { $(PY) -m pip install -q --no-deps --force-reinstall \
-	    "$(MINDSPORE_WHEEL)" && $(PY) -m finetune.native; })
+	$(PY) -m jobspec.native$(if $(MINDSPORE_WHEEL), || { $(PY) -m pip install -q --no-deps --force-reinstall \
+	    "$(MINDSPORE_WHEEL)" && $(PY) -m jobspec.native; })
 
 ## The main job: with no NPU and no settings it runs recipes/tiny-cpu.yaml end to end.
 train: $(STAMP)
@@ -54,8 +54,14 @@ export: $(STAMP)
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+## Everything but the multi-process tests (msrun, faults, image): the quick loop while working.
 test-fast: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+## ruff (lint + import order) and mypy (strict on jobspec/), configured in pyproject.toml; CI runs it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench-data: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_data.py

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
-from finetune.fsutil import publish
+from jobspec.fsutil import publish
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-BUCKET_BYTES = 25 * 2**20  # gradient/optimizer bucket: about 25 MB per collective
+from jobspec.memory import BUCKET_BYTES
 
 
 @dataclass(frozen=True)

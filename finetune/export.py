@@ -16,10 +16,10 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.checkpoint import MANIFEST, checkpoint_root, find_latest  # noqa: E402
-from finetune.config import parse_size  # noqa: E402
+from jobspec.config import parse_size  # noqa: E402
 from finetune.dist import BUCKET_BYTES  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
-from finetune.qwen2_layout import full_shapes  # noqa: E402
+from jobspec.qwen2_layout import full_shapes  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
 
 

@@ -23,9 +23,9 @@ if __package__ in (None, ""):  # started as a script
 
 import numpy as np  # noqa: E402
 
-from finetune.config import DataConfig  # noqa: E402
-from finetune.data.formats import Sample  # noqa: E402
-from finetune.data.template import render  # noqa: E402
+from jobspec.config import DataConfig  # noqa: E402
+from jobspec.data.formats import Sample  # noqa: E402
+from jobspec.data.template import render  # noqa: E402
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -126,7 +126,7 @@ def generate(model, prompts: list[list[int]], stops: set[int], s: Sampling, pad_
 def check_weights_before_build(model_dir: str | Path) -> dict:
     """The config of ``model_dir`` once its weight files hold every tensor in the right shape."""
     from finetune.hf_io import check_weights, load_hf_config
-    from finetune.qwen2_layout import full_shapes
+    from jobspec.qwen2_layout import full_shapes
 
     config = load_hf_config(model_dir)
     check_weights(model_dir, full_shapes(config))
@@ -235,7 +235,7 @@ def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
     ``<output_dir>/samples.jsonl``. Returns its path on rank 0; None when off or without prompts."""
     from tokenizers import Tokenizer
 
-    from finetune.data.files import resolve_path
+    from jobspec.data.files import resolve_path
 
     if not recipe.export.check_prompts:
         return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,7 +18,8 @@ import numpy as np
 from safetensors import TensorSpec, serialize_file
 
 from finetune.dist import RankInfo
-from finetune.fsutil import atomic_dir
+from jobspec.hf_files import read_header
+from jobspec.fsutil import atomic_dir
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -46,15 +46,6 @@ def load_hf_config(model_dir: str | os.PathLike) -> dict:
 
 
 # ---------------------------------------------------------------------------- reading
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """Safetensors header (name -> dtype/shape/data_offsets) and the byte offset of the data."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
 
 def bf16_to_fp32(a: np.ndarray) -> np.ndarray:
     """Raw bf16 bits (uint16) -> float32."""

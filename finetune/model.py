@@ -20,7 +20,7 @@ from finetune import kernels
 from finetune.dist import RankInfo
 from finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
-from finetune.qwen2_layout import TPSlice, full_shapes, local_kv_heads, tp_layout
+from jobspec.qwen2_layout import TPSlice, full_shapes, local_kv_heads, tp_layout
 
 IGNORE_INDEX = -100
 _MASKED = -1e9

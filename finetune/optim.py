@@ -16,7 +16,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.config import LossScaleConfig, TrainConfig
+from jobspec.config import LossScaleConfig, TrainConfig
 from finetune.dist import BUCKET_BYTES, RankInfo, Ready
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
 from finetune.parallel.overlap import reduce_now

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from finetune.dist import RankInfo
-from finetune.qwen2_layout import Dims, param_table
+from jobspec.qwen2_layout import Dims, param_table
 
 # bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report: the
 # per-chip figures Huawei's sales channel and public benchmark write-ups circulate. No per-chip

@@ -6,9 +6,9 @@ import time
 
 import mindspore as ms
 
-from finetune.data.template import IGNORE
+from jobspec.data.template import IGNORE
 from finetune.dist import dp_totals
-from finetune.memory import memory_estimate
+from jobspec.memory import memory_estimate
 from finetune.metrics import MetricsWriter, progress_line, read_metrics
 from finetune.perf import StepTimer, device_peak_flops, flops_per_token, memory_check, peak_memory_bytes
 from finetune.report import ReportWriter, run_title

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune.config import Recipe
+from jobspec.config import Recipe
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
         "mfu": "perf/mfu", "peak_memory_bytes": "perf/peak_memory_bytes"}

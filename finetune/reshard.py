@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from finetune.qwen2_layout import TPSlice
+from jobspec.qwen2_layout import TPSlice
 
 MANIFEST = "manifest.json"
 
@@ -57,7 +57,7 @@ class SavedState:
     """Full tensors of a checkpoint written under any layout.
 
     ``names``: the model's parameter names in model order (the sharded optimizer's flat order);
-    ``full``: their full shapes (``finetune.qwen2_layout``).
+    ``full``: their full shapes (``jobspec.qwen2_layout``).
     """
 
     def __init__(self, path: Path, names: list[str], full: dict[str, tuple[int, ...]], bucket_bytes: int):

@@ -18,7 +18,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.config import Recipe
+from jobspec.config import Recipe
 from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
 from finetune.optim import SkippedSteps, lr_at
 from finetune.parallel.overlap import GradReduction
@@ -168,7 +168,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
     checkpoint = t.save()
     hf_dir = out / "hf"
     if recipe.export.enabled:
-        from finetune.config import parse_size
+        from jobspec.config import parse_size
         from finetune.hf_io import export_hf
 
         export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)

@@ -17,9 +17,9 @@ import numpy as np
 
 from finetune.checkpoint import (TrainerState, checkpoint_root, load_checkpoint, load_latest, run_identity,
                                  save_checkpoint)
-from finetune.config import Recipe, TrainConfig, resolved_model_dir
-from finetune.data.batching import BatchLoader
-from finetune.data.cache import cache_dir_for
+from jobspec.config import Recipe, TrainConfig, resolved_model_dir
+from jobspec.data.batching import BatchLoader
+from jobspec.data.cache import cache_dir_for
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler
 from finetune.parallel.overlap import GradReduction
@@ -141,8 +141,8 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
 def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
     """This DP rank's deterministic training batches from the token cache (prepared once per node or
     job), and its share of the validation set when the cache holds one."""
-    from finetune.data.cache import VAL_INDEX
-    from finetune.data.prepare import ensure_cache
+    from jobspec.data.cache import VAL_INDEX
+    from jobspec.data.prepare import ensure_cache
 
     tc, d = recipe.train, recipe.data
     cache = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main)

@@ -4,7 +4,7 @@
 
 Reads only its config (the resolved recipe, under "recipe" in plan.json) and the rank environment.
 Dies with its parent (msrun or the launcher); a training rank records its start and end in
-``<output_dir>/logs/ranks/`` (finetune/lifecycle.py).
+``<output_dir>/logs/ranks/`` (jobspec/lifecycle.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.affinity import apply_binding  # noqa: E402
-from finetune.config import ConfigError, load_recipe  # noqa: E402
-from finetune.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
+from jobspec.config import ConfigError, load_recipe  # noqa: E402
+from jobspec.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(recipe) -> int:
-    from finetune.native import mindspore_mismatch
+    from jobspec.native import mindspore_mismatch
 
     mismatch = mindspore_mismatch()  # an x86-64 wheel on an aarch64 host fails in import, unexplained
     if mismatch:

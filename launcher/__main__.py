@@ -1,7 +1,7 @@
 """ascend-finetune launcher: environment -> recipe -> plan -> preflight -> msrun -> supervise.
 
 Runs once per node, host side; never imports mindspore. Precedence: CLI ``key=value`` > environment
-> recipe > schema defaults (finetune/config.py). The CLI also takes the variable names
+> recipe > schema defaults (jobspec/config.py). The CLI also takes the variable names
 (``train TP=2 RECIPE=tiny-cpu``). Empty variables count as unset. All bad settings are reported at
 once, each naming the variable or key and an example fix. The environment contract is the table
 ``launcher.settings.ENV_CONTRACT`` (printed by ``--help``; the README's table is generated from it).
@@ -17,7 +17,7 @@ Variables the launcher sets for every worker: PATH (the venv's bin first: msrun 
 ``python``), PYTHONPATH (repo root first), PYTHONUNBUFFERED=1, HCCL_CONNECT_TIMEOUT and
 HCCL_EXEC_TIMEOUT (when unset), ASCEND_RT_VISIBLE_DEVICES (when only some NPUs are used), and the
 binding contract read by finetune/affinity.py: AF_BIND_MODE, AF_CPU_BIND_<local_rank>,
-AF_MEM_BIND_<local_rank>, AF_NUMACTL_<local_rank>; AF_LAUNCHER_PID (finetune/lifecycle.py).
+AF_MEM_BIND_<local_rank>, AF_NUMACTL_<local_rank>; AF_LAUNCHER_PID (jobspec/lifecycle.py).
 msrun itself adds MS_* variables, RANK_ID and DEVICE_ID (= local rank). prepare-data's tokenizer
 processes (not the workers) are started with LD_PRELOAD = the malloc of data.worker_malloc before
 any LD_PRELOAD already set, and TOKENIZERS_PARALLELISM=false.
@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import lifecycle
-from finetune.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
+from jobspec import lifecycle
+from jobspec.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import ascendjob, cli, launch, lock, npu_monitor, numa, preflight, settings
@@ -234,7 +234,7 @@ def ensure_model(recipe: Recipe) -> None:
     """Create the seeded tiny model where no model dir was given (model.init), once."""
     if not creates_tiny_model(recipe):
         return
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     mdir = resolved_model_dir(recipe)
     if ensure_tiny_model(mdir, recipe.model.init, recipe.model.init_seed):
@@ -242,7 +242,7 @@ def ensure_model(recipe: Recipe) -> None:
 
 
 def run_preflight(job: Job, host: Host) -> bool:
-    from finetune.data.formats import check_data
+    from jobspec.data.formats import check_data
 
     ctx = preflight.Context(job.recipe, job.devices, job.nproc, root=host.root, data_checker=check_data)
     rows = ascendjob.scheduler_checks(ctx, job.cluster) if job.nproc == 0 else preflight.run_checks(ctx)
@@ -251,8 +251,8 @@ def run_preflight(job: Job, host: Host) -> bool:
 
 
 def prepare_data(recipe: Recipe) -> int:
-    """prepare-data: build the token cache unless a fresh one exists (finetune.data.prepare decides)."""
-    from finetune.data.prepare import main as prepare_main
+    """prepare-data: build the token cache unless a fresh one exists (jobspec.data.prepare decides)."""
+    from jobspec.data.prepare import main as prepare_main
 
     return prepare_main(recipe, table_when_fresh=False)
 

@@ -18,7 +18,7 @@ import copy
 import dataclasses
 from pathlib import Path
 
-from finetune.config import Recipe
+from jobspec.config import Recipe
 from launcher import launch, preflight
 from launcher.cluster import Cluster
 

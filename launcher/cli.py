@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from finetune.config import Recipe
+from jobspec.config import Recipe
 from launcher import settings
 
 

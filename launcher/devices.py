@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.cpus import parse_cpulist
+from jobspec.cpus import parse_cpulist
 from launcher.npu_smi import NpuProcess, NpuSmi, parse_info, parse_processes, run_npu_smi
 
 MGMT_DEVICES = ("davinci_manager", "devmm_svm", "hisi_hdc")

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import lifecycle
-from finetune.config import REPO_ROOT, Recipe
+from jobspec import lifecycle
+from jobspec.config import REPO_ROOT, Recipe
 from launcher import procs
 
 WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from finetune.cpus import allowed_cpus, read_cpulist
+from jobspec.cpus import allowed_cpus, read_cpulist
 from launcher.devices import Devices, format_id_list
 
 

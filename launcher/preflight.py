@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import qwen2_layout
-from finetune.config import Recipe, creates_tiny_model, resolved_model_dir
-from finetune.memory import MemoryEstimate, estimate_memory, memory_estimate
-from finetune import native as nativelib
-from finetune.tiny import TINY_DEFAULTS
+from jobspec import qwen2_layout
+from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
+from jobspec.memory import MemoryEstimate, estimate_memory, memory_estimate
+from jobspec import native as nativelib
+from jobspec.tiny import TINY_DEFAULTS
 from launcher.devices import Devices, format_id_list
 
 GIB = 2**30
@@ -45,7 +45,7 @@ class Context:
     nproc: int
     root: Path = Path("/")
     shm: Path = Path("/dev/shm")
-    data_checker: Callable | None = None  # finetune.data.formats.check_data
+    data_checker: Callable | None = None  # jobspec.data.formats.check_data
     memory_estimator: Callable[..., MemoryEstimate] = estimate_memory
     connect: Callable[[str, int, float], None] = lambda host, port, t: socket.create_connection((host, port), t).close()
     port_free: Callable[[int], bool] = field(default=None)  # type: ignore[assignment]
@@ -66,7 +66,7 @@ def model_config(recipe: Recipe) -> dict | None:
 
 
 def param_count(cfg: dict) -> int:
-    """Exact Qwen2 parameter count from config.json (``finetune.qwen2_layout``); 0 when sizes are missing."""
+    """Exact Qwen2 parameter count from config.json (``jobspec.qwen2_layout``); 0 when sizes are missing."""
     try:
         return qwen2_layout.param_count(cfg)
     except (KeyError, TypeError, ZeroDivisionError):
@@ -180,7 +180,7 @@ REDOWNLOAD = "re-download the model (huggingface-cli download <repo> --local-dir
 
 def _weights_problem(path: Path) -> str | None:
     """Why a safetensors file is unusable (unreadable header, shorter than its header says), or None."""
-    from finetune.hf_io import read_header
+    from jobspec.hf_files import read_header
 
     try:
         header, start = read_header(path)
@@ -241,7 +241,7 @@ def check_model(c: Context) -> list[Check]:
                                                    f"{cfg.get('vocab_size')}"
         return [Check("model", "fail", f"{d / 'tokenizer.json'}: {what}",
                       "use the tokenizer that came with the model (same directory as its config.json)")]
-    from finetune.data.chat_template import check_model_template
+    from jobspec.data.chat_template import check_model_template
 
     status, line = check_model_template(d, c.recipe.data.system_prompt)
     template = Check("template", "warn" if status in ("differs", "unchecked") else "ok", line,
@@ -280,7 +280,7 @@ def check_data(c: Context) -> list[Check]:
     if missing:
         return [Check("data", "fail", f"not found: {', '.join(missing)}", "fix DATA (files or dirs, comma-separated)")]
     if c.data_checker is None:
-        return [Check("data", "warn", "data files exist; parse check unavailable (finetune.data.formats missing)")]
+        return [Check("data", "warn", "data files exist; parse check unavailable (jobspec.data.formats missing)")]
     problems = c.data_checker(c.recipe.data)
     if problems:
         return [Check("data", "fail", p, "fix the record or DATA_FORMAT") for p in problems[:10]]

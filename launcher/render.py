@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import RECIPES_DIR, ConfigError, resolve_recipe_path
+from jobspec.config import RECIPES_DIR, ConfigError, resolve_recipe_path
 from launcher import settings
 
 DEFAULT_IMAGE = "ascend-finetune:latest"

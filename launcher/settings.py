@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from finetune.config import ConfigError, Problem, Recipe, load_recipe, overridden, parse_overrides
+from jobspec.config import ConfigError, Problem, Recipe, load_recipe, overridden, parse_overrides
 
 # The env contract, the one table: (variable, recipe key or "", meaning). The README's table is
 # generated from it (env_table); tests/launcher/test_env_settings.py keeps them equal.

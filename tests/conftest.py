@@ -40,7 +40,7 @@ def module_tmp(tmp_path_factory, request) -> Path:
 @pytest.fixture
 def tiny_hf_dir(tmp_path):
     """Factory: a seeded random-init HF Qwen2 dir (small by default) -> its path."""
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     def make(name: str = "model", seed: int = 0, **overrides) -> Path:
         path = tmp_path / name

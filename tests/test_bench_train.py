@@ -14,7 +14,7 @@ def test_the_benchmark_steps_the_model_the_trainer_builds(ms_cpu, tmp_path, monk
     """Training mode, as finetune.trainer.build_model leaves it: the LM head computes the logits once a
     step and keeps them for the backward. The bench used to build its own model in evaluation mode,
     whose backward recomputes them (two vocab-sized matmuls where a run does one), so it understated us."""
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     spec = importlib.util.spec_from_file_location("bench_train", BENCH)
     bench = importlib.util.module_from_spec(spec)

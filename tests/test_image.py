@@ -90,4 +90,4 @@ def test_dockerfile_extends_the_base_path() -> None:
     text = (REPO / "Dockerfile").read_text()
     path_lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("PATH=")]
     assert path_lines == ["PATH=/opt/venv/bin:${PATH} \\"]
-    assert "python -m finetune.native" in text and '${MINDSPORE_WHEEL:+"$MINDSPORE_WHEEL"}' in text
+    assert "python -m jobspec.native" in text and '${MINDSPORE_WHEEL:+"$MINDSPORE_WHEEL"}' in text

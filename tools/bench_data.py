@@ -9,7 +9,7 @@ before, half just after, so a busy shared machine affects both alike), and print
 their ratio (goal >= 0.8).
 
 prepare-data's tokenizer processes run with a faster malloc when one is installed
-(``data.worker_malloc``, finetune/data/malloc.py). The raw encode is then timed twice: in this
+(``data.worker_malloc``, jobspec/data/malloc.py). The raw encode is then timed twice: in this
 process (the system malloc: the tokenizer as a user runs it) and in a child process with the same
 malloc preloaded as the workers (the tokenizer at its best here); both ratios are printed.
 """
@@ -27,12 +27,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.config import ASSETS_DIR, load_recipe  # noqa: E402
-from finetune.data import malloc  # noqa: E402
-from finetune.data.encode import load_tokenizer  # noqa: E402
-from finetune.data.formats import iter_samples  # noqa: E402
-from finetune.data.prepare import prepare  # noqa: E402
-from finetune.data.template import render  # noqa: E402
+from jobspec.config import ASSETS_DIR, load_recipe  # noqa: E402
+from jobspec.data import malloc  # noqa: E402
+from jobspec.data.encode import load_tokenizer  # noqa: E402
+from jobspec.data.formats import iter_samples  # noqa: E402
+from jobspec.data.prepare import prepare  # noqa: E402
+from jobspec.data.template import render  # noqa: E402
 
 
 _CHILD = """

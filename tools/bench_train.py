@@ -59,7 +59,7 @@ def write_model(path: Path, seed: int = 0) -> None:
     """The benchmark model as a Hugging Face directory with seeded fp32 weights."""
     from safetensors.numpy import save_file
 
-    from finetune.tiny import random_weights
+    from jobspec.tiny import random_weights
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**SHAPE, "torch_dtype": "float32"}, indent=1))
@@ -81,7 +81,7 @@ class Ours:
     def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool):
         import mindspore as ms
 
-        from finetune.config import load_recipe
+        from jobspec.config import load_recipe
         from finetune.dist import init_distributed
         from finetune.parallel.overlap import GradReduction
         from finetune.trainer import build_model, build_optimizer

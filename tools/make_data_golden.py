@@ -1,7 +1,7 @@
 """Golden token ids and label masks for the Qwen2.5 chat template (with tools), from transformers.
 
     python -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install transformers tokenizers jinja2
-    /tmp/hfvenv/bin/python tools/make_data_golden.py   # writes tests/finetune/data/golden_template.json
+    /tmp/hfvenv/bin/python tools/make_data_golden.py   # writes tests/jobspec/data/golden_template.json
 
 The ids come from ``apply_chat_template(messages, tools=...)`` on the bundled tokenizer
 (assets/tokenizer), whose tokenizer_config.json carries the Qwen2.5-Instruct chat template with its

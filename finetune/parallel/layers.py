@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel linear layers and their communication Cells.
 
 With ``rank.tp == 1`` the linears are plain matmuls and no collective is created.
-Weights follow Hugging Face's ``[out, in]`` layout (split axes: ``finetune.qwen2_layout``).
+Weights follow Hugging Face's ``[out, in]`` layout (split axes: ``jobspec.qwen2_layout``).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.config import TrainConfig
+from jobspec.config import TrainConfig
 from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
                            native_collectives, reduce_scatter_sum_async)
 from finetune.optim import BiasCorrection, StepGate

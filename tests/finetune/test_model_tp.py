@@ -124,7 +124,7 @@ import mindspore as ms
 from mindspore.communication import create_group, get_rank, init
 
 sys.path.insert(0, sys.argv[1])
-from finetune.config import ExportConfig, Recipe
+from jobspec.config import ExportConfig, Recipe
 from finetune.dist import RankInfo
 from finetune.generate import sample_check
 from finetune.hf_io import export_hf, load_hf_config, load_weights
@@ -148,7 +148,7 @@ sample_check(model, model_dir, Recipe(output_dir=out, export=ExportConfig(check_
 @pytest.mark.slow
 def test_inference_check_under_tp2_equals_one_process(ms_cpu, tmp_path, tiny_hf_dir):
     """Both TP ranks generate in step (same logits, same draws); rank 0 writes what one process writes."""
-    from finetune.config import ExportConfig, Recipe
+    from jobspec.config import ExportConfig, Recipe
     from finetune.dist import RankInfo
     from finetune.generate import load_model, sample_check
 

@@ -6,7 +6,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from finetune.config import LossScaleConfig, TrainConfig
+from jobspec.config import LossScaleConfig, TrainConfig
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, lr_at
 

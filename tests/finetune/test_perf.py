@@ -2,7 +2,7 @@
 import pytest
 
 from finetune.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token, memory_check
-from finetune.tiny import TINY_DEFAULTS
+from jobspec.tiny import TINY_DEFAULTS
 
 
 def test_flops_per_token_counts_every_matmul_and_the_lm_head_even_when_tied():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from finetune import report
-from finetune.config import load_recipe
+from jobspec.config import load_recipe
 
 
 def records(n: int = 8, with_eval: bool = True, with_mfu: bool = True) -> list[dict]:

@@ -9,7 +9,7 @@ import pytest
 from launcher_fakes import make_sys
 
 import launcher.__main__ as lm
-from finetune.config import REPO_ROOT
+from jobspec.config import REPO_ROOT
 
 
 def cpu_host(tmp_path, env=None, **kw) -> lm.Host:

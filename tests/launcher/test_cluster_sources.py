@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from finetune.config import load_recipe
+from jobspec.config import load_recipe
 from launcher import ascendjob, cluster, launch
 
 ME = {"job-worker-1", "job-worker-1.job", "10.0.0.12"}
@@ -109,7 +109,7 @@ def test_explicit_env_beats_scheduler_variables():
 
 
 def test_shipped_hostfiles():
-    from finetune.config import REPO_ROOT
+    from jobspec.config import REPO_ROOT
     two = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/two-nodes.txt"), me={"192.168.10.12"})
     assert (two.nnodes, two.node_rank, two.master_addr, two.nproc_per_node) == (2, 1, "192.168.10.11", 8)
     one = cluster.detect({}, hostfile=str(REPO_ROOT / "hostfiles/one-node.txt"), me={"localhost"})

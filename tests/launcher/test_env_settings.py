@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from finetune.config import RECIPES_DIR, ConfigError
+from jobspec.config import RECIPES_DIR, ConfigError
 from launcher import settings
 
 

@@ -59,10 +59,16 @@ def test_a_dead_holders_lock_is_taken_over_with_a_log_line(tmp_path):
 
 
 def test_nodes_of_one_job_lock_separately(tmp_path):
+    """Two nodes sharing OUTPUT_DIR (one filesystem) each hold their own file; a second job on a node is refused."""
     a = lock.acquire(tmp_path, node_rank=0, nnodes=2)
-    b = lock.acquire(tmp_path, node_rank=1, nnodes=2)
-    lock.release(a)
-    lock.release(b)
+    b = lock.acquire(tmp_path, node_rank=1, nnodes=2)  # node 0's lock does not refuse node 1
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".lock.node1"]
+        with pytest.raises(lock.Locked):
+            lock.acquire(tmp_path, node_rank=1, nnodes=2)
+    finally:
+        lock.release(a)
+        lock.release(b)
 
 
 def test_checking_creates_no_lock_file_and_holds_an_existing_one(tmp_path):

@@ -9,8 +9,8 @@ from launcher_fakes import make_sys
 from safetensors.numpy import load_file, save_file
 
 import launcher.__main__ as lm
-from finetune.config import creates_tiny_model, load_recipe
-from finetune.tiny import ensure_tiny_model
+from jobspec.config import creates_tiny_model, load_recipe
+from jobspec.tiny import ensure_tiny_model
 
 def _sharded(tmp_path):
     """The tiny model re-saved as Hugging Face shards: model.safetensors.index.json + model-0000N-of-00002."""

@@ -15,7 +15,7 @@ import pytest
 from launcher_fakes import make_sys, recorded_npu_smi
 
 import launcher.__main__ as lm
-from finetune.config import REPO_ROOT, load_recipe
+from jobspec.config import REPO_ROOT, load_recipe
 from launcher import launch
 
 
@@ -139,7 +139,7 @@ def test_bad_settings_exit_2_listing_all(tmp_path, capsys):
 
 STUB = textwrap.dedent("""
     import os, pathlib, sys
-    from finetune.lifecycle import run_rank
+    from jobspec.lifecycle import run_rank
     state = pathlib.Path(sys.argv[1])
     logs = pathlib.Path(sys.argv[2])
     n = int(state.read_text()) if state.exists() else 0
@@ -258,7 +258,7 @@ def test_worker_applies_its_binding(tmp_path, mode):
 
 MS_STUB = textwrap.dedent("""
     import os, pathlib, sys, time
-    from finetune.lifecycle import run_rank
+    from jobspec.lifecycle import run_rank
 
     def main():
         print("rank", os.environ.get("RANK_ID"), "local", os.environ.get("DEVICE_ID"), sys.argv[1:], flush=True)

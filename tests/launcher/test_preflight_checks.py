@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from launcher_fakes import make_dev, recorded_npu_smi
 
-from finetune.config import ASSETS_DIR, load_recipe
-from finetune.memory import MemoryEstimate
+from jobspec.config import ASSETS_DIR, load_recipe
+from jobspec.memory import MemoryEstimate
 from launcher import devices, preflight
 
 QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,

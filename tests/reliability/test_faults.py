@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import jobs
-from finetune.tiny import ensure_tiny_model
+from jobspec.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow
 STEPS = 10

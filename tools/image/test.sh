@@ -92,7 +92,7 @@ printf '  %s\n' "${seen[@]}"
 [[ "${seen[4]:-}" == */cxx_abi_1 && "${seen[5]:-}" == 1 ]] \
     || fail "entrypoint did not source nnal/atb/set_env.sh --cxx_abi=1 and the AscendNPU IR script"
 [[ "${seen[6]:-}" == no-usr-bin-python3 ]] || fail "the base has /usr/bin/python3: not CANN-shaped"
-in_image "$OUT/plan" 120 python -m finetune.native || fail "MindSpore's native code does not match this machine"
+in_image "$OUT/plan" 120 python -m jobspec.native || fail "MindSpore's native code does not match this machine"
 in_image "$OUT/plan" 300 plan 2>&1 | tee "$OUT/plan.log" || fail "entrypoint plan exited non-zero (see $OUT/plan.log)"
 [[ -s "$OUT/plan.log" ]] || fail "plan printed nothing"
 

@@ -171,7 +171,7 @@ def test_optimizer_kernel_under_its_twin(twins):
     """The AdamW step (fp16 parameters with fp32 masters, as the trainer on Ascend) calls AdamWeightDecay
     within its contract: fp32 var/m/v/grad, fp32 scalar hyper-parameters."""
     ms = __import__("mindspore")
-    from finetune.config import TrainConfig
+    from jobspec.config import TrainConfig
     from finetune.optim import AdamW
 
     model = _hd16_model(ASCEND, "float16")
@@ -190,7 +190,7 @@ def test_a_skipped_step_calls_the_optimizer_kernel_within_its_contract(twins, sh
     must stay in (0, 1) (ops.AdamWeightDecay raises ValueError otherwise; betas of 1 were passed
     once), and weights and moments stay bit for bit as they were."""
     ms = __import__("mindspore")
-    from finetune.config import TrainConfig
+    from jobspec.config import TrainConfig
     from finetune.optim import AdamW
     from finetune.parallel.zero import ShardedAdamW
 

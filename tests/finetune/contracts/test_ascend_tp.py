@@ -66,7 +66,7 @@ def _hd16_dir(path: Path) -> Path:
     """The HD16 model as a Hugging Face directory (seeded weights, std 0.1)."""
     from safetensors.numpy import save_file
 
-    from finetune.tiny import random_weights
+    from jobspec.tiny import random_weights
 
     path.mkdir()
     (path / "config.json").write_text(json.dumps({**HD16, "model_type": "qwen2", "tie_word_embeddings": False}))

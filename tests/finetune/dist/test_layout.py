@@ -1,7 +1,7 @@
 """Layout checks and group membership (pure Python, no workers)."""
 import pytest
 
-from finetune.config import ParallelConfig
+from jobspec.config import ParallelConfig
 from finetune.dist import check_world, dp_group_ranks, group_name, init_distributed, tp_group_ranks
 
 

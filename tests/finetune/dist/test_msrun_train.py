@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import harness
-from finetune.config import load_recipe, to_dict
+from jobspec.config import load_recipe, to_dict
 
 pytestmark = pytest.mark.slow
 WORKER = harness.REPO / "finetune" / "worker.py"
@@ -97,7 +97,7 @@ def _optim_bytes(out: Path) -> list[int]:
 def tmp(module_tmp) -> Path:
     """The one-process reference run (it also creates the tiny model and the token cache)."""
     tmp = module_tmp
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     ensure_tiny_model(tmp / "base-model", load_recipe("tiny-cpu").model.init, 0)
     harness.python(WORKER, ["--config", str(_plan(tmp, "one", 1, 1))], tmp / "one")

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import harness
-from finetune.config import load_recipe, to_dict
+from jobspec.config import load_recipe, to_dict
 
 pytestmark = pytest.mark.slow
 WORKER = harness.REPO / "finetune" / "worker.py"
@@ -69,7 +69,7 @@ def _assert_continues(got: Path, ref: Path, after: int) -> None:
 def tmp(module_tmp) -> Path:
     """The TP2 x DP2 run (4 workers, checkpoints at steps 2, 4 and 5)."""
     tmp = module_tmp
-    from finetune.tiny import ensure_tiny_model
+    from jobspec.tiny import ensure_tiny_model
 
     ensure_tiny_model(tmp / "base-model", load_recipe("tiny-cpu").model.init, 0)
     harness.msrun(WORKER, ["--config", str(_plan(tmp, "tp2dp2", 2, 2))], 4, tmp / "tp2dp2", timeout=900)

@@ -10,7 +10,7 @@ import pytest
 
 import toy_worker
 from finetune.dist import RankInfo
-from finetune.memory import shard_elements
+from jobspec.memory import shard_elements
 from finetune.optim import AdamW
 from finetune.parallel.zero import ShardedAdamW
 

@@ -20,7 +20,7 @@ import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import nn, ops  # noqa: E402
 
-from finetune.config import TrainConfig  # noqa: E402
+from jobspec.config import TrainConfig  # noqa: E402
 from finetune.dist import init_distributed, launched_world  # noqa: E402
 from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp  # noqa: E402
 from finetune.parallel.zero import ShardedAdamW  # noqa: E402

@@ -1,0 +1,128 @@
+"""Qwen2.5 chat template, labels and truncation on token ids.
+
+Text: ``<|im_start|>system\\n{system}<|im_end|>\\n`` (with tools: the system prompt, then the tool
+schemas and the call instructions of Qwen2.5's tool template) then per turn
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` (tool calls and tool results are already in the
+turns' content, see ``formats.py``). The special tokens split the text before the
+byte-level pre-tokenizer, so encoding the whole rendered text gives the ids that
+``transformers``' ``apply_chat_template`` gives. Labels (aligned with input_ids; the model shifts)
+are -100 except each assistant turn's content tokens and its ``<|im_end|>``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jobspec.data.formats import Sample
+
+IGNORE = -100
+TEMPLATE_VERSION = "qwen2.5-chatml-v1"  # part of the cache fingerprint
+TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+              "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+              "\"arguments\": <args-json-object>}\n</tool_call>")
+
+
+def render(sample: Sample, default_system: str) -> str:
+    """The templated text of one sample (no generation prompt)."""
+    return render_system(sample, default_system) + render_turns(sample)
+
+
+def render_system(sample: Sample, default_system: str) -> str:
+    """The system block of the templated text."""
+    system = sample.system if sample.system is not None else default_system
+    tools = f"{TOOLS_HEAD}{sample.tools}{TOOLS_TAIL}" if sample.tools else ""
+    return f"<|im_start|>system\n{system}{tools}<|im_end|>\n"
+
+
+def render_turns(sample: Sample) -> str:
+    """The templated text after the system block."""
+    return "".join([f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in sample.turns])
+
+
+def splits_at_specials(tokenizer) -> bool:
+    """True when <|im_start|> / <|im_end|> cut the text into pieces that are encoded on their own
+    (no lstrip / rstrip / single_word), so ids(system block + turns) = ids(system block) + ids(turns)."""
+    for t in tokenizer.get_added_tokens_decoder().values():
+        if t.content in ("<|im_start|>", "<|im_end|>") and (t.lstrip or t.rstrip or t.single_word):
+            return False
+    return True
+
+
+class Specials:
+    """Ids of the template's special tokens for one tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        ids = {t: tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise ValueError(f"tokenizer lacks {missing}: not a Qwen2/Qwen2.5 tokenizer.json")
+        self.im_start, self.im_end, self.pad = ids["<|im_start|>"], ids["<|im_end|>"], ids["<|endoftext|>"]
+        self.assistant = tokenizer.encode("assistant", add_special_tokens=False).ids[0]
+
+
+def label_flat(ids: np.ndarray, sp: Specials) -> np.ndarray:
+    """Labels for a flat run of whole templated samples (vectorised over any number of them).
+
+    A block starts at each <|im_start|>; in an assistant block every token from offset 3 (after
+    ``<|im_start|>assistant\\n``) up to and including the block's first <|im_end|> is a label.
+    """
+    is_start = ids == sp.im_start
+    block = np.cumsum(is_start) - 1  # block index of each token (-1 before the first start)
+    starts = np.flatnonzero(is_start)
+    pos = np.arange(len(ids))
+    if len(starts) == 0:
+        return np.full(len(ids), IGNORE, dtype=np.int32)
+    b = np.maximum(block, 0)
+    offset = pos - starts[b]
+    role_pos = np.minimum(starts + 1, len(ids) - 1)
+    is_asst_block = ids[role_pos] == sp.assistant
+    is_end = ids == sp.im_end
+    ends_before = np.cumsum(is_end) - is_end  # im_end count strictly before each token
+    base = ends_before[starts]  # ... at each block start
+    keep = (block >= 0) & is_asst_block[b] & (offset >= 3) & (ends_before == base[b])
+    return np.where(keep, ids, IGNORE).astype(np.int32)
+
+
+def blocks(ids: np.ndarray, sp: Specials) -> list[tuple[int, int]]:
+    """[start, end) of every <|im_start|>...<|im_end|>\\n block of one sample."""
+    starts = np.flatnonzero(ids == sp.im_start).tolist()
+    return list(zip(starts, starts[1:] + [len(ids)]))
+
+
+def truncate(ids: np.ndarray, labels: np.ndarray, seq_len: int,
+             sp: Specials) -> tuple[np.ndarray, np.ndarray] | None:
+    """Fit one sample into seq_len keeping the assistant part; None when it cannot fit.
+
+    Drops the earliest (user, assistant) turn pairs first, then cuts the last user content and
+    then the system content from the left. Never cuts an assistant turn.
+    """
+    if len(ids) <= seq_len:
+        return ids, labels
+    bl = blocks(ids, sp)
+    system, turns = bl[0], bl[1:]
+    # the last user turn before the final assistant turn and everything after it must stay
+    last_user = max((i for i in range(len(turns)) if ids[turns[i][0] + 1] != sp.assistant), default=0)
+    keep_from = 0
+    total = len(ids)
+    while keep_from < last_user and total > seq_len:
+        nxt = keep_from + 1
+        while nxt < last_user and ids[turns[nxt][0] + 1] == sp.assistant:
+            nxt += 1  # drop up to the next user turn
+        total -= sum(e - s for s, e in turns[keep_from:nxt])
+        keep_from = nxt
+    kept = [system] + turns[keep_from:]
+    excess = total - seq_len
+    cuts = [0] * len(kept)
+    # cut content from the left (the 3 header tokens, <|im_end|> and "\n" stay): the last user
+    # turn first, then the system prompt
+    for bi in ([1 + last_user - keep_from, 0] if turns else [0]):
+        s, e = kept[bi]
+        if ids[s + 1] == sp.assistant:
+            continue
+        cuts[bi] = max(0, min((e - s) - 5, excess))
+        excess -= cuts[bi]
+    if excess > 0:
+        return None
+    idx = np.concatenate([np.r_[s:s + 3, s + 3 + c:e] for (s, e), c in zip(kept, cuts)])
+    return ids[idx], labels[idx]

@@ -1,0 +1,15 @@
+"""Reading a Hugging Face model directory's files without MindSpore (the launcher's preflight uses it)."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Safetensors header (name -> dtype/shape/data_offsets) and the byte offset of the data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n

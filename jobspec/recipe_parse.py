@@ -1,0 +1,230 @@
+"""Reading a recipe: typed coercion of YAML values and ``key=value`` overrides, problems collected.
+
+Generic over the schema's dataclasses (``build(cls, raw, ...)``) so that it imports nothing of
+``finetune``: ``jobspec/config.py`` holds the schema and its rules and uses this module, never
+the other way round. Problems are :class:`Problem` s, raised together as one :class:`ConfigError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One config problem: the dotted ``key``, what is wrong, a value that works, where the value came from.
+
+    ``key`` is empty for problems that belong to no key (a malformed override, an unknown recipe).
+    ``value`` is the offending value as written (``repr``), ``where`` a recipe line (``recipes/x.yaml:12``).
+    """
+
+    key: str
+    message: str
+    example: str = ""
+    value: str | None = None
+    where: str = ""
+
+    def text(self, via: str = "", raw: str | None = None) -> str:
+        """One line naming the key, or the variable ``via`` it was set with (``raw``: the text it held)."""
+        if not self.key:
+            return f"{self.where}: {self.message}" if self.where else self.message
+        if via:
+            fix = f" (e.g. {via}={self.example})" if self.example else ""
+            return f"{via}={raw!r} ({self.key}): {self.message}{fix}"
+        head = self.key if self.value is None else f"{self.key}={self.value}"
+        fix = f" (e.g. {self.key}={self.example})" if self.example else ""
+        return f"{self.where + ': ' if self.where else ''}{head}: {self.message}{fix}"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a recipe, each line naming the key and a fix.
+
+    ``items`` are the structured :class:`Problem` s; ``problems`` their lines as rendered by ``render``
+    (the launcher passes one that names the environment variable a key came from).
+    """
+
+    def __init__(self, problems: list[Problem | str], render: Callable[[Problem], str] = Problem.text):
+        self.items = [p if isinstance(p, Problem) else Problem("", p) for p in problems]
+        self.problems = [render(p) for p in self.items]
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _example(tp: Any) -> str:
+    return {int: "8", float: "2e-5", bool: "true", str: "text"}.get(tp, "[...]")
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list[Problem]) -> Any:
+    """Convert a YAML value or an override string to the annotated type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Literal:  # the schema's allowed values, written once in the annotation
+        if str(value) not in args:
+            problems.append(Problem(key, f"must be one of {', '.join(args)}", args[0], repr(value)))
+            return args[0]
+        return str(value)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in {"", "null", "none", "auto"}):
+            return None
+        return _coerce(value, inner[0], key, problems)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(Problem(key, "expected a mapping of settings", value=repr(value)))
+            return tp()
+        return build(tp, value, key + ".", problems)
+    if tp is dict or origin is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(value, dict):
+            problems.append(Problem(key, "expected a mapping", "'{\"hidden_size\": 64}'", repr(value)))
+            return None
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in (value.split(",") if value else [])]
+        if not isinstance(value, (list, tuple)):
+            problems.append(Problem(key, "expected a list", "a,b", repr(value)))
+            return []
+        return [_coerce(v, args[0] if args else str, key, problems) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in _TRUE:
+            return True
+        if str(value).strip().lower() in _FALSE:
+            return False
+        problems.append(Problem(key, "expected true or false", "true", repr(value)))
+        return False
+    if tp in (int, float):
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            f = float(value)
+            if not math.isfinite(f) or (tp is int and f != int(f)):
+                raise ValueError
+            return int(f) if tp is int else f
+        except (TypeError, ValueError):
+            what = "an integer" if tp is int else "a finite number"
+            problems.append(Problem(key, f"expected {what}", _example(tp), repr(value)))
+            return tp()
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            problems.append(Problem(key, "expected text", value=repr(value)))
+            return ""
+        return "" if value is None else str(value)
+    return value
+
+
+def build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in raw.items():
+        if k not in hints:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            problems.append(Problem(f"{prefix}{k}", f"unknown key; {hint}"))
+            continue
+        kwargs[k] = _coerce(v, hints[k], prefix + k, problems)
+    return cls(**kwargs)
+
+
+def nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for dotted, v in flat.items():
+        d = out
+        parts = dotted.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                break
+        else:
+            d[parts[-1]] = v
+    return out
+
+
+def merge(base: dict, over: dict, whole: frozenset[str] = frozenset(), prefix: str = "") -> dict:
+    """``over`` merged into ``base`` key by key; a mapping at a dotted key in ``whole`` is replaced whole."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and f"{prefix}{k}" not in whole:
+            out[k] = merge(out[k], v, whole, f"{prefix}{k}.")
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(items: list[str]) -> tuple[dict[str, str], list[Problem]]:
+    """``["train.lr=1e-5", ...]`` -> ``{"train.lr": "1e-5"}`` plus problems for malformed items."""
+    flat, problems = {}, []
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not _KEY.fullmatch(key):
+            problems.append(Problem("", f"override {item!r}: expected key=value with a dotted recipe key "
+                                        "(e.g. train.lr=1e-5)"))
+            continue
+        flat[key] = item.split("=", 1)[1]
+    return flat, problems
+
+
+def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line of its value in a composed YAML mapping."""
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}{k.value}"
+            out[key] = k.start_mark.line + 1
+            out.update(_key_lines(v, key + "."))
+    return out
+
+
+def read_recipe(path: Path) -> tuple[dict, dict[str, int]]:
+    """The recipe's mapping and the line of each key (``recipes/x.yaml:12`` in problems)."""
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text) or {}
+        lines = _key_lines(yaml.compose(text))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"{path}: unreadable ({e}); RECIPE names a recipe in recipes/ or a YAML file"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: a recipe is a mapping of sections (model:, data:, train:, ...)"])
+    return data, lines
+
+
+def overridden(key: str, keys: Iterable[str]) -> str | None:
+    """The override among ``keys`` that set ``key`` (itself, a parent or a child), or None."""
+    for k in keys:
+        if k == key or key.startswith(k + ".") or k.startswith(key + "."):
+            return k
+    return None
+
+
+def parse_size(text: str) -> int:
+    """'2GB' / '500MB' / '1024' -> bytes (decimal units, like Hugging Face's max_shard_size)."""
+    t = str(text).strip().upper().replace(" ", "")
+    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "TIB": 2**40, "GIB": 2**30,
+             "MIB": 2**20, "KIB": 2**10, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u) and t[: -len(u)]:
+            return int(float(t[: -len(u)]) * m)
+    return int(t)

@@ -1,0 +1,98 @@
+"""The recipe schema itself (jobspec.config): defaults, coercion, every problem at once, the resolved layout."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jobspec.config import (RECIPES_DIR, ConfigError, ParallelConfig, Recipe, load_recipe, resolve_recipe_path,
+                            to_dict)
+
+
+def problems_of(**overrides) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_recipe("tiny-cpu", overrides)
+    return e.value.problems
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_loads_and_names_itself(path):
+    r = load_recipe(path.stem)
+    assert r.name == path.stem
+    assert load_recipe(str(path)) == r  # by name or by path: the same recipe
+
+
+def test_the_dataclass_defaults_are_the_defaults():
+    r = load_recipe(raw={})
+    assert r == Recipe()
+    assert (r.train.grad_accum, r.parallel.tp, r.parallel.dp, r.parallel.shard_optimizer) == (
+        Recipe().train.grad_accum, 1, 0, None)
+
+
+def test_overrides_are_coerced_to_the_schema_types():
+    r = load_recipe("tiny-cpu", {"train.lr": "3e-5", "train.max_steps": "7", "train.betas": "0.8,0.95",
+                                 "parallel.shard_optimizer": "false"})
+    assert (r.train.lr, r.train.max_steps, r.train.betas, r.parallel.shard_optimizer) == (
+        3e-5, 7, [0.8, 0.95], False)
+
+
+def test_every_problem_is_reported_at_once_each_naming_its_key_and_a_fix():
+    lines = problems_of(**{"train.lr": "0", "train.schedule": "linear", "data.seq_len": "4", "parallel.pp": "2"})
+    assert len(lines) == 4
+    by_key = {line.split("=")[0]: line for line in lines}
+    assert "must be > 0 (e.g. train.lr=2e-5)" in by_key["train.lr"]
+    assert "must be one of cosine, constant (e.g. train.schedule=cosine)" in by_key["train.schedule"]
+    assert "must be >= 8" in by_key["data.seq_len"]
+    assert "pipeline parallelism is not supported" in by_key["parallel.pp"]
+
+
+def test_an_unparsable_value_fails_its_type_only_not_its_range_too():
+    lines = problems_of(**{"train.max_steps": "many"})
+    assert len(lines) == 1 and lines[0].startswith("train.max_steps")
+
+
+def test_an_unknown_key_lists_the_known_keys_of_its_section():
+    lines = problems_of(**{"train.learning_rate": "1e-5"})
+    assert len(lines) == 1 and lines[0].startswith("train.learning_rate: unknown key; known keys: lr, betas,")
+
+
+def test_a_bad_value_from_the_recipe_file_names_its_line(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("train:\n  lr: 1e-5\n  schedule: linear\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(str(f))
+    assert e.value.problems == [f"{f}:3: train.schedule='linear': must be one of cosine, constant "
+                                "(e.g. train.schedule=cosine)"]
+
+
+def test_an_unknown_recipe_name_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match="no such recipe; use one of: .*tiny-cpu"):
+        resolve_recipe_path("tiny-gpu")
+
+
+@pytest.mark.parametrize("tp,dp,world,expect", [(2, 0, 8, 4), (1, 0, 4, 4), (2, 2, 4, 2)])
+def test_resolved_derives_dp_and_the_sharded_optimizer(tp, dp, world, expect):
+    r = load_recipe("tiny-cpu", {"parallel.tp": str(tp), "parallel.dp": str(dp)}).resolved(world, "cpu")
+    assert r.parallel.dp == expect
+    assert r.parallel.shard_optimizer is (expect > 1)
+    assert r.parallel.overlap_grad_reduce is (expect > 1)
+    assert r.parallel.vocab_parallel is (tp > 1)
+    assert r.launch.device == "cpu"
+
+
+def test_resolved_on_a_resolved_recipe_changes_nothing():
+    r = load_recipe("tiny-cpu", {"parallel.tp": "2"}).resolved(4, "cpu")
+    assert r.resolved(4, "cpu") == r
+
+
+@pytest.mark.parametrize("tp,dp,world,key,fix", [(3, 0, 4, "parallel.tp", "2"), (2, 3, 4, "parallel.dp", "2")])
+def test_a_layout_that_does_not_fit_the_world_names_a_value_that_does(tp, dp, world, key, fix):
+    problems = ParallelConfig(tp=tp, dp=dp).world_problems(world)
+    assert [(p.key, p.example) for p in problems] == [(key, fix)]
+
+
+def test_the_resolved_recipe_round_trips_through_its_dict():
+    r = load_recipe("tiny-cpu").resolved(1, "cpu")
+    d = to_dict(r)
+    assert load_recipe(raw=d) == r
+    assert dataclasses.asdict(r) == d

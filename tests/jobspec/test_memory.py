@@ -1,0 +1,108 @@
+"""Memory estimator: exact tensor byte counts per layout, and the field guide's 7B figure."""
+import math
+
+import pytest
+
+from jobspec.memory import estimate_memory, shard_elements
+from jobspec.qwen2_layout import local_shapes
+
+QWEN7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+              num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+
+
+def _count(cfg, **kw):
+    return sum(math.prod(s) for s in local_shapes(cfg, **kw).values())
+
+
+def test_qwen7b_parameter_count_is_the_published_one():
+    assert _count(QWEN7B) == 7_615_616_512
+
+
+def test_qwen7b_tp2_dp2_sharded_is_near_the_guides_38gb():
+    from jobspec.config import TrainConfig
+
+    est = estimate_memory(QWEN7B, seq_len=4096, micro_batch_size=1, tp=2, dp=2, precision="bf16", recompute=True,
+                          shard_optimizer=True, vocab_parallel=True, loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
+    # the guide counts bf16 gradients; ours are accumulated and reduced in fp32: 2 bytes/param more
+    assert abs((est.total - est.grads / 2) / 2**30 - 38) / 38 <= 0.15, est.table()
+    # the model state alone: (2 + 4) bytes / tp (bf16 weights, fp32 grads) + 12 bytes / (tp*dp) per parameter
+    state = est.weights + est.grads + est.master + est.optimizer
+    assert abs(state - 7_615_616_512 * (6 / 2 + 12 / 4)) / state < 1e-3
+    assert "total" in est.table() and "GiB" in est.table()
+
+
+def test_sharding_and_tp_shrink_the_right_parts():
+    base = dict(seq_len=4096, micro_batch_size=1, precision="bf16", loss_chunk_tokens=1024)
+    full = estimate_memory(QWEN7B, tp=1, dp=1, **base)
+    tp2 = estimate_memory(QWEN7B, tp=2, dp=2, **base)
+    sh = estimate_memory(QWEN7B, tp=2, dp=2, shard_optimizer=True, **base)
+    assert full.total > 120e9 and 60e9 < tp2.total < 90e9  # unsharded TP=2 does not fit a 64 GB 910B
+    assert sh.weights == tp2.weights and sh.grads == tp2.grads
+    assert sh.optimizer == pytest.approx(tp2.optimizer / 2, rel=1e-6)
+    no_rc = estimate_memory(QWEN7B, tp=2, dp=2, recompute=False, **base)
+    assert no_rc.activations > 3 * sh.activations
+
+
+def test_loss_chunks_shrink_only_the_lm_head_buffers():
+    base = dict(seq_len=4096, micro_batch_size=1, precision="bf16", tp=2, dp=2, shard_optimizer=True,
+                vocab_parallel=True)
+    whole, chunked = estimate_memory(QWEN7B, **base), estimate_memory(QWEN7B, loss_chunk_tokens=1024, **base)
+    # three fp32 buffers and a bf16 copy over [tokens, vocab / tp]
+    assert whole.activations - chunked.activations == (4096 - 1024) * (152064 // 2) * (3 * 4 + 2)
+    assert estimate_memory(QWEN7B, loss_chunk_tokens=8192, **base).activations == whole.activations
+    assert (whole.weights, whole.optimizer) == (chunked.weights, chunked.optimizer)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_split_rules(tp):
+    shapes = local_shapes(TINY, tp=tp)
+    hd = 64 // 4
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4 // tp * hd, 64)
+    kv = (2 // tp if tp <= 2 else 1) * hd  # tp=4 > 2 kv heads: one head per rank, replicated
+    assert shapes["model.layers.1.self_attn.k_proj.bias"] == (kv,)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (64, 176 // tp)
+    assert shapes["model.embed_tokens.weight"] == (151936, 64) and "lm_head.weight" not in shapes
+    assert local_shapes(TINY, tp=tp, vocab_parallel=True)["model.embed_tokens.weight"] == (151936 // tp, 64)
+
+
+def test_bad_tp_names_the_key():
+    with pytest.raises(ValueError, match="parallel.tp=3"):
+        local_shapes(TINY, tp=3)
+
+
+def test_shard_elements_partition_every_bucket():
+    assert shard_elements(10, 2, bucket_bytes=16) == 2 + 2 + 1  # buckets of 4,4,2 elements
+    assert shard_elements(1000, 1) == 1000
+
+
+@pytest.mark.parametrize("tp,dp,shard,precision,vp", [
+    (1, 1, False, "fp32", True), (2, 1, False, "fp32", True), (2, 1, False, "fp32", False), (1, 2, True, "fp32", True),
+    (2, 2, True, "bf16", True), (4, 2, True, "fp32", True), (2, 2, False, "bf16", False)])
+def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precision, vp):
+    """The model built for each TP rank (a RankInfo without collectives) and the optimizer for each
+    DP rank hold exactly the bytes the estimator predicts; tp=4 > 2 KV heads replicates them;
+    vp: vocab-parallel embedding and LM head (1/tp of the rows each) or replicated."""
+    ms = pytest.importorskip("mindspore")
+    from jobspec.config import TrainConfig
+    from finetune.dist import RankInfo
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.trainer import build_optimizer
+    from jobspec.tiny import TINY_DEFAULTS
+
+    cfg = dict(TINY_DEFAULTS, vocab_size=1024, tie_word_embeddings=False)  # small vocab: fast, untied head
+    est = estimate_memory(cfg, seq_len=64, micro_batch_size=1, tp=tp, dp=dp, precision=precision,
+                          shard_optimizer=shard, vocab_parallel=vp)
+    dtype = {"fp32": ms.float32, "bf16": ms.bfloat16}[precision]
+    for r in range(tp * dp):
+        rank = RankInfo(rank=r, world_size=tp * dp, tp=tp, dp=dp, tp_rank=r % tp, dp_rank=r // tp,
+                        tp_group="tp" if tp > 1 else None, dp_group="dp" if dp > 1 else None)
+        params = Qwen2ForCausalLM(Qwen2Config.from_dict(cfg), rank, vocab_parallel=vp).trainable_params()
+        for p in params:
+            p.set_dtype(dtype)  # (set_data(p.astype(...)) would keep the fp32 dtype)
+        assert sum(int(p.nbytes) for p in params) == est.weights
+        assert sum(4 * math.prod(p.shape) for p in params) == est.grads  # fp32 gradients
+        opt = build_optimizer(params, TrainConfig(), rank, shard=shard)
+        state = sum(int(v.nbytes) for k, v in opt.state_dict().items() if k not in ("t", "shard.layout"))
+        assert state == est.master + est.optimizer, (r, state, est)
