@@ -17,8 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
+
+if TYPE_CHECKING:
+    from jobspec.config import Recipe
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
 
@@ -54,7 +58,7 @@ def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int
     return sum(math.ceil((min(a + per, total) - a) / dp) for a in range(0, total, per))
 
 
-def _layer_activation_elems(cfg: dict, tp: int) -> int:
+def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
     """Activation elements per token that one layer keeps for backward (flash attention)."""
     d = Dims.of(cfg)
     replicated = 5 * d.hidden  # norm inputs/outputs and the residual
@@ -63,7 +67,7 @@ def _layer_activation_elems(cfg: dict, tp: int) -> int:
     return replicated + split
 
 
-def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
+def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
                     vocab_parallel: bool = False, loss_chunk_tokens: int = 0) -> MemoryEstimate:
     """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout."""
@@ -85,7 +89,8 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
                           activations=acts, workspace=WORKSPACE_BYTES)
 
 
-def memory_estimate(recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
+def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
+                    estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
     """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json);
     preflight prints it, the trainer compares it with the measured peak at step 1."""
     p, t = recipe.parallel, recipe.train
