@@ -193,7 +193,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         "msrun_argv": argv,
         "worker_env": launch.set_vars(env, host.env),
         "sources": {"recipe": f"{s.recipe} ({s.recipe_reason})",
-                    "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(recipe.launch.device, recipe.name),
+                    "cluster": f"{clus.source}: {clus.reason}",
+                    "devices": devs.summary(recipe.launch.device, recipe.name),
                     "device_notes": devs.notes,
                     "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                   f"a relative path is relative to the current directory ({cwd})",

@@ -103,6 +103,7 @@ def running(devices: Devices, out: Path, node_rank: int, interval_s: float, npu_
         log(f"NPU monitor: off ({why})")
         yield None
         return
+    assert npu_smi is not None  # `why` is set when it is None
     path = out / ("npu.jsonl" if node_rank == 0 else f"npu-node{node_rank}.jsonl")
     log(f"NPU monitor: npu-smi every {interval_s:g} s into {path}")
     mon = NpuMonitor(path, devices.visible, npu_smi, lambda m: log(f"warning: {m}")).start(interval_s)

@@ -40,7 +40,8 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
                                       "`affinity` \\| `off`"),
     ("MAX_RESTARTS", "launch.max_restarts", "relaunches after a failure; each resumes from the newest checkpoint"),
     ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
-    ("HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT", "", "defaulted for workers to 1200 / 1836 s (CANN's A2 default) when unset"),
+    ("HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT", "",
+     "defaulted for workers to 1200 / 1836 s (CANN's A2 default) when unset"),
     ("HCCL_IF_IP, HCCL_SOCKET_IFNAME, HCCL_BUFFSIZE", "", "passed through to workers unchanged"),
     ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`, or ascend-operator's `Ascend910-0,Ascend910-1`) "
                                    "to use; read"),
