@@ -11,16 +11,17 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import cast
 
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.checkpoint import MANIFEST, checkpoint_root, find_latest  # noqa: E402
-from jobspec.config import parse_size  # noqa: E402
-from finetune.dist import BUCKET_BYTES  # noqa: E402
-from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
-from jobspec.qwen2_layout import full_shapes  # noqa: E402
-from finetune.reshard import SavedState  # noqa: E402
+from finetune.checkpoint import MANIFEST, checkpoint_root, find_latest  # noqa: E402  (sys.path set above)
+from jobspec.config import parse_size  # noqa: E402  (sys.path set above)
+from finetune.dist import BUCKET_BYTES  # noqa: E402  (sys.path set above)
+from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402  (sys.path set above)
+from jobspec.qwen2_layout import full_shapes  # noqa: E402  (sys.path set above)
+from finetune.reshard import SavedState  # noqa: E402  (sys.path set above)
 
 
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:
@@ -40,7 +41,7 @@ def export_checkpoint(checkpoint: Path, model_dir: str | Path, out_dir: str | Pa
     """Write the checkpoint's weights as a Hugging Face directory ``out_dir``; returns it."""
     shapes = full_shapes(load_hf_config(model_dir))
     saved = SavedState(checkpoint, list(shapes), shapes, BUCKET_BYTES)
-    return write_hf_dir(out_dir, model_dir, shapes, saved.weights, dtype, shard_size_bytes)
+    return cast(Path, write_hf_dir(out_dir, model_dir, shapes, saved.weights, dtype, shard_size_bytes))  # out_dir given
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ class Qwen2Config:
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
+    def from_dict(cls, d: dict, source: str = "config.json") -> Qwen2Config:
         """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``)."""
         d = dict(d)
         d.setdefault("num_key_value_heads", d.get("num_attention_heads"))

@@ -10,7 +10,7 @@ decisions read the norm (``StepGate``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import mindspore as ms
 import numpy as np
@@ -73,7 +73,7 @@ class BiasCorrection:
         self.applied = ms.Tensor(0, ms.int32)
         self.steps = 0  # steps taken or skipped: an upper bound of ``applied`` (sizes the table)
         self.table = ms.Tensor(np.zeros((0, 3), np.float32))
-        self.betas = tuple(ms.Tensor(b, ms.float32) for b in cfg.betas)
+        self.betas = cast(tuple[ms.Tensor, ms.Tensor], tuple(ms.Tensor(b, ms.float32) for b in cfg.betas))  # a pair
 
     def _rows(self, n: int) -> np.ndarray:
         b1, b2 = self.cfg.betas
@@ -240,6 +240,7 @@ class AdamW:
         """Unscale, clip and apply the DP-reduced gradients (``reduce`` or GradReduction.finish);
         returns (grad_norm, applied) as device scalars, read by no one here: a step whose norm is
         not finite changes nothing (see BiasCorrection)."""
+        grads: list | None  # None: a step skipped on the host
         grads = [g for bucket in buckets for g in bucket]
         norm = global_grad_norm(grads, self.params, self.rank)
         grads, norm, ok = self.gate.gradients(grads, norm, self.cfg.clip_grad, grad_scale)

@@ -176,7 +176,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     return model, params
 
 
-def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool):
+def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool | None):
     """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
     if shard and rank.dp > 1:
         from finetune.parallel.zero import ShardedAdamW

@@ -17,9 +17,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.affinity import apply_binding  # noqa: E402
-from jobspec.config import ConfigError, load_recipe  # noqa: E402
-from jobspec.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
+from finetune.affinity import apply_binding  # noqa: E402  (sys.path set above)
+from jobspec.config import ConfigError, load_recipe  # noqa: E402  (sys.path set above)
+from jobspec.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402  (sys.path set above)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 @contextmanager
-def atomic_dir(final: Path | str) -> Iterator[Path]:
+def atomic_dir(final: str | os.PathLike[str]) -> Iterator[Path]:
     """``with atomic_dir(out) as tmp:`` write into ``tmp``; on success it becomes ``out``, on error it is removed."""
     final = Path(final)
     tmp = temp_sibling(final)

@@ -27,12 +27,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobspec.config import ASSETS_DIR, load_recipe  # noqa: E402
-from jobspec.data import malloc  # noqa: E402
-from jobspec.data.encode import load_tokenizer  # noqa: E402
-from jobspec.data.formats import iter_samples  # noqa: E402
-from jobspec.data.prepare import prepare  # noqa: E402
-from jobspec.data.template import render  # noqa: E402
+from jobspec.config import ASSETS_DIR, load_recipe  # noqa: E402  (sys.path set above)
+from jobspec.data import malloc  # noqa: E402  (sys.path set above)
+from jobspec.data.encode import load_tokenizer  # noqa: E402  (sys.path set above)
+from jobspec.data.formats import iter_samples  # noqa: E402  (sys.path set above)
+from jobspec.data.prepare import prepare  # noqa: E402  (sys.path set above)
+from jobspec.data.template import render  # noqa: E402  (sys.path set above)
 
 
 _CHILD = """

@@ -16,14 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-from mindspore import nn, ops  # noqa: E402
+import mindspore as ms  # noqa: E402  (sys.path set above)
+import numpy as np  # noqa: E402  (sys.path set above)
+from mindspore import nn, ops  # noqa: E402  (sys.path set above)
 
-from jobspec.config import TrainConfig  # noqa: E402
-from finetune.dist import init_distributed, launched_world  # noqa: E402
-from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp  # noqa: E402
-from finetune.parallel.zero import ShardedAdamW  # noqa: E402
+from jobspec.config import TrainConfig  # noqa: E402  (sys.path set above)
+from finetune.dist import init_distributed, launched_world  # noqa: E402  (sys.path set above)
+from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp  # noqa: E402  (sys.path set above)
+from finetune.parallel.zero import ShardedAdamW  # noqa: E402  (sys.path set above)
 
 VOCAB, HID, CLASSES, GLOBAL_BATCH = 50, 16, 7, 8
 CFG = TrainConfig(lr=5e-2, clip_grad=0.5, weight_decay=0.1)
