@@ -107,7 +107,8 @@ CASES = [
     ("lr-zero", {}, ["train.lr=0"], 2, ["train.lr=0.0: must be > 0", "e.g. train.lr=2e-5"]),
     ("lr-negative", {}, ["train.lr=-1e-5"], 2, ["train.lr=-1e-05", "e.g. train.lr="]),
     ("eps-negative", {}, ["train.eps=-1e-8"], 2, ["train.eps=-1e-08: must be > 0", "e.g. train.eps=1e-6"]),
-    ("weight-decay-negative", {}, ["train.weight_decay=-0.1"], 2, ["train.weight_decay=-0.1", "e.g. train.weight_decay=0"]),
+    ("weight-decay-negative", {}, ["train.weight_decay=-0.1"], 2,
+     ["train.weight_decay=-0.1", "e.g. train.weight_decay=0"]),
     ("min-lr-negative", {}, ["train.min_lr=-1"], 2, ["train.min_lr=-1.0", "e.g. train.min_lr=0"]),
     ("clip-grad-negative", {}, ["train.clip_grad=-1"], 2, ["train.clip_grad=-1.0", "e.g. train.clip_grad=0"]),
     ("clip-grad-inf", {}, ["train.clip_grad=inf"], 2, ["train.clip_grad='inf'", "e.g. train.clip_grad="]),
@@ -178,8 +179,8 @@ CASES = [
                                                                  "one complete JSON object"]),
 ]
 
-FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights, _one_json_object,
-            _hostfile, _a_file)
+FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights,
+            _one_json_object, _hostfile, _a_file)
 
 
 @pytest.fixture(scope="module")

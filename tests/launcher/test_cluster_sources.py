@@ -141,8 +141,8 @@ def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
                MS_SCHED_PORT=str(free_port()))
     clus = cluster.detect(env, me=ME)
     recipe = load_recipe("qwen2.5-7b-full", {k: str(v) for k, v in clus.overrides().items()})
-    plan = {"recipe": {"launch": {}, "train": {}}, "topology": {"world_size": 16}, "ranks": [], "binding": {"ranks": []},
-            "worker_env": {}, "sources": {}}
+    plan = {"recipe": {"launch": {}, "train": {}}, "topology": {"world_size": 16}, "ranks": [],
+            "binding": {"ranks": []}, "worker_env": {}, "sources": {}}
     argv, *_ = ascendjob.scheduler_only(recipe, clus, plan, {}, tmp_path)
     argv = [*argv[:argv.index("--cluster_time_out") + 2], str(stub)]
     run = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "ROLES": str(tmp_path / "roles")}, timeout=300,
