@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +27,11 @@ import numpy as np  # noqa: E402  (sys.path set above)
 from jobspec.config import DataConfig  # noqa: E402  (sys.path set above)
 from jobspec.data.formats import Sample  # noqa: E402  (sys.path set above)
 from jobspec.data.template import render  # noqa: E402  (sys.path set above)
+
+if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors before loading MindSpore
+    from tokenizers import Tokenizer
+
+    from finetune.model import Qwen2ForCausalLM
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -133,7 +139,7 @@ def check_weights_before_build(model_dir: str | Path) -> dict:
     return config
 
 
-def load_model(model_dir: str | Path, device: str = "auto"):
+def load_model(model_dir: str | Path, device: str = "auto") -> tuple[Qwen2ForCausalLM, Tokenizer, str]:
     """(Qwen2ForCausalLM with the weights of an HF directory, its tokenizer, device target)."""
     import mindspore as ms
     from tokenizers import Tokenizer

@@ -191,7 +191,7 @@ class SkippedSteps:
     ``counts`` = (skipped since the last read, the current run of consecutive skips, the longest
     run since the last read)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.counts = ops.zeros((3,), ms.float32)
 
     def update(self, ok: ms.Tensor) -> None:

@@ -100,7 +100,7 @@ class StepTimer:
 
     PHASES = ("data", "fwd_bwd", "optimizer")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
         self._t = time.perf_counter()

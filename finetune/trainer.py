@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mindspore as ms
 import numpy as np
@@ -23,6 +23,9 @@ from jobspec.data.cache import cache_dir_for
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler
 from finetune.parallel.overlap import GradReduction
+
+if TYPE_CHECKING:
+    from finetune.parallel.zero import ShardedAdamW
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -176,7 +179,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     return model, params
 
 
-def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool | None):
+def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool | None) -> AdamW | ShardedAdamW:
     """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
     if shard and rank.dp > 1:
         from finetune.parallel.zero import ShardedAdamW
