@@ -59,8 +59,14 @@ export: $(STAMP)
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+## Everything but the multi-process tests (msrun, faults, image): the quick loop while working.
 test-fast: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+## ruff (lint + import order) and mypy (strict on jobspec/), configured in pyproject.toml; CI runs it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench-data: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_data.py

@@ -203,6 +203,7 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict |
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
             problem = str(e) if str(path) in str(e) else f"{path}: {type(e).__name__}: {e}"
         if not _world_sum([1.0 if problem else 0.0], rank)[0]:
+            assert loaded is not None  # no rank had a problem, this one included
             state, weights, optim = loaded
             _apply(model_params, weights)
             return path, state, optim

@@ -11,6 +11,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import cast
 
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,7 +52,7 @@ def export_checkpoint(checkpoint: Path, model_dir: str | Path, out_dir: str | Pa
     """Write the checkpoint's weights as a Hugging Face directory ``out_dir``; returns it."""
     shapes = full_shapes(load_hf_config(model_dir))
     saved = SavedState(checkpoint, list(shapes), shapes, BUCKET_BYTES)
-    return write_hf_dir(out_dir, model_dir, shapes, saved.weights, dtype, shard_size_bytes)
+    return cast(Path, write_hf_dir(out_dir, model_dir, shapes, saved.weights, dtype, shard_size_bytes))  # out_dir given
 
 
 def check_out(out: Path, keep: list[Path]) -> None:

@@ -18,11 +18,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np  # noqa: E402  (sys.path set above)
 
 from jobspec.config import DataConfig  # noqa: E402
 from jobspec.data.formats import Sample  # noqa: E402
@@ -48,7 +49,7 @@ class Sampling:
     seed: int = 0
 
     @classmethod
-    def of_model(cls, model_dir: str | Path) -> "Sampling":
+    def of_model(cls, model_dir: str | Path) -> Sampling:
         """From ``generation_config.json`` (``do_sample: false`` means greedy); defaults where absent."""
         path = Path(model_dir) / "generation_config.json"
         cfg = json.loads(path.read_text()) if path.is_file() else {}
@@ -136,7 +137,7 @@ def check_weights_before_build(model_dir: str | Path) -> dict:
     return config
 
 
-def load_model(model_dir: str | Path, device: str = "auto"):
+def load_model(model_dir: str | Path, device: str = "auto") -> tuple[Qwen2ForCausalLM, Tokenizer, str]:
     """(Qwen2ForCausalLM with the weights of an HF directory, its tokenizer, device target)."""
     import mindspore as ms
     from tokenizers import Tokenizer
@@ -324,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, what = pick_model(args)
         convs = read_prompts(args.input) if args.input else \
             [{"turns": [("user", p)], "system": args.system, "record": {"prompt": p}} for p in args.prompt]
-        s = dataclasses.replace(Sampling.of_model(model_dir), **{f.name: getattr(args, f.name) for f in dataclasses.fields(Sampling)
-                                      if getattr(args, f.name) is not None})
+        s = dataclasses.replace(Sampling.of_model(model_dir), **{f.name: getattr(args, f.name)
+                                                                 for f in dataclasses.fields(Sampling)
+                                                                 if getattr(args, f.name) is not None})
         model, tokenizer, target = load_model(model_dir, args.device)
         if args.adapter:
             from finetune.lora_io import load_adapter
@@ -344,9 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         c["system"] = c["system"] if c["system"] is not None else args.system
     texts = answer(model, tokenizer, convs, s, stops, args.batch_size)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
+        with open(args.output, "w", encoding="utf-8") as fh:
             for c, t in zip(convs, texts):
-                f.write(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n")
+                fh.write(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n")
         print(f"[generate] {len(texts)} answers written to {args.output}", file=sys.stderr)
     else:
         for t in texts:

@@ -86,7 +86,7 @@ def read_tensor(path: Path, name: str, part: tuple[int, int, int] | None = None)
         raise HFModelError(f"{path}: tensor {name} has dtype {meta['dtype']}; supported: {', '.join(_NP)}")
     begin = meta["data_offsets"][0]
     shape = tuple(meta["shape"])
-    a = np.memmap(path, dtype=_NP[meta["dtype"]], mode="r", offset=data_start + begin, shape=shape)
+    a: np.ndarray = np.memmap(path, dtype=_NP[meta["dtype"]], mode="r", offset=data_start + begin, shape=shape)
     if part is not None:
         axis, start, size = part
         a = a[start:start + size] if axis == 0 else a[:, start:start + size]
@@ -204,7 +204,7 @@ def _write_configs(src: Path, tmp: Path, dtype: str) -> None:
             shutil.copyfile(src / f, tmp / f)
 
 
-def write_hf_dir(out_dir: str | os.PathLike | None, src_model_dir: str | os.PathLike,
+def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os.PathLike[str],
                  shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], np.ndarray], dtype: str = "bf16",
                  shard_size_bytes: int = 2 * 10**9) -> Path | None:
     """Write the tensors ``fetch(name)`` (fp32, full ``shapes``, in order) as a Hugging Face directory

@@ -93,7 +93,7 @@ class BiasCorrection:
         self.applied = ms.Tensor(0, ms.int32)
         self.steps = 0  # steps taken or skipped: an upper bound of ``applied`` (sizes the table)
         self.table = ms.Tensor(np.zeros((0, 3), np.float32))
-        self.betas = tuple(ms.Tensor(b, ms.float32) for b in cfg.betas)
+        self.betas = cast(tuple[ms.Tensor, ms.Tensor], tuple(ms.Tensor(b, ms.float32) for b in cfg.betas))  # a pair
 
     def _rows(self, n: int) -> np.ndarray:
         b1, b2 = self.cfg.betas
@@ -239,7 +239,7 @@ class SkippedSteps:
     ``counts`` = (skipped since the last read, the current run of consecutive skips, the longest
     run since the last read)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.counts = ops.zeros((3,), ms.float32)
 
     def update(self, ok: ms.Tensor) -> None:
@@ -311,6 +311,7 @@ class AdamW:
         """Unscale, clip and apply the DP-reduced gradients (``reduce`` or GradReduction.finish);
         returns (grad_norm, applied) as device scalars, read by no one here: a step whose norm is
         not finite changes nothing (see BiasCorrection)."""
+        grads: list | None  # None: a step skipped on the host
         grads = [g for bucket in buckets for g in bucket]
         norm = global_grad_norm(grads, self.params, self.rank)
         grads, norm, ok = self.gate.gradients(grads, norm, self.cfg.clip_grad, grad_scale)

@@ -14,6 +14,7 @@ import re
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 from finetune.dist import RankInfo
 from jobspec.qwen2_layout import Dims, param_table
@@ -103,7 +104,7 @@ class StepTimer:
 
     PHASES = ("data", "fwd_bwd", "optimizer")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
         self._t = time.perf_counter()
@@ -144,7 +145,7 @@ class StepProfiler:
     def __init__(self, steps: list[int], rank: RankInfo, out_dir: Path):
         self.first, self.last = (steps[0], steps[1]) if steps and rank.is_main else (0, -1)
         self.rank, self.dir = rank, out_dir / "profile"
-        self._prof = None
+        self._prof: Any = None  # mindspore.profiler.profile (untyped) or cProfile.Profile
 
     def before(self, step: int) -> None:
         """Called before step ``step`` runs."""

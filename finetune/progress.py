@@ -52,7 +52,7 @@ class Reporter:
 
     def write(self, record: dict, total_steps: int) -> None:
         """Rank 0: append to metrics.jsonl and TensorBoard, print the progress (and eval) line."""
-        if self.metrics is None:
+        if self.metrics is None or self.report is None:  # not rank 0 (both or neither)
             return
         self.metrics.write(record)
         self.report.write(record)
@@ -74,6 +74,7 @@ def evaluate(t: Trainer) -> dict:
     """Token-weighted mean loss over the whole validation set (each DP rank its share, summed over
     the ranks): ``{"eval_loss", "eval_tokens"}``."""
     loss_sum, tokens = ms.Tensor(0.0, ms.float32), 0
+    assert t.val_loader is not None  # called only with a validation set
     t.model.set_train(False)  # no backward follows: the LM head keeps no logits
     for mb in t.val_loader.eval_micro_batches():
         loss_sum = loss_sum + t.model(*batch_tensors(mb))

@@ -98,6 +98,7 @@ class SavedState:
         full = np.empty(self.full[name], np.float32)
         for t in range(self.tp):
             p = self.part(name, t)
+            assert p is not None  # split on rank 0, so on every rank
             if p.owner:
                 index = [slice(None)] * full.ndim
                 index[p.axis] = slice(p.start, p.start + p.size)

@@ -33,7 +33,7 @@ EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
 EVAL_MIN_GAIN = 1e-4  # an eval loss counts as better (train.early_stop_patience) when 0.01% lower
 
 
-def compute_dtype(recipe: Recipe):
+def compute_dtype(recipe: Recipe) -> ms.Type:
     """The dtype of weights and matmuls of a resolved recipe (fp32 master weights live in the optimizer)."""
     return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[recipe.train.precision]
 
@@ -41,12 +41,12 @@ def compute_dtype(recipe: Recipe):
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop checkpoints and exits at the next step boundary."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.set = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 
-    def _handler(self, signum, frame):
+    def _handler(self, signum: int, frame: object) -> None:
         self.set = True
 
 

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mindspore as ms
 import numpy as np
@@ -25,6 +25,9 @@ from jobspec.fsutil import remove_stale_temps
 from finetune.optim import AdamW, LossScaler, Optimizer
 from finetune.parallel.overlap import GradReduction
 from jobspec.rerun import changed_settings, run_settings
+
+if TYPE_CHECKING:
+    from finetune.parallel.zero import ShardedAdamW
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 

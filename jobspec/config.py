@@ -39,7 +39,7 @@ class ModelConfig:
     dir: str = ""  # HF layout: config.json, *.safetensors (+ index), tokenizer.json
     # When set and `dir` holds no config.json: create a seeded random-init Qwen2 model there,
     # with these config.json fields over a tiny default, and the bundled Qwen2.5 tokenizer.
-    init: dict | None = None
+    init: dict[str, Any] | None = None
     init_seed: int = 0
 
 
@@ -79,7 +79,9 @@ class DataConfig:
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)
     num_workers: int = 0  # tokenizer processes for prepare-data; 0: auto (from 8 MB of input one per CPU, at most 8)
     max_samples: int = 0  # 0: all
-    worker_malloc: str = "auto"  # tokenizer processes' malloc: auto (the cmeel-mimalloc wheel, else a system tcmalloc/jemalloc/mimalloc) | system | path
+    # tokenizer processes' malloc: auto (the cmeel-mimalloc wheel, else a system tcmalloc/jemalloc/mimalloc)
+    # | system | path
+    worker_malloc: str = "auto"
     clean: CleanConfig = field(default_factory=CleanConfig)
 
 
@@ -130,7 +132,7 @@ class TrainConfig:
     early_stop_patience: int = 0  # stop after this many evaluations without a better eval loss; 0: never
     profile_steps: list[int] = field(default_factory=list)  # [start, end]: profile these steps on rank 0
 
-    def precision_on(self, device: str) -> str:
+    def precision_on(self, device: str) -> Literal["fp32", "bf16", "fp16"]:
         """The concrete precision on ``device`` ('npu' | 'cpu'): auto is bf16 on NPU, fp32 on CPU."""
         if self.precision == "auto":
             return "bf16" if device == "npu" else "fp32"
@@ -233,7 +235,7 @@ class Recipe:
         r = copy.deepcopy(self)
         r.parallel = self.parallel.for_world(world)
         r.train.precision = self.train.precision_on(device)
-        r.launch.device = device
+        r.launch.device = cast(Literal["npu", "cpu"], device)  # callers pass 'npu' | 'cpu' (docstring)
         problems = compile_layers_problems(r)  # the rules that needed the world and the device
         if problems:
             raise ConfigError(problems)
@@ -264,14 +266,14 @@ def _shown(path: Path) -> str:
 
 
 def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | None = None,
-                raw: dict | None = None, render: Callable[[Problem], str] = Problem.text) -> Recipe:
+                raw: dict[str, Any] | None = None, render: Callable[[Problem], str] = Problem.text) -> Recipe:
     """Recipe YAML (or ``raw``) + dotted overrides -> validated :class:`Recipe`.
 
     Raises :class:`ConfigError` listing every problem at once, one per key; a problem about a value
     from the recipe file names its line, ``render`` words the rest (the launcher names env variables).
     """
     problems: list[Problem] = []
-    data: dict = {}
+    data: dict[str, Any] = {}
     lines: dict[str, int] = {}
     where = ""
     if raw is not None:
@@ -387,7 +389,8 @@ def _validate_data_sources(d: DataConfig) -> list[Problem]:
     for k, v in d.columns.items():
         if k not in DATA_COLUMNS:
             close = difflib.get_close_matches(str(k), DATA_COLUMNS, n=1)
-            p.append(Problem("data.columns", f"unknown field {k!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            p.append(Problem("data.columns", f"unknown field {k!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
                              + f"; keys are the formats' fields ({', '.join(DATA_COLUMNS)}), values your dataset's",
                              """'{"instruction": "question", "output": "answer"}'"""))
         elif not isinstance(v, str) or not v:
@@ -414,5 +417,5 @@ def creates_tiny_model(r: Recipe) -> bool:
     return not r.model.dir and r.model.init is not None
 
 
-def to_dict(r: Any) -> dict:
+def to_dict(r: Any) -> dict[str, Any]:
     return dataclasses.asdict(r)

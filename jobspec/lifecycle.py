@@ -15,7 +15,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jobspec.fsutil import pid_alive
 from jobspec.rundir import RunDir
@@ -28,7 +30,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent dies; False where unsupported."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return bool(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 
@@ -58,7 +60,7 @@ def status_path(log_dir: str | Path, rank: int) -> Path:
     return status_dir(log_dir) / f"rank_{rank:05d}.json"
 
 
-def write_status(path: Path, record: dict) -> None:
+def write_status(path: Path, record: dict[str, Any]) -> None:
     """Atomic: a reader sees the old or the new record, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -66,7 +68,7 @@ def write_status(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_statuses(log_dir: str | Path, since: float = 0.0) -> dict[int, dict]:
+def read_statuses(log_dir: str | Path, since: float = 0.0) -> dict[int, dict[str, Any]]:
     """rank -> its latest record, for ranks started at or after ``since`` (a unix time)."""
     out = {}
     for p in status_dir(log_dir).glob("rank_*.json"):

@@ -14,7 +14,7 @@ per-head query/key norms (``q_norm``, ``k_norm``, size head_dim) are replicated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Dims:
     qk_norm: bool = False
 
     @classmethod
-    def of(cls, config: dict) -> "Dims":
+    def of(cls, config: dict[str, Any]) -> Dims:
         """From a Hugging Face config dict (or ``Qwen2Config.to_dict()``)."""
         h, nh = config["hidden_size"], config["num_attention_heads"]
         fam = family_of(config)
@@ -130,12 +130,12 @@ def param_table(config: dict) -> list[ParamSpec]:
     return out
 
 
-def full_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def full_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> full (unsplit) shape."""
     return {p.name: p.shape for p in param_table(config)}
 
 
-def param_count(config: dict) -> int:
+def param_count(config: dict[str, Any]) -> int:
     """Exact number of parameters (a tied embedding counted once)."""
     total = 0
     for p in param_table(config):
@@ -146,7 +146,7 @@ def param_count(config: dict) -> int:
     return total
 
 
-def tp_problems(config: dict, tp: int, vocab_parallel: bool = False) -> list[tuple[str, str]]:
+def tp_problems(config: dict[str, Any], tp: int, vocab_parallel: bool = False) -> list[tuple[str, str]]:
     """(problem, fix) for each reason ``parallel.tp`` cannot split this model; empty when it can."""
     d = Dims.of(config)
     if tp < 1:
@@ -171,20 +171,20 @@ def tp_problems(config: dict, tp: int, vocab_parallel: bool = False) -> list[tup
     return problems
 
 
-def check_tp(config: dict, tp: int, vocab_parallel: bool = False) -> None:
+def check_tp(config: dict[str, Any], tp: int, vocab_parallel: bool = False) -> None:
     """Raise ValueError naming every :func:`tp_problems` at once, each with its fix."""
     problems = tp_problems(config, tp, vocab_parallel)
     if problems:
         raise ValueError("; ".join(f"{msg} ({fix})" for msg, fix in problems))
 
 
-def local_kv_heads(config: dict, tp: int) -> int:
+def local_kv_heads(config: dict[str, Any], tp: int) -> int:
     """KV heads held per TP rank: split when tp divides them, else one (a copy on tp/kv_heads ranks)."""
     nkv = Dims.of(config).kv_heads
     return nkv // tp if tp <= nkv else 1
 
 
-def tp_slice(spec: ParamSpec, config: dict, tp: int, tp_rank: int, vocab_parallel: bool) -> TPSlice | None:
+def tp_slice(spec: ParamSpec, config: dict[str, Any], tp: int, tp_rank: int, vocab_parallel: bool) -> TPSlice | None:
     """This TP rank's slice of ``spec`` (None: the rank holds the whole tensor)."""
     if tp == 1 or spec.tp_axis is None or (spec.split_by == "vocab" and not vocab_parallel):
         return None
@@ -196,7 +196,7 @@ def tp_slice(spec: ParamSpec, config: dict, tp: int, tp_rank: int, vocab_paralle
     return TPSlice(spec.tp_axis, tp_rank * size, size)
 
 
-def tp_layout(config: dict, tp: int, tp_rank: int, vocab_parallel: bool = False) -> dict[str, TPSlice]:
+def tp_layout(config: dict[str, Any], tp: int, tp_rank: int, vocab_parallel: bool = False) -> dict[str, TPSlice]:
     """Name -> this rank's slice, for every TP-split tensor (absent: held whole). Checks ``tp`` first."""
     check_tp(config, tp, vocab_parallel)
     out = {}
@@ -207,13 +207,13 @@ def tp_layout(config: dict, tp: int, tp_rank: int, vocab_parallel: bool = False)
     return out
 
 
-def local_shapes(config: dict, tp: int = 1, vocab_parallel: bool = False) -> dict[str, tuple[int, ...]]:
+def local_shapes(config: dict[str, Any], tp: int = 1, vocab_parallel: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of one TP rank's tensor (the same on every rank of the group)."""
     layout = tp_layout(config, tp, 0, vocab_parallel)
     out = {}
     for spec in param_table(config):
         shape = list(spec.shape)
         if spec.name in layout:
-            shape[spec.tp_axis] = layout[spec.name].size
+            shape[layout[spec.name].axis] = layout[spec.name].size
         out[spec.name] = tuple(shape)
     return out

@@ -12,7 +12,7 @@ import json
 import math
 import re
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ class ConfigError(ValueError):
     (the launcher passes one that names the environment variable a key came from).
     """
 
-    def __init__(self, problems: list[Problem | str], render: Callable[[Problem], str] = Problem.text):
+    def __init__(self, problems: Sequence[Problem | str], render: Callable[[Problem], str] = Problem.text):
         self.items = [p if isinstance(p, Problem) else Problem("", p) for p in problems]
         self.problems = [render(p) for p in self.items]
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
@@ -73,12 +73,17 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
     the example of a bad number: ``MASTER_PORT=8118``, not a generic one)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is typing.Literal:  # the schema's allowed values, written once in the annotation
+        if str(value) not in args:
+            problems.append(Problem(key, f"must be one of {', '.join(args)}", args[0], repr(value)))
+            return args[0]
+        return str(value)
     if origin is typing.Union or (origin is not None and type(None) in args):
         inner = [a for a in args if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in {"", "null", "none", "auto"}):
             return None
         return _coerce(value, inner[0], key, problems)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema section (a class, never an instance)
         if not isinstance(value, dict):
             problems.append(Problem(key, "expected a mapping of settings", value=repr(value)))
             return tp()
@@ -130,7 +135,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
     return value
 
 
-def build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
+def build(cls: type, raw: dict[str, Any], prefix: str, problems: list[Problem]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
@@ -145,8 +150,8 @@ def build(cls: type, raw: dict, prefix: str, problems: list[Problem]) -> Any:
     return cls(**kwargs)
 
 
-def nest(flat: dict[str, Any]) -> dict:
-    out: dict = {}
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for dotted, v in flat.items():
         d = out
         parts = dotted.split(".")
@@ -159,11 +164,13 @@ def nest(flat: dict[str, Any]) -> dict:
     return out
 
 
-def merge(base: dict, over: dict) -> dict:
+def merge(base: dict[str, Any], over: dict[str, Any], whole: frozenset[str] = frozenset(),
+          prefix: str = "") -> dict[str, Any]:
+    """``over`` merged into ``base`` key by key; a mapping at a dotted key in ``whole`` is replaced whole."""
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "init":
-            out[k] = merge(out[k], v)
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and f"{prefix}{k}" not in whole:
+            out[k] = merge(out[k], v, whole, f"{prefix}{k}.")
         else:
             out[k] = v
     return out
@@ -193,7 +200,7 @@ def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
     return out
 
 
-def read_recipe(path: Path) -> tuple[dict, dict[str, int]]:
+def read_recipe(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The recipe's mapping and the line of each key (``recipes/x.yaml:12`` in problems)."""
     try:
         text = path.read_text()

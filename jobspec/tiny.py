@@ -9,8 +9,10 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 from safetensors.numpy import save_file
 
 from jobspec.fsutil import atomic_dir
@@ -19,7 +21,7 @@ from jobspec.qwen2_layout import FAMILIES, family_of, full_shapes
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-TINY_DEFAULTS: dict = {
+TINY_DEFAULTS: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
     "vocab_size": 151936,
@@ -41,7 +43,7 @@ TINY_DEFAULTS: dict = {
     "torch_dtype": "float32",
 }
 
-GENERATION_CONFIG: dict = {
+GENERATION_CONFIG: dict[str, Any] = {
     "bos_token_id": 151643,
     "pad_token_id": 151643,
     "eos_token_id": [151645, 151643],
@@ -53,7 +55,7 @@ GENERATION_CONFIG: dict = {
 }
 
 
-def random_weights(config: dict, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
+def random_weights(config: dict[str, Any], seed: int, std: float = 0.02) -> dict[str, NDArray[Any]]:
     """Seeded init: normal(0, std) matrices, norms 1, biases 0 (fp32)."""
     rng = np.random.default_rng(seed)
     out = {}

@@ -55,7 +55,7 @@ def own_identities() -> set[str]:
     names = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"}
     for n in list(names):
         try:
-            names.update(i[4][0] for i in socket.getaddrinfo(n, None))
+            names.update(str(i[4][0]) for i in socket.getaddrinfo(n, None))
         except OSError:
             pass
     names.update(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs

@@ -20,7 +20,7 @@ def parse_visible_devices(text: str) -> list[int]:
     (``Ascend910-0,Ascend910-1``, from the ``huawei.com/Ascend910`` pod annotation)."""
     named = [re.fullmatch(r"[A-Za-z][A-Za-z0-9]*-(\d+)", p.strip()) for p in text.split(",")]
     if all(named):
-        return sorted({int(m.group(1)) for m in named})
+        return sorted({int(m.group(1)) for m in named if m})
     try:
         return parse_cpulist(text, "ASCEND_VISIBLE_DEVICES")
     except ValueError:

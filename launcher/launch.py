@@ -87,6 +87,7 @@ class _Output:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             f = open(path, "ab")
+        assert proc.stdout is not None  # started with stdout=PIPE
         try:
             for line in iter(proc.stdout.readline, b""):
                 m = procs.MSRUN_WORKER_EXIT.search(line.decode(errors="replace"))
@@ -116,7 +117,8 @@ class Failure:
 class _Attempt:
     """One start of the job: the process, its output, the ranks' status files and msrun's scheduler."""
 
-    def __init__(self, argv, env, cwd, log_dir, ranks, lock_fd, under_msrun, tee_to, oom_base):
+    def __init__(self, argv: list[str], env: Mapping[str, str], cwd: Path | None, log_dir: Path, ranks: Sequence[int],
+                 lock_fd: int | None, under_msrun: bool, tee_to: Path | None, oom_base: int | None) -> None:
         self.started = time.time()
         self.log_dir, self.ranks, self.under_msrun, self.oom_base = log_dir, list(ranks), under_msrun, oom_base
         self.tee_to = tee_to
@@ -273,6 +275,7 @@ def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restar
 def _watch(job: _Attempt, stopping: dict, poll_s: float, finish_grace_s: float,
            stop_grace_s: float = 2.0) -> tuple[int, Failure | None]:
     """Until the job ends, a rank fails, or (stopping) every rank is gone; returns (exit code, failure)."""
+    rc: int | None  # poll() below: None while the job runs
     if not job.under_msrun:
         rc = job.proc.wait()
         job.out.thread.join(timeout=5)

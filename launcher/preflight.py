@@ -14,7 +14,7 @@ import shutil
 import socket
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec import qwen2_layout
@@ -49,7 +49,7 @@ class Context:
     data_checker: Callable | None = None  # jobspec.data.formats.check_data
     memory_estimator: Callable[..., MemoryEstimate] = estimate_memory
     connect: Callable[[str, int, float], None] = lambda host, port, t: socket.create_connection((host, port), t).close()
-    port_free: Callable[[int], bool] = field(default=None)  # type: ignore[assignment]
+    port_free: Callable[[int], bool] | None = None
     native_check: Callable[[], nativelib.NativeCheck] = nativelib.check_mindspore
     load_libraries: LibraryLoader = load_libraries  # the driver libraries, in a fresh process
 
@@ -165,8 +165,9 @@ def check_disk(c: Context) -> list[Check]:
     n, keep = param_count(cfg), c.recipe.train.keep_checkpoints
     ckpts = keep + 1 if keep > 0 else 2  # the one being written while `keep` older ones still exist
     export = n * (4 if c.recipe.export.dtype == "fp32" else 2)
-    base = n * 4 if c.recipe.model.init is not None and not (Path(resolved_model_dir(c.recipe)) / "config.json").exists() \
-        else 0  # a tiny model still to be created under OUTPUT_DIR
+    # a tiny model still to be created under OUTPUT_DIR
+    base = n * 4 if c.recipe.model.init is not None \
+        and not (Path(resolved_model_dir(c.recipe)) / "config.json").exists() else 0
     need = n * 16 * ckpts + export + base  # checkpoint: fp32 weights + AdamW m, v and fp32 masters
     detail = f"need ~{need / GIB:.1f} GiB ({n / 1e9:.2f} B params x 16 B x {ckpts} checkpoints (keep_checkpoints " \
              f"{keep} + the one being written) + export{' + base model' if base else ''}), " \

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -52,7 +53,7 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def kill_tree(root: int, extra: list[int] = ()) -> None:
+def kill_tree(root: int, extra: Iterable[int] = ()) -> None:
     """SIGKILL ``root``'s process group, every process group below it, and ``extra`` pids' groups."""
     groups = {root} | {g for g in (_pgid(p.pid) for p in descendants(root)) if g} | \
              {g for g in (_pgid(p) for p in extra) if g}

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -170,7 +171,7 @@ def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], over
 def _volumes(pod: PodSettings) -> tuple[list[dict], list[dict]]:
     """(volumes, volumeMounts): /dev/shm in memory with a size limit, the driver read-only, the data dir."""
     vols = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pod.shm}}]
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     for i, (path, kind) in enumerate(DRIVER_MOUNTS.items()):
         vols.append({"name": f"ascend-{i}", "hostPath": {"path": path, "type": kind}})
         mounts.append({"name": f"ascend-{i}", "mountPath": path, "readOnly": True})
@@ -319,6 +320,7 @@ def main(args: list[str], env: Mapping[str, str] | None = None, overrides: list[
     if problems:
         print("render: nothing written:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
+    assert pod is not None  # no problems: pod_settings ran
     for w in pod.warnings:
         print(f"render: warning: {w}", file=sys.stderr)
     text = render_text(RENDERERS[ns.kind](pod, ns.nodes, name, ns.queue, ns.max_retry), args)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 pytest_plugins = ["pytester"]
 
 CONFTEST = Path(__file__).resolve().parent / "conftest.py"

@@ -89,8 +89,8 @@ def test_shell_metacharacters_never_executed(stub: Path, tmp_path: Path) -> None
 
 def real_launcher(tmp_path: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """The entrypoint in front of the real launcher (this interpreter as `python`)."""
-    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "ASCEND_BASE": str(tmp_path / "no-ascend"),
-            "OUTPUT_DIR": str(tmp_path / "out")}
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+            "ASCEND_BASE": str(tmp_path / "no-ascend"), "OUTPUT_DIR": str(tmp_path / "out")}
     return subprocess.run(["bash", str(ENTRY), *args], env={**base, **env}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
 

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
         recipe = load_recipe(raw={"model": {"init": {}}}, overrides={
             "data.paths": [str(data)], "data.num_workers": str(args.workers),
-            "data.seq_len": str(args.seq_len), "data.worker_malloc": args.worker_malloc, "output_dir": str(Path(tmp) / "out")})
+            "data.seq_len": str(args.seq_len), "data.worker_malloc": args.worker_malloc,
+            "output_dir": str(Path(tmp) / "out")})
         texts = [render(s, recipe.data.system_prompt) for s in iter_samples(data)]
         tok = load_tokenizer(str(tok_path), tok_path.stat().st_mtime)
         name, lib = malloc.choose(recipe.data.worker_malloc)
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prepare-data end to end:   {t_prep:7.2f} s  {prep_sps:10,.0f} samples/s  "
           f"{info.report['tokens_per_s'] * info.report['elapsed_s'] / t_prep:12,.0f} tokens/s  "
           f"({workers['workers']} tokenizer processes, malloc {workers['malloc']})")
-    print(f"raw encode_batch:          {t_raw:7.2f} s  {raw_sps:10,.0f} samples/s  {raw_tokens / t_raw:12,.0f} tokens/s  "
-          "(this process, system malloc)")
+    print(f"raw encode_batch:          {t_raw:7.2f} s  {raw_sps:10,.0f} samples/s  "
+          f"{raw_tokens / t_raw:12,.0f} tokens/s  (this process, system malloc)")
     if lib:
         print(f"raw encode_batch, {name + ':':9s}{t_pre:7.2f} s  {len(texts) / t_pre:10,.0f} samples/s  "
               f"{raw_tokens / t_pre:12,.0f} tokens/s  (child process, {lib.name} preloaded)")

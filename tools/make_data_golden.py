@@ -104,7 +104,7 @@ def main() -> None:
     for name, case in CASES.items():
         msgs, tools = case["messages"], case.get("tools")
 
-        def ids(m, gen=False):
+        def ids(m, gen=False, tools=tools):  # this case's tools
             r = tok.apply_chat_template(m, tools=tools, tokenize=True, add_generation_prompt=gen)
             return list(r["input_ids"] if hasattr(r, "keys") else r)
 

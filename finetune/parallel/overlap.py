@@ -49,7 +49,7 @@ class GradReduction:
     def __init__(self, params: list, opt: Bucketed, overlap: bool):
         self.opt, self.overlap = opt, overlap
         self.names = [p.name for p in params]
-        self.users = [[] for _ in params]  # the buckets reading each parameter
+        self.users: list[list[int]] = [[] for _ in params]  # the buckets reading each parameter
         for k, idx in enumerate(opt.bucket_params):
             for i in idx:
                 self.users[i].append(k)

@@ -137,14 +137,14 @@ class ShardedAdamW:
         # optim.adamw_update with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
         ks = self.corrections.step(lr, ok)
-        if shards is None:  # skipped on the host: nothing to run
+        if chunks is None:  # skipped on the host: nothing to run
             return norm, ok
         no_wd = ms.Tensor(0.0, ms.float32)
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
         keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
         pending: dict[int, list] = {}
-        for k, g in enumerate(shards):
+        for k, g in enumerate(chunks):
             w = self.master[k] if self.keep_master else self._own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
             wd = wd_t if decays == {True} else no_wd

@@ -8,15 +8,18 @@ only on ``seed`` and the epoch, so any dp_size/grad_accum split sees the same gl
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from jobspec.data.template import IGNORE
 
 
-def pack_ffd(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def pack_ffd(lengths: NDArray[Any], capacity: int) -> list[list[int]]:
     """First-fit decreasing: sample indices per bin, each bin's total length <= capacity.
 
     A max segment tree over the bins' free space finds the first bin that fits in O(log n).
@@ -54,7 +57,7 @@ def pack_ffd(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
-def group_by_budget(lengths: np.ndarray, budget: int) -> list[list[int]]:
+def group_by_budget(lengths: NDArray[Any], budget: int) -> list[list[int]]:
     """Dynamic batching: samples sorted by length, grouped while count x max length <= budget."""
     order = np.argsort(np.asarray(lengths), kind="stable").tolist()
     groups: list[list[int]] = []
@@ -69,7 +72,7 @@ def group_by_budget(lengths: np.ndarray, budget: int) -> list[list[int]]:
     return groups
 
 
-def efficiency(units: list[list[int]], lengths: np.ndarray, width: int | None = None) -> float:
+def efficiency(units: list[list[int]], lengths: NDArray[Any], width: int | None = None) -> float:
     """Real tokens / token slots (rows of ``width``, or each group padded to its longest)."""
     real = slots = 0
     for u in units:
@@ -83,7 +86,7 @@ def efficiency(units: list[list[int]], lengths: np.ndarray, width: int | None = 
 class Step:
     """One optimizer step for this dp rank."""
 
-    micro_batches: list[dict[str, np.ndarray]]  # grad_accum dicts of int32 [mbs, seq]
+    micro_batches: list[dict[str, NDArray[Any]]]  # grad_accum dicts of int32 [mbs, seq]
     global_label_tokens: int  # count(labels[:, 1:] != -100) over the whole global batch
     epoch: int
     index: int  # step within the epoch
@@ -131,15 +134,15 @@ class BatchLoader:
         self.steps_per_epoch = len(self.units) // per_step
         self.total_steps = self.epochs * self.steps_per_epoch
         self._epoch, self._index = 0, 0
-        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._order_cache: tuple[int, NDArray[Any]] | None = None
 
-    def _order(self, epoch: int) -> np.ndarray:
+    def _order(self, epoch: int) -> NDArray[Any]:
         if self._order_cache is None or self._order_cache[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             self._order_cache = (epoch, rng.permutation(len(self.units)))
         return self._order_cache[1]
 
-    def _rows(self, units: list[list[int]], width: int) -> dict[str, np.ndarray]:
+    def _rows(self, units: list[list[int]], width: int) -> dict[str, NDArray[Any]]:
         n = len(units)
         ids = np.full((n, width), self.pad_id, dtype=np.int32)
         lab = np.full((n, width), IGNORE, dtype=np.int32)
@@ -170,7 +173,7 @@ class BatchLoader:
                 micro.append(self._rows([self.units[int(u)] for u in mine], self.seq_len))
         return Step(micro, int(self.unit_labels[chosen].sum()), epoch, index)
 
-    def eval_micro_batches(self):
+    def eval_micro_batches(self) -> Iterator[dict[str, NDArray[Any]]]:
         """Every unit exactly once, in cache order, for evaluation: unit i belongs to DP rank
         i % dp_size; this rank's units in micro-batches of micro_batch_size rows (one budget group
         each with max_tokens_per_batch). No shuffling, nothing dropped."""
@@ -185,7 +188,7 @@ class BatchLoader:
     def __len__(self) -> int:
         return self.total_steps
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Step]:
         while self._epoch < self.epochs:
             while self._index < self.steps_per_epoch:
                 step = self._step(self._epoch, self._index)
@@ -193,12 +196,12 @@ class BatchLoader:
                 yield step
             self._epoch, self._index = self._epoch + 1, 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Position after the last yielded step (JSON-able)."""
         return {"epoch": self._epoch, "index": self._index, "seed": self.seed,
                 "num_units": len(self.units), "per_step": self.per_step}
 
-    def load_state_dict(self, d: dict) -> None:
+    def load_state_dict(self, d: dict[str, Any]) -> None:
         """Continue from a state_dict(); the remaining steps equal the uninterrupted run's."""
         if d.get("seed", self.seed) != self.seed or d.get("num_units", len(self.units)) != len(self.units) \
                 or d.get("per_step", self.per_step) != self.per_step:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from jobspec.config import Recipe
 from jobspec.data.files import Source, resolve_sources
@@ -42,8 +43,8 @@ class CacheInfo:
     dir: Path
     num_samples: int  # index rows (after weights)
     num_tokens: int  # tokens stored (unique samples)
-    manifest: dict
-    report: dict
+    manifest: dict[str, Any]
+    report: dict[str, Any]
     num_val: int = 0  # validation samples (val_index.npy)
 
 
@@ -60,7 +61,7 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict:
+def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict[str, Any]:
     """Every setting that changes the cache's content (batching settings do not; settings added
     later appear only when set, so a cache made before them stays fresh)."""
     d = recipe.data
@@ -73,7 +74,7 @@ def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict:
             **{k: v for k, v in later if v}}
 
 
-def source_entry(src: Source, with_hash: bool = True) -> dict:
+def source_entry(src: Source, with_hash: bool = True) -> dict[str, Any]:
     st = src.path.stat()
     e = {"path": str(src.path.resolve()), "weight": src.weight, "size": st.st_size, "mtime": st.st_mtime}
     if with_hash:
@@ -81,9 +82,10 @@ def source_entry(src: Source, with_hash: bool = True) -> dict:
     return e
 
 
-def read_manifest(cache_dir: Path) -> dict | None:
+def read_manifest(cache_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((Path(cache_dir) / MANIFEST).read_text())
+        manifest: dict[str, Any] = json.loads((Path(cache_dir) / MANIFEST).read_text())
+        return manifest
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -124,7 +126,7 @@ def load_info(cache_dir: Path) -> CacheInfo:
 
 # ------------------------------------------------------------------------------ streamed writing
 
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     d = f"{{'descr': '{np.dtype(dtype).str}', 'fortran_order': False, 'shape': {shape!r}, }}"
     body = d.encode("latin1")
     pad = _HEADER - 10 - len(body) - 1
@@ -139,7 +141,7 @@ class ArrayStream:
         self.f = open(path, "wb")
         self.f.write(b"\0" * _HEADER)
 
-    def write(self, arr: np.ndarray) -> None:
+    def write(self, arr: NDArray[Any]) -> None:
         a = np.ascontiguousarray(arr, dtype=self.dtype)
         self.f.write(a.tobytes())
         self.rows += a.shape[0] if a.ndim else 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from jobspec.data.formats import sharegpt_sample
 from jobspec.data.template import render
@@ -49,7 +50,7 @@ def model_template(model_dir: str | Path) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def render_hf(template: str, messages: list[dict], tools: list[dict] | None = None) -> str:
+def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     """The text transformers' ``apply_chat_template(messages, tools=tools, tokenize=False)`` gives."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -32,10 +32,10 @@ def _answers(s: Sample) -> list[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def _run_re(max_run: int) -> re.Pattern:
+def _run_re(max_run: int) -> re.Pattern[str]:
     """A character repeated more than max_run times in a row (not spaces, nor the - = _ of
     Markdown tables and rules)."""
-    return re.compile(r"([^\s\-=_])\1{%d,}" % max(max_run, 1))
+    return re.compile(r"([^\s\-=_])\1{" + str(max(max_run, 1)) + ",}")
 
 
 def mojibake_ratio(text: str) -> float:
@@ -68,7 +68,7 @@ def may_repeat(samples: list[Sample], max_run: int) -> list[bool]:
     starts = np.cumsum([0] + [len(t) + 1 for t in texts[:-1]])
     out = np.zeros(len(samples), dtype=bool)
     out[np.searchsorted(starts, hit, side="right") - 1] = True
-    return out.tolist()
+    return list(out.tolist())
 
 
 def alternating(s: Sample) -> bool:

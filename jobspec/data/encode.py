@@ -13,7 +13,8 @@ import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from jobspec.data.formats import Sample, is_text, uses_tools
 from jobspec.data.template import (IGNORE, Specials, label_flat, render, render_system, render_turns,
                                     splits_at_specials, truncate)
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 # under the system (glibc) malloc, encodings of this many chunks are freed together: freeing each
 # chunk's before the next encode makes encode_batch ~1.2-1.4x slower; 48 chunks: ~290 MB RSS per
 # worker. Not needed with the preloaded malloc of data.worker_malloc (jobspec/data/malloc.py).
@@ -31,7 +35,7 @@ HOLD_CHUNKS = 48
 
 
 @functools.lru_cache(maxsize=2)
-def load_tokenizer(path: str, mtime: float):
+def load_tokenizer(path: str, mtime: float) -> Tokenizer:
     """tokenizers.Tokenizer from tokenizer.json (loading takes seconds: reused within a process)."""
     from tokenizers import Tokenizer
 
@@ -54,7 +58,7 @@ class Encoder:
         self.split = splits_at_specials(self.tok)
         self._system_ids: dict[str, list[int]] = {}
         self.hold_chunks = HOLD_CHUNKS  # 0 in a worker with a preloaded malloc
-        self._held: list = []  # recent chunks' encodings, see HOLD_CHUNKS
+        self._held: list[Any] = []  # recent chunks' encodings, see HOLD_CHUNKS
 
     def _encode(self, samples: list[Sample]) -> list[list[int]]:
         """Token ids of the templated samples."""
@@ -74,7 +78,7 @@ class Encoder:
         self._hold(encs)
         return [cached[t] + e.ids for t, e in zip(systems, encs)]
 
-    def _hold(self, encs: list) -> None:
+    def _hold(self, encs: list[Any]) -> None:
         if self.hold_chunks:
             self._held.append(encs)
             if len(self._held) >= self.hold_chunks:
@@ -191,7 +195,7 @@ def _work(samples: list[Sample]) -> dict[str, Any]:
     return {**_WORKER(samples), "preloaded": _PRELOADED}
 
 
-def start_pool(args: tuple, workers: int, lib: Path | None = None) -> ProcessPoolExecutor | None:
+def start_pool(args: tuple[Any, ...], workers: int, lib: Path | None = None) -> ProcessPoolExecutor | None:
     """``workers`` spawned tokenizer processes, started now with ``lib`` preloaded (None: tokenize in
     this process). A process that dies fails the chunks waited on (BrokenProcessPool, :func:`pool_result`)."""
     if workers <= 1:
@@ -204,7 +208,7 @@ def start_pool(args: tuple, workers: int, lib: Path | None = None) -> ProcessPoo
     return pool
 
 
-def _processes(pool: ProcessPoolExecutor) -> list:
+def _processes(pool: ProcessPoolExecutor) -> list[Any]:
     """The pool's processes (the executor exposes them no other way)."""
     return list((getattr(pool, "_processes", None) or {}).values())
 
@@ -230,7 +234,7 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
         writer.close()
 
 
-def pool_result(pool: ProcessPoolExecutor, fut: Future, poll_s: float = 1.0) -> Any:
+def pool_result(pool: ProcessPoolExecutor, fut: Future[Any], poll_s: float = 1.0) -> Any:
     """``fut``'s result; BrokenProcessPool as soon as a tokenizer process has exited. The executor
     alone can lose a future: on CPython 3.11 ``terminate_broken`` fails the pending futures without
     the lock ``submit`` holds, so a chunk submitted in that instant is never failed and its
@@ -243,15 +247,15 @@ def pool_result(pool: ProcessPoolExecutor, fut: Future, poll_s: float = 1.0) -> 
                 raise BrokenProcessPool("a tokenizer process exited") from None
 
 
-def ordered_map(args: tuple, pool: ProcessPoolExecutor | None, workers: int,
-                 items: Iterator) -> Iterator[tuple[Any, Any]]:
+def ordered_map(args: tuple[Any, ...], pool: ProcessPoolExecutor | None, workers: int,
+                 items: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
     """(item, encoded item) in order, with at most 2 chunks per worker in flight."""
     if pool is None:
         enc = Encoder(*args)
         for item in items:
             yield item, enc(item[0])
         return
-    backlog: collections.deque = collections.deque()
+    backlog: collections.deque[Any] = collections.deque()
     for item in items:
         backlog.append((item, pool.submit(_work, item[0])))
         if len(backlog) >= 2 * workers:

@@ -11,7 +11,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from jobspec.config import REPO_ROOT, DataConfig
 
@@ -104,9 +105,9 @@ def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> DataError:
                      f"{err.msg}; {hint}")
 
 
-def _json_head(path: Path, text: str, limit: int) -> list:
+def _json_head(path: Path, text: str, limit: int) -> list[Any]:
     """The first ``limit`` records of a JSON array without parsing the rest (quick checks)."""
-    dec, out, pos = json.JSONDecoder(), [], text.index("[") + 1
+    dec, out, pos = json.JSONDecoder(), list[Any](), text.index("[") + 1
     while len(out) < limit:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1

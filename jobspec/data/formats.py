@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple, overload
+from collections.abc import Iterator
 
 from jobspec.config import DataConfig
 from jobspec.data.files import SURROGATE, DataError, decode, iter_raw, resolve_sources
@@ -45,7 +46,7 @@ _ALIASES = {"prompt": "instruction", "question": "instruction", "query": "instru
 _NAMES = {"alpaca": "Alpaca", "sharegpt": "ShareGPT", "text": "plain text"}
 
 
-def _columns_hint(rec: dict) -> str:
+def _columns_hint(rec: dict[str, Any]) -> str:
     """'; map your field names, e.g. data.columns=...' when the record's keys suggest a mapping."""
     guess = {_ALIASES[k]: k for k in rec if k in _ALIASES}
     return (f"; or map your field names: data.columns='{json.dumps(guess)}'" if guess else
@@ -64,7 +65,7 @@ def detect_kind(rec: Any, where: str) -> tuple[str, str]:
                 return "alpaca", f"records have `{key}`"
         if "text" in rec:
             return "text", "records have `text`"
-        keys = sorted(rec)[:8]
+        keys: list[Any] | str = sorted(rec)[:8]
     else:
         keys = type(rec).__name__
     raise DataError(f"{where}: unknown format (record has {keys}); expected Alpaca (instruction/input/output), "
@@ -107,7 +108,7 @@ def file_format(path: Path, fmt: str = "auto", columns: dict[str, str] | None = 
     return fmt, f"data.format={fmt}"
 
 
-def _text(rec: dict, key: str, where: str, required: bool, example: str, record: bool = True) -> str:
+def _text(rec: dict[str, Any], key: str, where: str, required: bool, example: str, record: bool = True) -> str:
     """A string field (``record``: a field of the record, not of one of its messages)."""
     v = rec.get(key)
     if v is None:
@@ -121,7 +122,7 @@ def _text(rec: dict, key: str, where: str, required: bool, example: str, record:
     return v
 
 
-def _system(rec: dict, where: str) -> str | None:
+def _system(rec: dict[str, Any], where: str) -> str | None:
     system = rec.get("system")
     return None if system is None else _text(rec, "system", where, False, "You are a helpful assistant.") or None
 
@@ -148,7 +149,7 @@ def alpaca_sample(rec: Any, where: str, bad: bool = False) -> Sample:
     return Sample(_system(rec, where), tuple(turns), where, bad, _tools(rec, where))
 
 
-def _tools(rec: dict, where: str) -> str | None:
+def _tools(rec: dict[str, Any], where: str) -> str | None:
     """The `tools` field (a list of function schemas, or its JSON text) as the template writes it:
     one JSON object per line; None when there are none."""
     v = rec.get("tools")
@@ -173,7 +174,8 @@ def _tool_calls(calls: Any, where: str) -> str:
         if isinstance(call, dict) and isinstance(call.get("function"), dict):
             call = call["function"]
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise DataError(f"{where}: a tool call is {{\"name\": ..., \"arguments\": {{...}}}}, got {str(call)[:60]!r}")
+            raise DataError(f"{where}: a tool call is {{\"name\": ..., \"arguments\": {{...}}}}, "
+                            f"got {str(call)[:60]!r}")
         args = call.get("arguments", {})
         if isinstance(args, str):
             try:
@@ -221,7 +223,8 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False, role_key: str = "",
                 call = json.loads(_text(m, ck, f"{where} {field}", True, '{"name": "f", "arguments": {}}', False))
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: field '{field}.{ck}': a function_call holds the call as JSON "
-                                f'({e.msg}); e.g. {{"name": "get_weather", "arguments": {{"city": "Paris"}}}}') from None
+                                f'({e.msg}); e.g. {{"name": "get_weather", "arguments": {{"city": "Paris"}}}}'
+                                ) from None
             turns.append(("assistant", _tool_calls(call, f"{where} {field}")))
             continue
         if role == "assistant" and m.get("tool_calls"):
@@ -299,6 +302,10 @@ def read_samples(path: Path, kind: str, limit: int = 0, columns: dict[str, str] 
         raise DataError(f"{path}: no records (empty data set); add records or remove it from data.paths")
 
 
+@overload
+def _fix(s: str) -> str: ...
+@overload
+def _fix(s: None) -> None: ...
 def _fix(s: str | None) -> str | None:
     """Surrogate-escaped invalid bytes -> U+FFFD."""
     if s is None or not SURROGATE.search(s):

@@ -16,7 +16,7 @@ import contextlib
 import importlib.metadata
 import os
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from jobspec.config import ConfigError
 

@@ -16,9 +16,11 @@ import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
+from numpy.typing import NDArray
 
 from jobspec.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, load_recipe, resolved_model_dir
 from jobspec.cpus import available_cpus
@@ -44,7 +46,7 @@ MAX_AUTO_WORKERS = 8
 VAL_SEED = 20240917  # which samples data.val_size holds out (fixed: the same data gives the same split)
 
 
-def _chunks(cfg: DataConfig, sources: list[Source], kinds: dict[Path, str], build: "_Build",
+def _chunks(cfg: DataConfig, sources: list[Source], kinds: dict[Path, str], build: _Build,
             ) -> Iterator[tuple[list[Sample], list[int]]]:
     """(samples, copies) chunks, each of one kind (conversations or plain text); a file's weight w
     takes each sample floor(w) times plus an evenly spread deterministic share (w - floor(w)) of
@@ -75,7 +77,7 @@ def _chunks(cfg: DataConfig, sources: list[Source], kinds: dict[Path, str], buil
         yield buf, copies
 
 
-def _index_rows(lengths: np.ndarray, labels: np.ndarray, offset: int) -> np.ndarray:
+def _index_rows(lengths: NDArray[Any], labels: NDArray[Any], offset: int) -> NDArray[Any]:
     """Index rows (start, length, count(labels[1:] != -100), labels[0] != -100) of back-to-back samples."""
     if not len(lengths):
         return np.zeros((0, 4), np.int64)
@@ -98,7 +100,7 @@ def tokenizer_path_for(recipe: Recipe) -> Path:
                        "model directory (config.json, *.safetensors, tokenizer.json)"])
 
 
-def hold_out(index: np.ndarray, val_size: float) -> tuple[np.ndarray, np.ndarray]:
+def hold_out(index: NDArray[Any], val_size: float) -> tuple[NDArray[Any], NDArray[Any]]:
     """(train, validation) index rows: val_size (a fraction < 1, or a count) of the unique samples,
     chosen by a fixed seed; a held-out sample leaves training with all its weight copies."""
     starts = np.unique(index[:, 0])
@@ -119,12 +121,14 @@ class _Build:
         self.tmp, self.cfg = tmp, recipe.data
         self.tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
         self.labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
-        self.parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-        self.dropped: dict[str, dict] = {r: {"count": 0, "examples": []} for r in (*RULES, "no_labels", "malformed")}
+        self.parts: dict[str, list[NDArray[Any]]] = {"train": [], "val": []}
+        self.dropped: dict[str, dict[str, Any]] = {r: {"count": 0, "examples": []}
+                                                   for r in (*RULES, "no_labels", "malformed")}
         self.seen: set[bytes] = set()
         self.counts: dict[str, int] = {}  # records read per source
         self.n_read = self.n_unique = self.n_entries = self.truncated = self.split = self.offset = self.pad_id = 0
-        self.tails = {"count": 0, "examples": []}  # conversations whose last user/tool turns were dropped
+        # conversations whose last user/tool turns were dropped
+        self.tails: dict[str, Any] = {"count": 0, "examples": []}
         self.bar = Progress(progress)
 
     def malformed(self, err: DataError) -> None:
@@ -183,7 +187,7 @@ class _Build:
         self.bar.update(self.n_read, self.offset)
         return bool(limit) and self.n_entries >= limit
 
-    def finish(self, sources: list[Source]) -> tuple[np.ndarray, np.ndarray]:
+    def finish(self, sources: list[Source]) -> tuple[NDArray[Any], NDArray[Any]]:
         """Close the streams, write index.npy (and val_index.npy); the train and validation index
         rows (a DataError when nothing was kept)."""
         self.bar.update(self.n_read, self.offset, final=True)

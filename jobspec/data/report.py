@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from jobspec.config import Recipe
 from jobspec.data import batching
@@ -63,7 +64,7 @@ MEANING = {
 }
 
 
-def example(s: Sample, tokens: int | None = None) -> dict:
+def example(s: Sample, tokens: int | None = None) -> dict[str, Any]:
     """A dropped sample as the report shows it (where it is, its start, its length in tokens)."""
     if is_text(s):
         out = {"where": s.where, "text": s.turns[0][1][:120]}
@@ -74,11 +75,11 @@ def example(s: Sample, tokens: int | None = None) -> dict:
     return {**out, "tokens": tokens} if tokens is not None else out
 
 
-def _labels(index: np.ndarray) -> int:
+def _labels(index: NDArray[Any]) -> int:
     return int(index[:, 2].sum() + index[:, 3].sum())
 
 
-def make_report(recipe: Recipe, build: Any, index: np.ndarray, val: np.ndarray, elapsed: float) -> dict:
+def make_report(recipe: Recipe, build: Any, index: NDArray[Any], val: NDArray[Any], elapsed: float) -> dict[str, Any]:
     """data_report.json content: counts per rule, length percentiles, batching efficiency, validation,
     and the meaning of each figure."""
     cfg = recipe.data
@@ -110,7 +111,7 @@ def make_report(recipe: Recipe, build: Any, index: np.ndarray, val: np.ndarray, 
     return rep
 
 
-def format_report(report: dict) -> str:
+def format_report(report: dict[str, Any]) -> str:
     """The console table: each figure with its meaning."""
     meaning = {**MEANING, **report.get("meaning", {})}
     lines = [f"{'rule':<16}{'dropped':>9}  meaning; first example", "-" * 100]

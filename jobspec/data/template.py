@@ -10,7 +10,7 @@ are -100 except each assistant turn's content tokens and its ``<|im_end|>``.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from jobspec.data.formats import Sample
 
@@ -40,7 +40,7 @@ def render_turns(sample: Sample) -> str:
     return "".join([f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in sample.turns])
 
 
-def splits_at_specials(tokenizer) -> bool:
+def splits_at_specials(tokenizer: Tokenizer) -> bool:
     """True when <|im_start|> / <|im_end|> cut the text into pieces that are encoded on their own
     (no lstrip / rstrip / single_word), so ids(system block + turns) = ids(system block) + ids(turns)."""
     for t in tokenizer.get_added_tokens_decoder().values():
@@ -52,7 +52,7 @@ def splits_at_specials(tokenizer) -> bool:
 class Specials:
     """Ids of the template's special tokens for one tokenizer."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         ids = {t: tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
         missing = [t for t, i in ids.items() if i is None]
         if missing:
@@ -61,7 +61,7 @@ class Specials:
         self.assistant = tokenizer.encode("assistant", add_special_tokens=False).ids[0]
 
 
-def label_flat(ids: np.ndarray, sp: Specials) -> np.ndarray:
+def label_flat(ids: NDArray[Any], sp: Specials) -> NDArray[Any]:
     """Labels for a flat run of whole templated samples (vectorised over any number of them).
 
     A block starts at each <|im_start|>; in an assistant block every token from offset 3 (after
@@ -84,14 +84,14 @@ def label_flat(ids: np.ndarray, sp: Specials) -> np.ndarray:
     return np.where(keep, ids, IGNORE).astype(np.int32)
 
 
-def blocks(ids: np.ndarray, sp: Specials) -> list[tuple[int, int]]:
+def blocks(ids: NDArray[Any], sp: Specials) -> list[tuple[int, int]]:
     """[start, end) of every <|im_start|>...<|im_end|>\\n block of one sample."""
     starts = np.flatnonzero(ids == sp.im_start).tolist()
     return list(zip(starts, starts[1:] + [len(ids)]))
 
 
-def truncate(ids: np.ndarray, labels: np.ndarray, seq_len: int,
-             sp: Specials) -> tuple[np.ndarray, np.ndarray] | None:
+def truncate(ids: NDArray[Any], labels: NDArray[Any], seq_len: int,
+             sp: Specials) -> tuple[NDArray[Any], NDArray[Any]] | None:
     """Fit one sample into seq_len keeping the assistant part; None when it cannot fit.
 
     Drops the earliest (user, assistant) turn pairs first, then cuts the last user content and

@@ -151,7 +151,8 @@ def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", lambda _: next(said))
     seen = []
     real = gen.answer
-    monkeypatch.setattr(gen, "answer", lambda m, t, convs, *a: seen.append(list(convs[0]["turns"])) or real(m, t, convs, *a))
+    monkeypatch.setattr(gen, "answer",
+                        lambda m, t, convs, *a: seen.append(list(convs[0]["turns"])) or real(m, t, convs, *a))
     assert main(["--model-dir", str(d), "--chat", "--max-new-tokens", "2"]) == 0
     assert [len(t) for t in seen] == [1, 3] and seen[1][0] == ("user", "Hi") and seen[1][1][0] == "assistant"
     assert capsys.readouterr().out.count("assistant> ") == 2

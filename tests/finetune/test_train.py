@@ -231,8 +231,8 @@ def test_early_stop_patience_survives_a_resume(tmp_path, capsys):
     evaluations (the best, then 2 without gain), continued, stops at the 4th as one uninterrupted run
     would (a reset counter would take the resumed run's first eval as a new best and train on)."""
     out = tmp_path / "patience"
-    flat = {"train.lr": "1e-12", "train.schedule": "constant", "train.eval_every": "1", "train.early_stop_patience": "3",
-            "train.save_every": "0"}
+    flat = {"train.lr": "1e-12", "train.schedule": "constant", "train.eval_every": "1",
+            "train.early_stop_patience": "3", "train.save_every": "0"}
     assert run(_recipe(out, **flat, **{"train.max_steps": "3"})) == 0  # evals 1 (best), 2, 3: 2 without gain
     capsys.readouterr()
     assert run(_recipe(out, **flat)) == 0

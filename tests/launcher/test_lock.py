@@ -21,8 +21,8 @@ def test_second_run_is_refused_naming_the_holder_and_changes_nothing(tmp_path):
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from launcher.lock import acquire; acquire(Path(sys.argv[1])); "
-                               "print('held', flush=True); time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+                               "print('held', flush=True); time.sleep(60)", str(out)],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert holder.stdout.readline().strip() == "held"
         (out / "metrics.jsonl").write_text('{"step": 1}\n')

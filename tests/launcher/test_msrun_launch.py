@@ -85,8 +85,9 @@ def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, ca
 
 
 @pytest.mark.parametrize("env,msg", [
-    ({"TP": "3", "RECIPE": "qwen2.5-7b-full"}, "TP='3' (parallel.tp): TP x PP = 3 does not divide the 8 worker(s) of this job (nodes x workers "
-                  "per node) (e.g. TP=2)"),
+    ({"TP": "3", "RECIPE": "qwen2.5-7b-full"},
+     "TP='3' (parallel.tp): TP x PP = 3 does not divide the 8 worker(s) of this job (nodes x workers "
+     "per node) (e.g. TP=2)"),
     ({"TP": "2", "DP": "2", "RECIPE": "qwen2.5-7b-full"}, "DP='2' (parallel.dp): TP=2 x DP=2 x PP=1 = 4 != world 8"),
     ({"OVERRIDES": "train.precision=bf16", "RECIPE": "tiny-cpu"}, None),
 ])

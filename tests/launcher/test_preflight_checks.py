@@ -16,8 +16,9 @@ from jobspec.config import ASSETS_DIR, load_recipe
 from jobspec.memory import MemoryEstimate
 from launcher import devices, preflight
 
-QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-          "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+          "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+          "vocab_size": 152064, "tie_word_embeddings": False}
 
 
 def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors",
@@ -36,8 +37,8 @@ def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors"
 EMPTY_SAFETENSORS = struct.pack("<Q", 2) + b"{}"  # a valid safetensors file holding no tensors
 
 
-TINY = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+TINY = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
 
 
 def ctx(root: Path, npu: bool = True, nproc: int = 8, cfg: dict = QWEN7B, nnodes: int = 1,

@@ -43,7 +43,7 @@ def _strict(schema):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crd_validator(filename: str) -> jsonschema.Draft7Validator:
     crd = yaml.load((CRDS / filename).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     schema = _strict(copy.deepcopy(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]))
@@ -114,7 +114,8 @@ def test_volcano_job_validates_and_has_the_required_fields(tmp_path: Path, nodes
                               "limits": {"memory": "512Gi", "huawei.com/Ascend910": 8}}
     assert env_of(c) == {"RECIPE": "qwen2.5-7b-full", "MODEL_DIR": "/data/models/Qwen2.5-7B-Instruct",
                          "DATA": "/data/sft/train.jsonl",
-                         "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft", "NPROC_PER_NODE": "8", "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
+                         "OUTPUT_DIR": "/data/output/qwen2.5-7b-sft", "NPROC_PER_NODE": "8",
+                         "OVERRIDES": "train.lr=1e-5 train.epochs=1", "HCCL_BUFFSIZE": "200"}
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert vols[mounts["/dev/shm"]["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}

@@ -9,7 +9,7 @@ import pytest
 from tests.finetune.contracts.twins import CONTRACTS, ContractError
 
 
-def T(shape, dtype="float16", seed=0):  # noqa: N802
+def T(shape, dtype="float16", seed=0):  # noqa: N802  (short: used in every test)
     import mindspore as ms
 
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -45,7 +45,7 @@ def _rope(**over):
 def _adam(**over):
     import mindspore as ms
 
-    f = lambda v: ms.Tensor(v, ms.float32)  # noqa: E731
+    f = lambda v: ms.Tensor(v, ms.float32)  # noqa: E731  (a one-line converter)
     w = ms.Parameter(T((3, 4), "float32"), name="w")
     args = dict(var=w, m=ms.Parameter(T((3, 4), "float32") * 0, name="m"),
                 v=ms.Parameter(T((3, 4), "float32") * 0, name="v"), lr=f(1e-3), beta1=f(0.9), beta2=f(0.999),

@@ -21,18 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-from mindspore.communication import get_group_size, get_rank  # noqa: E402
-from mindspore.mint import distributed  # noqa: E402
+import mindspore as ms  # noqa: E402  (sys.path set above)
+import numpy as np  # noqa: E402  (sys.path set above)
+from mindspore.communication import get_group_size, get_rank  # noqa: E402  (sys.path set above)
+from mindspore.mint import distributed  # noqa: E402  (sys.path set above)
 
-from finetune.dist import init_distributed, launched_world  # noqa: E402
-from finetune.optim import AdamW  # noqa: E402
-from finetune.parallel.overlap import GradReduction  # noqa: E402
-from finetune.parallel.zero import ShardedAdamW  # noqa: E402
-from finetune.train import accumulate  # noqa: E402
-from tests.finetune.contracts import twins  # noqa: E402
-from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402
+from finetune.dist import init_distributed, launched_world  # noqa: E402  (sys.path set above)
+from finetune.optim import AdamW  # noqa: E402  (sys.path set above)
+from finetune.parallel.overlap import GradReduction  # noqa: E402  (sys.path set above)
+from finetune.parallel.zero import ShardedAdamW  # noqa: E402  (sys.path set above)
+from finetune.train import accumulate  # noqa: E402  (sys.path set above)
+from tests.finetune.contracts import twins  # noqa: E402  (sys.path set above)
+from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402  (sys.path set above)
 
 MICRO = 8
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-from mindspore import nn, ops  # noqa: E402
+import mindspore as ms  # noqa: E402  (sys.path set above)
+import numpy as np  # noqa: E402  (sys.path set above)
+from mindspore import nn, ops  # noqa: E402  (sys.path set above)
 
 from jobspec.config import TrainConfig  # noqa: E402
 from finetune.dist import init_distributed, launched_world  # noqa: E402

@@ -65,8 +65,8 @@ def test_directories_sorted_weights_and_repo_relative_paths(tmp_path):
     ("type.json", [alpaca(0), {"instruction": "x", "output": 5}], ["type.json[1]", "'output'", "string"]),
     ("role.jsonl", [{"conversations": [{"from": "robot", "value": "x"}]}],
      ["role.jsonl:line 1", "conversations[0].from", "'robot'", "human"]),
-    ("unknown.json", [{"question": "x", "answer": "y"}], ["unknown.json[0]", "unknown format",
-                                                             """data.columns='{"instruction": "question", "output": "answer"}'"""]),
+    ("unknown.json", [{"question": "x", "answer": "y"}],
+     ["unknown.json[0]", "unknown format", """data.columns='{"instruction": "question", "output": "answer"}'"""]),
     ("empty.json", [], ["empty.json", "no records"]),
 ])
 def test_bad_records_name_file_record_field(tmp_path, name, content, expect):

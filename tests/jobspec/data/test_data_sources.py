@@ -116,7 +116,7 @@ def test_report_explains_itself(tmp_path):
                    "ended_on_user", "efficiency.packing", "efficiency.padding", "dropped.cannot_fit"):
         assert rep["meaning"][figure], figure
     table = format_report(rep)
-    assert "(%d tokens)" % ex["tokens"] in table
+    assert f"({ex['tokens']:d} tokens)" in table
     assert rep["meaning"]["efficiency.padding"] in table and rep["meaning"]["label_tokens"] in table
     assert rep["meaning"]["ended_on_user"] in table
 
