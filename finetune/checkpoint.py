@@ -12,10 +12,8 @@ is skipped with the file and the reason. Pruning never deletes the newest verifi
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +22,17 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
+from jobspec.checkpoints import (
+    STATE,
+    _complete,
+    _sha256,
+    unhealthy,
+    usable,
+    verify,
+    ways_out,
+)
 from jobspec.fsutil import publish
-from jobspec.checkpoints import (STATE, _complete, _sha256, archive_checkpoints, checkpoint_root, data_id, find_latest,
-                                 run_identity, unhealthy, usable, verify, ways_out)
-from jobspec.rundir import MANIFEST, RunDir, is_complete, step_name
+from jobspec.rundir import MANIFEST, step_name
 
 SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the checkpoint itself
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from jobspec.memory import BUCKET_BYTES
+from jobspec.memory import BUCKET_BYTES as BUCKET_BYTES  # optim, export and checkpoint import it from here
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ from typing import cast
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobspec.checkpoints import checkpoint_root, unhealthy, usable
 from finetune.checkpoint import MANIFEST, verify  # noqa: E402
-from jobspec.config import parse_size  # noqa: E402
 from finetune.dist import BUCKET_BYTES  # noqa: E402
-from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
-from jobspec.qwen2_layout import full_shapes  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
+from jobspec.checkpoints import checkpoint_root, unhealthy, usable
+from jobspec.config import parse_size  # noqa: E402
+from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
+from jobspec.qwen2_layout import full_shapes  # noqa: E402
 from jobspec.rundir import RunDir, is_complete, step_name  # noqa: E402
 
 

@@ -25,11 +25,16 @@ if __package__ in (None, ""):  # started as a script
 
 import numpy as np  # noqa: E402  (sys.path set above)
 
-from jobspec.config import DataConfig  # noqa: E402
-from jobspec.data.formats import Sample  # noqa: E402
-from jobspec.data.template import render  # noqa: E402
-from jobspec.recipe_parse import Problem  # noqa: E402
-from jobspec.rundir import RunDir  # noqa: E402
+from jobspec.config import DataConfig  # noqa: E402  (sys.path set above)
+from jobspec.data.formats import Sample  # noqa: E402  (sys.path set above)
+from jobspec.data.template import render  # noqa: E402  (sys.path set above)
+from jobspec.recipe_parse import Problem  # noqa: E402  (sys.path set above)
+from jobspec.rundir import RunDir  # noqa: E402  (sys.path set above)
+
+if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors before loading MindSpore
+    from tokenizers import Tokenizer
+
+    from finetune.model import Qwen2ForCausalLM
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")

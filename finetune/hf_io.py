@@ -18,8 +18,8 @@ import numpy as np
 from safetensors import TensorSpec, serialize_file
 
 from finetune.dist import RankInfo
-from jobspec.hf_files import read_header
 from jobspec.fsutil import atomic_dir
+from jobspec.hf_files import read_header
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

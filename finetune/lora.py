@@ -21,10 +21,10 @@ import numpy as np
 from mindspore import Parameter, nn
 
 from finetune.dist import RankInfo
-from jobspec.lora_config import TARGETS, LoraConfig, module_path
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, linear
-from jobspec.qwen2_layout import TPSlice
 from finetune.reshard import cut
+from jobspec.lora_config import TARGETS, LoraConfig, module_path
+from jobspec.qwen2_layout import TPSlice
 
 
 class LoraAdapter(nn.Cell):

@@ -14,9 +14,16 @@ from pathlib import Path
 import numpy as np
 
 from finetune.dist import RankInfo
+from finetune.hf_io import (
+    EXPORT_DTYPES,
+    TOKENIZER_FILES,
+    _convert,
+    _write_shard,
+    gather_full,
+    gather_slice,
+    write_hf_dir,
+)
 from jobspec.fsutil import atomic_dir
-from finetune.hf_io import (EXPORT_DTYPES, TOKENIZER_FILES, _convert, _write_shard, gather_full, gather_slice,
-                            write_hf_dir)
 from jobspec.lora_config import TARGETS, LoraConfig
 
 PEFT_PREFIX = "base_model.model."

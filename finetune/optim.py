@@ -10,16 +10,16 @@ decisions read the norm (``StepGate``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from jobspec.config import LossScaleConfig, TrainConfig
 from finetune.dist import BUCKET_BYTES, RankInfo, Ready
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
 from finetune.parallel.overlap import Bucketed, reduce_now
+from jobspec.config import LossScaleConfig, TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:

@@ -6,14 +6,14 @@ import time
 
 import mindspore as ms
 
-from jobspec.data.template import IGNORE
 from finetune.dist import dp_totals
-from jobspec.memory import memory_estimate
 from finetune.metrics import MetricsWriter, progress_line, read_metrics
 from finetune.perf import StepTimer, device_peak_flops, flops_per_token, memory_check, peak_memory_bytes
 from finetune.report import ReportWriter, run_title
-from jobspec.rundir import RunDir
 from finetune.trainer import Trainer, batch_tensors
+from jobspec.data.template import IGNORE
+from jobspec.memory import memory_estimate
+from jobspec.rundir import RunDir
 
 
 class Reporter:

@@ -19,14 +19,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from jobspec.config import Recipe
 from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
 from finetune.optim import SkippedSteps, UpdateCheck, lr_at
 from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
-from jobspec.rundir import RunDir
 from finetune.trainer import Trainer, batch_tensors, setup
+from jobspec.config import Recipe
+from jobspec.rundir import RunDir
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
@@ -180,8 +180,8 @@ def finish(t: Trainer, reporter: Reporter) -> int:
     checkpoint = t.save(finished=True)
     hf_dir = RunDir(out).hf
     if recipe.export.enabled:
-        from jobspec.config import parse_size
         from finetune.hf_io import export_hf
+        from jobspec.config import parse_size
 
         rank.log(f"[train] writing the Hugging Face model to {hf_dir} ({recipe.export.dtype})")
         if recipe.train.method == "lora":  # adapter/ in peft's format; hf/: the merged model (export.merge)

@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 import numpy as np
 
-from jobspec.checkpoints import archive_checkpoints, checkpoint_root, run_identity, usable, ways_out
 from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoint, load_latest, save_checkpoint
+from finetune.dist import RankInfo
+from finetune.optim import AdamW, LossScaler, Optimizer
+from finetune.parallel.overlap import GradReduction
+from jobspec.checkpoints import archive_checkpoints, checkpoint_root, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
 from jobspec.data.batching import BatchLoader
 from jobspec.data.cache import cache_dir_for
-from finetune.dist import RankInfo
 from jobspec.fsutil import remove_stale_temps
-from finetune.optim import AdamW, LossScaler, Optimizer
-from finetune.parallel.overlap import GradReduction
 from jobspec.rerun import changed_settings, run_settings
 
 if TYPE_CHECKING:
-    from finetune.parallel.zero import ShardedAdamW
+    pass
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 

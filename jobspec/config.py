@@ -14,12 +14,16 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
 from jobspec.lora_config import LoraConfig, lora_problems
-from jobspec.recipe_parse import (ConfigError, Problem, build, merge, nest, overridden, parse_overrides,
-                                   parse_size, read_recipe)
+from jobspec.recipe_parse import ConfigError as ConfigError
+from jobspec.recipe_parse import Problem as Problem
+from jobspec.recipe_parse import build, merge, nest, read_recipe
+from jobspec.recipe_parse import overridden as overridden
+from jobspec.recipe_parse import parse_overrides as parse_overrides
+from jobspec.recipe_parse import parse_size as parse_size
 from jobspec.rundir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from jobspec.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from jobspec.rundir import RunDir
+from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
-from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
 from launcher import plan as planlib
 
 

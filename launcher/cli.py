@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from jobspec.config import Recipe
 from launcher import settings
 
-
 PROG = "ascend-finetune"  # pyproject.toml [project.scripts]; `python -m launcher` is the same
 
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec import native as nativelib
 from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.memory import MemoryEstimate, estimate_memory, memory_estimate
-from jobspec import native as nativelib
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
 from launcher.mounts import LibraryLoader, load_libraries, mount_problems

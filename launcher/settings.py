@@ -11,8 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from jobspec.config import (ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden,
-                             parse_overrides)
+from jobspec.config import ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden, parse_overrides
 
 # HCCL variables: defaults the launcher sets when unset (CANN's are 120 s connect and 1836 s exec on Atlas A2,
 # CANN env var reference; the connect wait is raised for multi-node start-up, the exec wait never set below

@@ -34,7 +34,6 @@ from jobspec.data.formats import iter_samples  # noqa: E402
 from jobspec.data.prepare import prepare  # noqa: E402
 from jobspec.data.template import render  # noqa: E402
 
-
 _CHILD = """
 import json, sys, time
 from tokenizers import Tokenizer

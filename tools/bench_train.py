@@ -93,10 +93,10 @@ class Ours:
     def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool):
         import mindspore as ms
 
-        from jobspec.config import load_recipe
         from finetune.dist import init_distributed
         from finetune.parallel.overlap import GradReduction
         from finetune.trainer import build_model, build_optimizer
+        from jobspec.config import load_recipe
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
         rank = init_distributed(1, 1, "CPU")  # one process, as finetune.train starts one

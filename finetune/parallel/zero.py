@@ -26,12 +26,20 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from jobspec.config import TrainConfig
-from finetune.dist import (BUCKET_BYTES, InFlight, RankInfo, Ready, all_gather_flat, all_reduce_sum,
-                           native_collectives, reduce_scatter_sum_async)
+from finetune.dist import (
+    BUCKET_BYTES,
+    InFlight,
+    RankInfo,
+    Ready,
+    all_gather_flat,
+    all_reduce_sum,
+    native_collectives,
+    reduce_scatter_sum_async,
+)
 from finetune.optim import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
+from jobspec.config import TrainConfig
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
@@ -133,7 +141,7 @@ class ShardedAdamW:
         """Unscale, clip and apply this rank's chunks of the DP-reduced gradients (``reduce`` or
         GradReduction.finish), all-gather the new weights; returns (global grad_norm, applied) as
         device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
-        shards, norm, ok = self.gate.gradients(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
+        chunks, norm, ok = self.gate.gradients(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
         # optim.adamw_update with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
         ks = self.corrections.step(lr, ok)

@@ -209,8 +209,8 @@ def adamw_reference(w: np.ndarray, grads: list[np.ndarray], lr: float, betas, ep
 def check_optimizer(lay: Layout, dtype, rng):
     """Two steps of the project's AdamW (low-precision parameters, fp32 masters as the trainer sets them):
     the change of each master weight against torch AdamW's. No change at all is an error of 1."""
-    from jobspec.config import TrainConfig
     from finetune.optim import AdamW
+    from jobspec.config import TrainConfig
 
     cfg = TrainConfig(lr=1e-3, weight_decay=0.1, clip_grad=0.0)
     shapes = {"w": (lay.hidden, lay.hidden), "norm": (lay.hidden,)}

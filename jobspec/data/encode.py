@@ -10,11 +10,11 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -22,8 +22,16 @@ from jobspec.config import CleanConfig
 from jobspec.data import malloc
 from jobspec.data.clean import dedup_key, may_repeat, text_rule, token_rule
 from jobspec.data.formats import Sample, is_text, uses_tools
-from jobspec.data.template import (IGNORE, Specials, label_flat, render, render_system, render_turns,
-                                    splits_at_specials, truncate)
+from jobspec.data.template import (
+    IGNORE,
+    Specials,
+    label_flat,
+    render,
+    render_system,
+    render_turns,
+    splits_at_specials,
+    truncate,
+)
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

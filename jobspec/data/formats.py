@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, overload
-from collections.abc import Iterator
 
 from jobspec.config import DataConfig
 from jobspec.data.files import SURROGATE, DataError, decode, iter_raw, resolve_sources

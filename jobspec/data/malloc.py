@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 from jobspec.config import ConfigError
 

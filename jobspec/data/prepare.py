@@ -14,10 +14,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 import numpy as np
 from numpy.typing import NDArray

@@ -12,6 +12,7 @@ from jobspec.config import Recipe
 from jobspec.data import batching
 from jobspec.data.formats import Sample, is_text
 
+
 class Progress:
     """The progress line on stderr (every 0.5 s on a terminal, else every 10 s)."""
 

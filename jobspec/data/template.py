@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from jobspec.data.formats import Sample
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 IGNORE = -100
 TEMPLATE_VERSION = "qwen2.5-chatml-v1"  # part of the cache fingerprint

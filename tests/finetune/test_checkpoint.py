@@ -9,9 +9,16 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from jobspec.checkpoints import find_latest, run_identity, verify
-from finetune.checkpoint import CheckpointMismatch, InsufficientSpace, TrainerState, load_checkpoint, load_latest, save_checkpoint
+from finetune.checkpoint import (
+    CheckpointMismatch,
+    InsufficientSpace,
+    TrainerState,
+    load_checkpoint,
+    load_latest,
+    save_checkpoint,
+)
 from finetune.dist import RankInfo
+from jobspec.checkpoints import find_latest, run_identity, verify
 
 
 def _params(seed):

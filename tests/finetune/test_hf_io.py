@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jobspec.fsutil import MARKER
 from finetune.hf_io import HFModelError, bf16_to_fp32, fp32_to_bf16, load_hf_config, plan_shards, weight_files
+from jobspec.fsutil import MARKER
 from jobspec.hf_files import read_header
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 

@@ -160,10 +160,10 @@ def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
 
 def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms_cpu, tiny_hf_dir, tmp_path, capsys):
     """The check after training: the in-memory model gives what `generate` gives on the export."""
-    from jobspec.config import ExportConfig, Recipe
     from finetune.dist import RankInfo
     from finetune.generate import load_model, sample_check
     from finetune.hf_io import export_hf
+    from jobspec.config import ExportConfig, Recipe
 
     src = tiny_hf_dir(vocab_size=151936, hidden_size=16, intermediate_size=32)
     model, _, _ = load_model(src, "cpu")

@@ -129,9 +129,9 @@ sample_check(model, model_dir, Recipe(output_dir=out, export=ExportConfig(check_
 @pytest.mark.slow
 def test_inference_check_under_tp2_equals_one_process(ms_cpu, tmp_path, tiny_hf_dir):
     """Both TP ranks generate in step (same logits, same draws); rank 0 writes what one process writes."""
-    from jobspec.config import ExportConfig, Recipe
     from finetune.dist import RankInfo
     from finetune.generate import load_model, sample_check
+    from jobspec.config import ExportConfig, Recipe
 
     msrun = Path(sys.executable).parent / "msrun"
     if not msrun.exists() or not shutil.which("ip"):

@@ -6,9 +6,9 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from jobspec.config import LossScaleConfig, TrainConfig
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, lr_at
+from jobspec.config import LossScaleConfig, TrainConfig
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "adamw.json").read_text())
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.tiny import ensure_tiny_model
-from finetune.train import run
 
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
         "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "train.lr": "5e-3"}
@@ -192,12 +192,12 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
     to the same loss and tokens (the DP sum itself is dist.dp_totals, the loss all-reduce)."""
     import mindspore as ms
 
-    from jobspec.data.cache import VAL_INDEX
-    from jobspec.data.batching import BatchLoader
-    from jobspec.data.template import IGNORE
     from finetune.dist import RankInfo
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
     from finetune.trainer import BATCH_KEYS
+    from jobspec.data.batching import BatchLoader
+    from jobspec.data.cache import VAL_INDEX
+    from jobspec.data.template import IGNORE
 
     config = json.loads((straight / "base-model" / "config.json").read_text())
     model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo())

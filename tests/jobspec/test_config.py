@@ -5,8 +5,7 @@ import dataclasses
 
 import pytest
 
-from jobspec.config import (RECIPES_DIR, ConfigError, ParallelConfig, Recipe, load_recipe, resolve_recipe_path,
-                            to_dict)
+from jobspec.config import RECIPES_DIR, ConfigError, ParallelConfig, Recipe, load_recipe, resolve_recipe_path, to_dict
 
 
 def problems_of(**overrides) -> list[str]:

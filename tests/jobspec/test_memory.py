@@ -1,8 +1,6 @@
 """Memory estimator: exact tensor byte counts per layout, and the field guide's 7B figure."""
 import math
 from pathlib import Path
-import subprocess
-import sys
 
 import pytest
 
@@ -88,10 +86,10 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
     DP rank hold exactly the bytes the estimator predicts; tp=4 > 2 KV heads replicates them;
     vp: vocab-parallel embedding and LM head (1/tp of the rows each) or replicated."""
     ms = pytest.importorskip("mindspore")
-    from jobspec.config import TrainConfig
     from finetune.dist import RankInfo
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
     from finetune.trainer import build_optimizer
+    from jobspec.config import TrainConfig
     from jobspec.tiny import TINY_DEFAULTS
 
     cfg = dict(TINY_DEFAULTS, vocab_size=1024, tie_word_embeddings=False)  # small vocab: fast, untied head

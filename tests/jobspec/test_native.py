@@ -97,9 +97,8 @@ def test_worker_start_refuses_mindspore_of_another_architecture(tmp_path, monkey
     """A rank whose MindSpore cannot load here says why and how to fix it before `import mindspore`."""
     import json
 
-    from jobspec import native
-
     from finetune import worker
+    from jobspec import native
     from jobspec.config import load_recipe, to_dict
 
     other = "x86_64" if native.host_machine() == "aarch64" else "aarch64"

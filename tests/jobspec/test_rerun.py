@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from jobspec.checkpoints import STATE
 from finetune.checkpoint import MANIFEST
+from jobspec.checkpoints import STATE
 from jobspec.config import REPO_ROOT, load_recipe
 from jobspec.rerun import RunSettingsChanged, finished_already, run_settings
 

@@ -20,6 +20,7 @@ from launcher_fakes import make_sys
 import launcher.__main__ as lm
 from jobspec.tiny import ensure_tiny_model
 
+
 def _model(root: Path, name: str = "model") -> Path:
     """The tiny Qwen2 model with the real Qwen2.5 tokenizer; variants copy it (weights linked, unless changed)."""
     good = root / "model"

@@ -126,6 +126,7 @@ def test_plan_leaves_a_running_jobs_plan_alone(tmp_path, capsys):
 def test_the_console_command_is_the_launcher():
     """`ascend-finetune` (installed into .venv by make and into the image) runs console_main."""
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]

@@ -12,6 +12,7 @@ import launcher.__main__ as lm
 from jobspec.config import creates_tiny_model, load_recipe
 from jobspec.tiny import ensure_tiny_model
 
+
 def _sharded(tmp_path):
     """The tiny model re-saved as Hugging Face shards: model.safetensors.index.json + model-0000N-of-00002."""
     d = tmp_path / "sharded"

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import copy
-import sys
 import functools
 import json
 import socket
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from launcher_fakes import recorded_npu_smi
 
 import launcher.__main__ as lm
 from launcher import lock, render, settings
-from launcher_fakes import recorded_npu_smi
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).parent / "fixtures" / "crds"  # vendored upstream CRDs (provenance in its README.md)

@@ -15,9 +15,9 @@ import signal
 import time
 from pathlib import Path
 
+import jobs
 import pytest
 
-import jobs
 from jobspec.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,9 @@ Used by the Dockerfile (dependencies get their own cached layer) and tools/image
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 
 def deps(pyproject: Path, extras: list[str]) -> list[str]:

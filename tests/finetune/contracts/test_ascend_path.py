@@ -174,8 +174,8 @@ def test_optimizer_kernel_under_its_twin(twins):
     kernel within its contract (fp32 w/m/v/grad, fp32 scalar hyper-parameters) and keeps what it returns:
     under the strict twin, which writes none of its inputs, every weight changes."""
     ms = __import__("mindspore")
-    from jobspec.config import TrainConfig
     from finetune.optim import AdamW
+    from jobspec.config import TrainConfig
 
     model = _hd16_model(ASCEND, "float16")
     _, grads = ms.value_and_grad(lambda *a: model(*a), None, model.trainable_params())(
@@ -193,9 +193,9 @@ def test_a_skipped_step_calls_the_optimizer_kernel_within_its_contract(twins, sh
     must stay in (0, 1) (betas of 1 were passed once), and weights and moments stay bit for bit as
     they were."""
     ms = __import__("mindspore")
-    from jobspec.config import TrainConfig
     from finetune.optim import AdamW
     from finetune.parallel.zero import ShardedAdamW
+    from jobspec.config import TrainConfig
 
     model = _hd16_model(ASCEND, "float16")
     params = model.trainable_params()
@@ -266,8 +266,8 @@ def test_adamw_matches_torch_under_the_strict_kernel_twin(twins, on_device):
     import json
 
     ms = __import__("mindspore")
-    from jobspec.config import TrainConfig
     from finetune.optim import AdamW
+    from jobspec.config import TrainConfig
 
     golden = json.loads((GOLDEN / "adamw.json").read_text())
     params = [ms.Parameter(ms.Tensor(np.array(golden["init"][k], np.float32)), name=k) for k in ("w", "b")]
@@ -287,8 +287,8 @@ def test_an_update_that_reaches_no_weight_stops_the_run(twins, monkeypatch, shar
     fails at the first check after an applied step, saying what it means; a working one passes."""
     ms = __import__("mindspore")
     from finetune import optim
-    from jobspec.config import TrainConfig
     from finetune.parallel.zero import ShardedAdamW
+    from jobspec.config import TrainConfig
 
     def run(kernel):
         if kernel is not None:

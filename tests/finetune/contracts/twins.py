@@ -23,14 +23,21 @@ runs on CPU.
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, ops
 
 from finetune.selftest.twins import CONTRACTS as FUSED_CONTRACTS
-from finetune.selftest.twins import (ContractError, Rule, flash_attention_score, install_fused,  # noqa: F401
-                                     rms_norm, rotary_position_embedding, swiglu)
+from finetune.selftest.twins import (  # noqa: F401
+    ContractError,
+    Rule,
+    flash_attention_score,
+    install_fused,
+    rms_norm,
+    rotary_position_embedding,
+    swiglu,
+)
 from finetune.selftest.twins import need as _need
 
 CONTRACTS: dict[tuple[str, str], Rule] = {

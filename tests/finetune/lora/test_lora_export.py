@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 from safetensors.numpy import load_file
-
 from test_lora_golden import BASE, G, golden_init, lora_model
 
 
@@ -22,8 +21,8 @@ def _model(path):
 
 def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     from finetune.dist import RankInfo
-    from jobspec.lora_config import LoraConfig
     from finetune.lora_io import export_lora, load_adapter
+    from jobspec.lora_config import LoraConfig
 
     ms = ms_cpu
     g = np.load(G)

@@ -16,8 +16,8 @@ def lora_model(ms, **kw):
     """The golden base with adapters (r 4, alpha 8, dropout 0, all seven targets); (model, trainable params)."""
     from finetune.hf_io import load_hf_config, load_weights
     from finetune.lora import apply_lora
-    from jobspec.lora_config import LoraConfig
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from jobspec.lora_config import LoraConfig
 
     model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
     load_weights(model, BASE)
@@ -50,9 +50,9 @@ def test_default_init_starts_at_the_base_model(ms_cpu):
 
 def test_loss_gradients_and_adamw_step_equal_peft(ms_cpu):
     ms = ms_cpu
-    from jobspec.config import TrainConfig
     from finetune.dist import RankInfo
     from finetune.optim import AdamW
+    from jobspec.config import TrainConfig
 
     g = np.load(G)
     model, params = lora_model(ms)

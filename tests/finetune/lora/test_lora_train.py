@@ -9,9 +9,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from finetune.checkpoint import CheckpointMismatch
+from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.tiny import ensure_tiny_model
-from finetune.train import run
 
 # dropout 0: its masks come from MindSpore's global RNG, which a checkpoint does not restore (docs/lora.md)
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",

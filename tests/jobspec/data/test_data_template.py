@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jobspec.config import CleanConfig
-from jobspec.data.formats import Sample, alpaca_sample, sharegpt_sample
 from jobspec.data.encode import Encoder
+from jobspec.data.formats import Sample, alpaca_sample, sharegpt_sample
 from jobspec.data.template import IGNORE
 from tests.jobspec.data.data_helpers import TOKENIZER
 
