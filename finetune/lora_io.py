@@ -115,7 +115,8 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
     cfg = LoraConfig(r=raw["r"], alpha=raw["lora_alpha"], dropout=0.0, use_rslora=bool(raw.get("use_rslora")),
                      target_modules=[t] if isinstance(t, str) else list(t),
                      modules_to_save=list(raw.get("modules_to_save") or []))
-    return cfg, {n.removeprefix(PEFT_PREFIX): read_tensor(d / ADAPTER_FILE, n) for n in read_header(d / ADAPTER_FILE)[0]}
+    names = read_header(d / ADAPTER_FILE)[0]
+    return cfg, {n.removeprefix(PEFT_PREFIX): read_tensor(d / ADAPTER_FILE, n) for n in names}
 
 
 def load_adapter(model, adapter_dir: str | Path) -> list:

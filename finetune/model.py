@@ -46,7 +46,7 @@ class Qwen2Config:
     model_type: str = "qwen2"  # a key of jobspec.qwen2_layout.FAMILIES
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
+    def from_dict(cls, d: dict, source: str = "config.json") -> Qwen2Config:
         """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``); a
         family other than Qwen2/Qwen3 dense is refused (``family_of``)."""
         d = dict(d)

@@ -52,7 +52,8 @@ def device_peak_flops(rank: RankInfo) -> tuple[float | None, str]:
         chip = chip_name(name)
         if chip is None:
             return None, f"no peak known for {name!r} (table: {', '.join(PEAK_TFLOPS)}): MFU not reported"
-        return PEAK_TFLOPS[chip] * 1e12, f"{chip} bf16 peak {PEAK_TFLOPS[chip]} TFLOPS ({PEAK_SOURCE}; perf.PEAK_TFLOPS)"
+        peak = PEAK_TFLOPS[chip]
+        return peak * 1e12, f"{chip} bf16 peak {peak} TFLOPS ({PEAK_SOURCE}; perf.PEAK_TFLOPS)"
     rate = cpu_matmul_flops()
     return rate, f"measured fp32 matmul rate of this CPU, {rate / 1e9:.1f} GFLOPS"
 

@@ -140,7 +140,8 @@ class ReportWriter:
 
             # the event file is named by the second it was opened: a writer opened in the same second
             # as the last one would truncate its file; the nanosecond suffix keeps both, in order
-            self.tb = SummaryWriter(str(RunDir(out_dir).tensorboard), flush_secs=30, filename_suffix=f".{time.time_ns()}",
+            self.tb = SummaryWriter(str(RunDir(out_dir).tensorboard), flush_secs=30,
+                                   filename_suffix=f".{time.time_ns()}",
                                     purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict) -> None:

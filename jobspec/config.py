@@ -190,7 +190,8 @@ class ExportConfig:
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     shard_size: str = "2GB"
     merge: bool = True  # train.method=lora: also write base + adapter merged to hf/ (adapter/ always)
-    check_prompts: str = "assets/prompts/check.jsonl"  # answered after export into <output_dir>/samples.jsonl; "": no check
+    # answered after export into <output_dir>/samples.jsonl; "": no check
+    check_prompts: str = "assets/prompts/check.jsonl"
     check_max_new_tokens: int = 64
 
 

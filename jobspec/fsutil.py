@@ -107,7 +107,8 @@ def remove_stale_temps(*parents: Path | str, log=print) -> list[Path]:
     for parent in map(Path, parents):
         for p in sorted(parent.glob(".*")) if parent.is_dir() else []:
             m = _TEMP.match(p.name)
-            if m and p.is_dir() and not p.is_symlink() and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            if (m and p.is_dir() and not p.is_symlink() and int(m.group(1)) != os.getpid()
+                    and not pid_alive(int(m.group(1)))):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
                 log(f"[cleanup] removed {p}: a temporary directory of process {m.group(1)}, which is gone "

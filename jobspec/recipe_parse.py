@@ -124,7 +124,8 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
             return int(f) if tp is int else f
         except (TypeError, ValueError):
             what = "an integer" if tp is int else "a finite number"
-            ex = str(default) if type(default) is int and default > 1 else _example(tp)  # a default of 0 or 1 illustrates nothing
+            # a default of 0 or 1 illustrates nothing
+            ex = str(default) if type(default) is int and default > 1 else _example(tp)
             problems.append(Problem(key, f"expected {what}", ex, repr(value)))
             return tp()
     if tp is str:

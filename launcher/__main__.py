@@ -82,31 +82,6 @@ class Job:
         return self.plan.topology.nproc_per_node
 
 
-def memory_summary(recipe: Recipe) -> dict:
-    """The estimate's parts in bytes for the resolved recipe, or why there is none."""
-    cfg = preflight.model_config(recipe)
-    if cfg is None:
-        return {"unavailable": "no config.json yet"}
-    try:
-        est = preflight.memory_estimate(recipe, cfg)
-    except (ValueError, KeyError, TypeError) as e:  # a layout or config.json the estimate cannot take
-        return {"unavailable": f"{type(e).__name__}: {e}"}
-    return {k: getattr(est, k) for k in ("weights", "grads", "master", "optimizer", "activations", "workspace",
-                                         "total")}
-
-
-def memory_line(mem: dict, recipe: Recipe) -> str:
-    """``weights 7.1 GiB + ... = total 46.2 GiB per device (...)`` or why there is no estimate."""
-    if "total" not in mem:
-        return f"memory: no estimate ({mem.get('unavailable')})"
-    parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
-    t = recipe.train
-    return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
-            f"(embedding/LM head {'vocab-parallel' if recipe.parallel.vocab_parallel else 'replicated'}, "
-            f"seq_len {recipe.data.seq_len}, micro batch {t.micro_batch_size}, recompute {str(t.recompute).lower()}, "
-            f"loss over chunks of {t.loss_chunk_tokens or 'all'} tokens)")
-
-
 def _input(path: str) -> str:
     """An input path: as given from the current directory, else relative to the repo (bundled assets)."""
     p = Path(path).expanduser()
@@ -191,7 +166,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
         binding={**binding, "ranks": numa.to_json(ranks, nodes)},
-        memory=memory_summary(recipe),
+        memory=preflight.memory_summary(recipe),
         worker_env=launch.set_vars(env, host.env),
         sources={"recipe": f"{s.recipe} ({s.recipe_reason})",
                  "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(L.device, recipe.name),
@@ -226,7 +201,7 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
             say(f"  {p.binding[key]}")
     for rk in p.binding["ranks"]:
         say(f"  {rk['applied']}")
-    say(memory_line(p.memory, job.recipe))
+    say(preflight.memory_line(p.memory, job.recipe))
     say(f"launch ({p.sources['launch_mode']}): {json.dumps(p.argv)}")
     say(f"worker env: {json.dumps(p.worker_env)}")
 

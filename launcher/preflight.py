@@ -396,3 +396,30 @@ def table(rows: list[Check]) -> str:
 
 def failed(rows: list[Check]) -> bool:
     return any(r.status == "fail" for r in rows)
+
+
+# ---------------------------------------------------------------------------- the plan's memory line
+
+def memory_summary(recipe: Recipe) -> dict:
+    """The estimate's parts in bytes for the resolved recipe, or why there is none."""
+    cfg = model_config(recipe)
+    if cfg is None:
+        return {"unavailable": "no config.json yet"}
+    try:
+        est = memory_estimate(recipe, cfg)
+    except (ValueError, KeyError, TypeError) as e:  # a layout or config.json the estimate cannot take
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+    return {k: getattr(est, k) for k in ("weights", "grads", "master", "optimizer", "activations", "workspace",
+                                         "total")}
+
+
+def memory_line(mem: dict, recipe: Recipe) -> str:
+    """``weights 7.1 GiB + ... = total 46.2 GiB per device (...)`` or why there is no estimate."""
+    if "total" not in mem:
+        return f"memory: no estimate ({mem.get('unavailable')})"
+    parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
+    t = recipe.train
+    return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
+            f"(embedding/LM head {'vocab-parallel' if recipe.parallel.vocab_parallel else 'replicated'}, "
+            f"seq_len {recipe.data.seq_len}, micro batch {t.micro_batch_size}, recompute {str(t.recompute).lower()}, "
+            f"loss over chunks of {t.loss_chunk_tokens or 'all'} tokens)")

@@ -138,7 +138,8 @@ def pod_settings(ns: argparse.Namespace, name: str, env: Mapping[str, str], over
     given, pod = dict(s.overrides), PodSettings(ns.image, {}, NPUS_PER_NODE, ns.cpu, ns.memory, ns.shm,
                                                  ns.data_dir, ns.pvc, MASTER_PORT)
     if s.recipe == settings.CPU_RECIPE and not _given_recipe(env, overrides, recipe_arg):
-        pod.problems.append(f"no RECIPE, and MODEL_DIR and DATA are not both set: every pod would run {s.recipe} (the tiny "
+        pod.problems.append(
+            f"no RECIPE, and MODEL_DIR and DATA are not both set: every pod would run {s.recipe} (the tiny "
                    f"model on CPU) while holding NPUs; set MODEL_DIR and DATA (pod paths, e.g. MODEL_DIR="
                    f"{ns.data_dir}/{settings.PATH_KEYS['model.dir'][1]} DATA={ns.data_dir}/"
                    f"{settings.PATH_KEYS['data.paths'][1]}) for {settings.NPU_RECIPE}, or RECIPE=... on purpose")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def interleave(paths: list[str], rounds: int, reference: str = "torch") -> list[tuple[int, str]]:
@@ -14,7 +14,8 @@ def interleave(paths: list[str], rounds: int, reference: str = "torch") -> list[
     return [(r, p) for r in range(rounds) for path in paths for p in (path, reference)]
 
 
-def by_path(steps: list[tuple[str, float]], reference: str = "torch") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def by_path(steps: list[tuple[str, float]],
+            reference: str = "torch") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """From timed (path, seconds) in run order: seconds per path, and per path the reference's seconds of
     the step run right after each of its steps (the pair its ratio is taken from)."""
     times: dict[str, list[float]] = {}

@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
             ratio = result[name].get("ratio_to_torch")
             line = f"{name:14s} {result[name]['tokens_per_s_median']:8.1f} tokens/s (median of {args.rounds})"
             if ratio:
-                line += f"; ratio to torch median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})"
+                line += (f"; ratio to torch median {ratio['median']:.2f} "
+                         f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})")
             print(line)
         if watch.invalid():
             print(f"{watch.invalid()}: no ratio reported; rerun on an idle machine")

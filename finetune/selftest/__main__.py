@@ -21,7 +21,8 @@ from pathlib import Path
 
 from finetune.selftest import collectives, versions
 
-TOTAL_BUDGET_S = 120.0  # the whole run on 8 NPUs, by design: the per-check budgets (runner, collectives) add up below it
+# the whole run on 8 NPUs, by design: the per-check budgets (runner, collectives) add up below it
+TOTAL_BUDGET_S = 120.0
 
 
 def device_rows(device: str, device_id: int | None, install_twins: bool) -> list[dict]:
@@ -82,7 +83,8 @@ def collective_rows(out: Path, device: str, nproc: int, port: int | None = None)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     msrun = shutil.which("msrun", path=env["PATH"]) or "msrun"
-    argv = [msrun, f"--worker_num={nproc}", f"--local_worker_num={nproc}", f"--master_port={port or _free_port()}", "--join=True",
+    argv = [msrun, f"--worker_num={nproc}", f"--local_worker_num={nproc}", f"--master_port={port or _free_port()}",
+            "--join=True",
             f"--log_dir={out / 'selftest_msrun'}", collectives.__file__, str(out), device]
     for f in out.glob("collectives.rank*.json"):
         f.unlink()

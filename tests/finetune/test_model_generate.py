@@ -121,7 +121,8 @@ def test_cli_checks_options_before_the_model_loads(ms_cpu, tiny_hf_dir, tmp_path
                  "--repetition-penalty", "0", "--max-new-tokens", "0", "--batch-size", "0",
                  "--output", str(tmp_path / "missing" / "a.jsonl")]) == 2
     err = capsys.readouterr().err
-    for line in ("--temperature=-1.0: must be >= 0 (0: greedy) (e.g. --temperature=0.7)", "--top-p=2.0: must be in (0, 1]",
+    for line in ("--temperature=-1.0: must be >= 0 (0: greedy) (e.g. --temperature=0.7)",
+                 "--top-p=2.0: must be in (0, 1]",
                  "--top-k=-3", "--repetition-penalty=0.0", "--max-new-tokens=0: must be >= 1", "--batch-size=0",
                  f"its directory {tmp_path / 'missing'} does not exist"):
         assert line in err

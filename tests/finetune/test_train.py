@@ -61,6 +61,7 @@ def test_straight_run_writes_metrics_checkpoints_and_export(straight):
     assert len(samples) == 5 and all(r["response"] for r in samples)  # the inference check on the export
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_compiled_layers_train_and_resume_as_the_op_by_op_layers(straight, tmp_path, capsys):
     """train.compile_layers: each decoder layer one mindspore.jit graph; the same losses within fp32
     rounding, also resumed from the op-by-op run's checkpoint (restored before the graphs first run)."""
@@ -75,6 +76,7 @@ def test_compiled_layers_train_and_resume_as_the_op_by_op_layers(straight, tmp_p
     np.testing.assert_allclose(_losses(resumed), _losses(straight), rtol=1e-5)
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_resume_from_a_mid_run_checkpoint_is_exact(straight, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(straight, out)
@@ -89,6 +91,7 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(straight, tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_fp16_trains_with_dynamic_loss_scaling(tmp_path):
     out = tmp_path / "fp16"
     assert run(_recipe(out, **{"train.precision": "fp16", "train.max_steps": "3", "train.save_every": "0",
@@ -113,6 +116,7 @@ def test_the_worker_does_not_create_the_tiny_model(tmp_path):
     assert not (tmp_path / "base-model").exists()
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_a_finished_run_continued_with_more_steps_equals_one_longer_run(tmp_path):
     """Issue 10 item 7: the final checkpoint holds the data position of the next step, not one further."""
     const = {"train.schedule": "constant", "train.warmup_steps": "0", "train.save_every": "0"}
@@ -226,6 +230,7 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
     assert model.loss_fn.kept is None and model.training
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_early_stop_patience_survives_a_resume(tmp_path, capsys):
     """The best eval loss and the evaluations since it are in the checkpoint: a run that ended after 3
     evaluations (the best, then 2 without gain), continued, stops at the 4th as one uninterrupted run
@@ -240,6 +245,7 @@ def test_early_stop_patience_survives_a_resume(tmp_path, capsys):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_early_stop_when_the_eval_loss_stops_improving(tmp_path, capsys):
     """train.early_stop_patience=1 with a learning rate too small to move the eval loss: stop at the
     second evaluation, then the usual final checkpoint and export."""

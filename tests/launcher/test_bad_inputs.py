@@ -197,8 +197,9 @@ CASES = [
      ["object.json: line 4 (column 1): not valid JSON", "a .json file holds an array"]),
 ]
 
-FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights, _one_json_object,
-            _hostfile, _a_file, _text("twice.txt", "10.0.0.11 slots=8\n10.0.0.12 slots=8\n# node c\n10.0.0.11 slots=8\n"),
+FIXTURES = (_model, _other_tokenizer, _truncated, _malformed_config, _llama, _no_tokenizer, _garbage_weights,
+            _one_json_object, _hostfile, _a_file,
+            _text("twice.txt", "10.0.0.11 slots=8\n10.0.0.12 slots=8\n# node c\n10.0.0.11 slots=8\n"),
             _text("object.json", '{\n  "instruction": "Say hi",\n  "output": "hi",\n}\n'))  # a trailing comma
 
 
