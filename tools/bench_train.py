@@ -87,7 +87,7 @@ def write_inputs(tmp: Path, batch: int, seq: int) -> dict[str, np.ndarray]:
 
 class Ours:
     """Our trainer's step: the model and optimizer as ``finetune.trainer`` builds them (training mode,
-    ``train.compile_layers`` from ``--jit-layers``), value_and_grad of the scaled loss (train.accumulate)
+    ``train.compile_layers`` from its path in ``PATHS``), value_and_grad of the scaled loss (train.accumulate)
     and the AdamW step."""
 
     def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool):
