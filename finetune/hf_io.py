@@ -220,7 +220,7 @@ def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os
     shards = plan_shards(sizes, shard_size_bytes)
     names = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with atomic_dir(out_dir, "hf-export") if out_dir is not None else nullcontext(None) as tmp:
+    with atomic_dir(Path(out_dir), "hf-export") if out_dir is not None else nullcontext(None) as tmp:
         for file, members in zip(names, shards):
             tensors = {n: _convert(fetch(n), dtype) for n in members}
             if tmp is not None:
@@ -233,7 +233,7 @@ def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os
                      "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_configs(Path(src_model_dir), tmp, dtype)  # modes: fsutil.publish's rule
-    return Path(out_dir)
+    return Path(out_dir) if out_dir is not None else None
 
 
 def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bf16",

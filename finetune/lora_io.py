@@ -102,7 +102,8 @@ def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, out:
 
 def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
     """A peft LoRA directory: (its config, our name -> fp32 tensor)."""
-    from jobspec.hf_files import read_header, read_tensor
+    from finetune.hf_io import read_tensor
+    from jobspec.hf_files import read_header
 
     d = Path(adapter_dir)
     if not (d / ADAPTER_CONFIG).is_file() or not (d / ADAPTER_FILE).is_file():

@@ -175,6 +175,7 @@ class UpdateCheck:
 
     def __init__(self, opt: Optimizer, lr: float):
         self.opt = opt
+        self.before: np.ndarray | None
         self.before, self.applied = self._read() if lr > 0 else (None, 0)
 
     def _read(self) -> tuple[np.ndarray, int]:

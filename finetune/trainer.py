@@ -151,7 +151,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
             "use fewer workers, or add data")
     rank.log(f"[train] building the model and loading the weights of {model_dir}")
     model, params = build_model(recipe, rank, model_dir, dtype)
-    opt = build_optimizer(params, tc, rank, recipe.parallel.shard_optimizer)
+    opt = build_optimizer(params, tc, rank, bool(recipe.parallel.shard_optimizer))  # resolved: never None
     overlap = recipe.parallel.overlap_grad_reduce  # resolved: only with dp > 1
     trainer = Trainer(recipe, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)

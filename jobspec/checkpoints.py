@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jobspec.rundir import MANIFEST, RunDir, is_complete
 
@@ -17,7 +19,7 @@ STATE = "trainer_state.json"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return RunDir(output_dir).checkpoints
+    return Path(RunDir(output_dir).checkpoints)
 
 
 def _sha256(path: Path, limit: int | None = None) -> str:
@@ -33,7 +35,7 @@ def _sha256(path: Path, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
-def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
+def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
     """The base model (config.json + the sha256 of every weight file's whole content: an edit anywhere
     counts) and the token cache (its manifest) a run trains; stored in each checkpoint and compared on
     resume. Read right after the weights were loaded, the files come from the page cache."""
@@ -48,7 +50,7 @@ def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict:
     return {"model": h.hexdigest()[:16], "data": data_id(manifest), "model_dir": str(model_dir)}
 
 
-def data_id(m: dict | None) -> str:
+def data_id(m: dict[str, Any] | None) -> str:
     """A token cache manifest's settings, source contents and counts (not paths, mtimes or its build time)."""
     if m is None:
         return "none"
@@ -63,7 +65,7 @@ def ways_out(output_dir: str | Path) -> str:
             f"to start over in {output_dir} (its checkpoints are moved to checkpoints.old-<time>, never mixed)")
 
 
-def archive_checkpoints(output_dir: str | Path, log=print) -> Path | None:
+def archive_checkpoints(output_dir: str | Path, log: Callable[[str], None] = print) -> Path | None:
     """train.resume=never: move the run's checkpoints aside (``checkpoints.old-<time>``) so that the new
     run never mixes with, prunes or resumes them; the new place, None when there were none."""
     root = checkpoint_root(output_dir)
@@ -94,7 +96,7 @@ def unhealthy(path: Path) -> str | None:
             "(its weights may be blown up)") if streak else None
 
 
-def usable(root: Path, log=print) -> list[Path]:
+def usable(root: Path, log: Callable[[str], None] = print) -> list[Path]:
     """The published, healthy checkpoints under ``root``, newest first; a newer step directory passed
     over (no manifest.json, or unhealthy) is named with the reason."""
     out = []

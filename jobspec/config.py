@@ -289,7 +289,7 @@ def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | Non
         data.setdefault("name", path.stem)
         where = _shown(path)
     data = merge(data, nest(overrides or {}), WHOLE_KEYS)
-    recipe = build(Recipe, data, "", problems)
+    recipe: Recipe = build(Recipe, data, "", problems)
     bad = {p.key for p in problems}
     problems += [p for p in validate(recipe) if p.key not in bad]  # a value that failed to parse fails no range
     if problems:

@@ -15,7 +15,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -100,7 +100,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(*parents: Path | str, log=print) -> list[Path]:
+def remove_stale_temps(*parents: Path | str, log: Callable[[str], None] = print) -> list[Path]:
     """Remove the ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` directories of dead processes under
     ``parents`` (left by a kill during an export, save or prepare), saying so; the removed paths."""
     removed = []

@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 
-def read_header(path: Path) -> tuple[dict, int]:
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """Safetensors header (name -> dtype/shape/data_offsets) and the byte offset of the data."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

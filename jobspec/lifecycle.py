@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def die_with_parent() -> None:
 
 def log_dir(output_dir: str | Path) -> Path:
     """Where msrun's worker logs and the rank status files go."""
-    return RunDir(output_dir).logs
+    return Path(RunDir(output_dir).logs)
 
 
 def status_dir(log_dir: str | Path) -> Path:
@@ -99,7 +100,7 @@ class RankStatus:
         write_status(self.path, self.record)
 
 
-def run_rank(log_dir: str | Path, rank: int, main) -> int:
+def run_rank(log_dir: str | Path, rank: int, main: Callable[[], int]) -> int:
     """Run ``main()`` as rank ``rank`` with its status file; an exception is one line on stderr naming the
     status file, which holds its traceback; exit 1."""
     status = RankStatus(log_dir, rank)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from jobspec.recipe_parse import Problem
 
@@ -94,7 +95,7 @@ def _target_problems(c: LoraConfig) -> list[Problem]:
     return []
 
 
-def trainable_elements(model_config: dict, c: LoraConfig, tp: int = 1, vocab_parallel: bool = False
+def trainable_elements(model_config: dict[str, Any], c: LoraConfig, tp: int = 1, vocab_parallel: bool = False
                        ) -> tuple[int, int]:
     """(adapter elements, modules_to_save elements) one TP rank holds: a column-parallel layer's B and a
     row-parallel layer's A are split like the layer (finetune/lora.py); the rest whole."""

@@ -17,9 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from jobspec.lora_config import trainable_elements
 from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
+
+if TYPE_CHECKING:
+    from jobspec.config import Recipe
+    from jobspec.lora_config import LoraConfig
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
 
@@ -55,7 +60,7 @@ def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int
     return sum(math.ceil((min(a + per, total) - a) / dp) for a in range(0, total, per))
 
 
-def _layer_activation_elems(cfg: dict, tp: int) -> int:
+def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
     """Activation elements per token that one layer keeps for backward (flash attention)."""
     d = Dims.of(cfg)
     replicated = 5 * d.hidden  # norm inputs/outputs and the residual
@@ -64,9 +69,10 @@ def _layer_activation_elems(cfg: dict, tp: int) -> int:
     return replicated + split
 
 
-def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
+def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
-                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0, lora=None) -> MemoryEstimate:
+                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0,
+                    lora: LoraConfig | None = None) -> MemoryEstimate:
     """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout. ``lora`` (a
     LoraConfig, train.method=lora): the base is frozen in the compute dtype; only the fp32 adapters
     (and modules_to_save, with fp32 masters) have gradients and optimizer state."""
@@ -95,7 +101,8 @@ def estimate_memory(model_config: dict, *, seq_len: int, micro_batch_size: int, 
                           activations=acts, workspace=WORKSPACE_BYTES)
 
 
-def memory_estimate(recipe, cfg: dict, estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
+def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
+                    estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
     """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json);
     preflight prints it, the trainer compares it with the measured peak at step 1."""
     p, t = recipe.parallel, recipe.train
@@ -121,7 +128,7 @@ class LayoutChoice:
     why: str
 
 
-def _full_ft(cfg: dict, tp: int, dp: int, seq_len: int, precision: str) -> MemoryEstimate:
+def _full_ft(cfg: dict[str, Any], tp: int, dp: int, seq_len: int, precision: str) -> MemoryEstimate:
     """As the NPU recipes train: micro batch 1, recompute, the optimizer sharded over DP, vocab-parallel
     when TP > 1, the loss over chunks of ``train.loss_chunk_tokens`` (its default)."""
     from jobspec.config import TrainConfig
@@ -131,13 +138,13 @@ def _full_ft(cfg: dict, tp: int, dp: int, seq_len: int, precision: str) -> Memor
                            loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
 
 
-def choose_tp(cfg: dict, world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
               usable: int = NPU_USABLE_BYTES) -> LayoutChoice:
     """The smallest TP that divides the heads and KV heads (``tp_problems``), stays inside a node,
     divides ``world`` and makes the full fine-tune estimate fit ``usable`` bytes per device."""
     from jobspec.qwen2_layout import tp_problems
 
-    refused = []
+    refused: list[str] = []
     for tp in TP_CANDIDATES:
         if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=tp > 1):
             continue
@@ -149,7 +156,7 @@ def choose_tp(cfg: dict, world: int, *, seq_len: int, npus_per_node: int = 8, pr
     return LayoutChoice(None, 0, None, "; ".join(refused) or f"no TP up to {npus_per_node} divides the heads")
 
 
-def smallest_world(cfg: dict, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
                    usable: int = NPU_USABLE_BYTES, max_world: int = 256) -> tuple[int, LayoutChoice]:
     """The fewest devices (1, 2, 4, then whole nodes doubling) with a layout that fits; (0, the last
     refusal) when none up to ``max_world`` (32 nodes) does: ZeRO-1 shards only the optimizer state
@@ -164,7 +171,7 @@ def smallest_world(cfg: dict, *, seq_len: int, npus_per_node: int = 8, precision
     return 0, LayoutChoice(None, 0, None, f"at {worlds[-1]} NPUs: {choice.why}")
 
 
-def no_fit_advice(cfg: dict, world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+def no_fit_advice(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
                   usable: int = NPU_USABLE_BYTES) -> str:
     """Why no layout of ``world`` devices fits and what would: the smallest world, a shorter sequence."""
     why = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision,

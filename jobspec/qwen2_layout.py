@@ -33,7 +33,7 @@ SUPPORTED = "Qwen2 / Qwen2.5 (incl. Coder, Math: model_type qwen2, Qwen2ForCausa
             "(model_type qwen3, Qwen3ForCausalLM)"
 
 
-def family_of(config: dict) -> Family:
+def family_of(config: dict[str, Any]) -> Family:
     """The family of a config.json (``model_type``, else the architecture; neither: a bare Qwen2 dict).
 
     Raises ValueError naming the model type and what is supported for any other family (Llama,
@@ -43,7 +43,7 @@ def family_of(config: dict) -> Family:
     if mt is None:
         known = [f for f in FAMILIES.values() if f.architecture in archs]
         mt = known[0].model_type if known else ("qwen2" if not archs else None)
-    fam = FAMILIES.get(mt)
+    fam = FAMILIES.get(str(mt)) if mt is not None else None
     if fam is not None and not fam.qkv_bias and config.get("attention_bias"):
         raise ValueError(f"config.json: attention_bias true is not supported for model_type {mt!r} (no released "
                          "model has it; its o_proj bias would be dropped); use a model with attention_bias false")
@@ -105,7 +105,7 @@ class TPSlice(NamedTuple):
     owner: bool = True
 
 
-def param_table(config: dict) -> list[ParamSpec]:
+def param_table(config: dict[str, Any]) -> list[ParamSpec]:
     """Every tensor of a Qwen2 / Qwen3 model, in Hugging Face module order."""
     d = Dims.of(config)
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim

@@ -8,12 +8,14 @@ on the Hugging Face Hub).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from jobspec.memory import smallest_world
 from jobspec.qwen2_layout import param_count
 
 
-def _cfg(model_type: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool) -> dict:
+def _cfg(model_type: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int,
+         tied: bool) -> dict[str, Any]:
     cfg = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
            "tie_word_embeddings": tied}
@@ -22,7 +24,7 @@ def _cfg(model_type: str, vocab: int, hidden: int, inter: int, layers: int, head
     return cfg
 
 
-SIZES: dict[str, dict] = {
+SIZES: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": _cfg("qwen2", 151936, 896, 4864, 24, 14, 2, True),
     "Qwen2.5-1.5B": _cfg("qwen2", 151936, 1536, 8960, 28, 12, 2, True),
     "Qwen2.5-3B": _cfg("qwen2", 151936, 2048, 11008, 36, 16, 2, True),
@@ -50,8 +52,9 @@ def size_table(seq_len: int = TABLE_SEQ_LEN) -> str:
         if not world:
             rows.append(f"| {name} | {params} | needs more than ZeRO-1 | - | - | - | {choice.why} |")
             continue
+        total = choice.estimate.total if choice.estimate else 0  # a layout that fits has its estimate
         rows.append(f"| {name} | {params} | TP {choice.tp} x DP {choice.dp} | {world} | "
-                    f"{math.ceil(world / NPUS_PER_NODE)} | {choice.estimate.total / 2**30:.1f} | {choice.why} |")
+                    f"{math.ceil(world / NPUS_PER_NODE)} | {total / 2**30:.1f} | {choice.why} |")
     return "\n".join(rows)
 
 

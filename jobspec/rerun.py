@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from jobspec.checkpoints import STATE, checkpoint_root, usable, ways_out
 from jobspec.config import Recipe
@@ -26,17 +27,17 @@ class RunSettingsChanged(ValueError):
     """The recipe changes what the run in OUTPUT_DIR trained; nothing was done."""
 
 
-def _value(recipe: Recipe, key: str):
+def _value(recipe: Recipe, key: str) -> Any:
     section, name = key.split(".")
     return getattr(getattr(recipe, section), name)
 
 
-def run_settings(recipe: Recipe) -> dict:
+def run_settings(recipe: Recipe) -> dict[str, Any]:
     """The settings a checkpoint records: what was trained, and for how long."""
     return {k: _value(recipe, k) for k in TRAINING_KEYS + LENGTH_KEYS}
 
 
-def changed_settings(saved: dict, recipe: Recipe) -> list[str]:
+def changed_settings(saved: dict[str, Any], recipe: Recipe) -> list[str]:
     """``key was X, now Y`` for every training setting (not the length) that differs from ``saved``."""
     now = run_settings(recipe)
     return [f"{k} was {saved[k]!r}, now {now[k]!r}" for k in TRAINING_KEYS if k in saved and saved[k] != now[k]]
@@ -58,7 +59,8 @@ def finished_already(recipe: Recipe) -> str | None:
     changes = changed_settings(saved, recipe)
     if changes:
         raise RunSettingsChanged(f"{recipe.output_dir} holds a run trained with other settings (checkpoint "
-                                 f"{path.name}): {'; '.join(changes)}. Nothing was done. {ways_out(recipe.output_dir)}")
+                                 f"{path.name if path else '-'}): {'; '.join(changes)}. Nothing was done. "
+                                 f"{ways_out(recipe.output_dir)}")
     now = run_settings(recipe)
     if state.get("finished") and all(saved.get(k) == now[k] for k in LENGTH_KEYS):
         return (f"already finished at step {state['step']} ({Path(recipe.output_dir) / 'hf'}); nothing to do "

@@ -66,7 +66,7 @@ class RunDir:
         return self._at("npu_log") if node_rank == 0 else self.root / f"npu-node{node_rank}.jsonl"
 
     def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / step_name(step)
+        return self._at("checkpoints") / step_name(step)
 
     def export(self, checkpoint: Path) -> Path:
         """Where ``export`` writes a checkpoint by default: ``hf-step_N`` beside ``hf/``."""

@@ -69,7 +69,7 @@ def random_weights(config: dict[str, Any], seed: int, std: float = 0.02) -> dict
     return out
 
 
-def tiny_config(overrides: dict | None = None) -> dict:
+def tiny_config(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json of the tiny model that ``model.init`` = ``overrides`` creates."""
     config = {**TINY_DEFAULTS, **(overrides or {})}
     family = FAMILIES.get(config.get("model_type", ""))
@@ -83,7 +83,8 @@ def _is_complete(model_dir: Path) -> bool:
                                                     *TOKENIZER_FILES))
 
 
-def ensure_tiny_model(model_dir: str | os.PathLike, overrides: dict | None = None, seed: int = 0) -> bool:
+def ensure_tiny_model(model_dir: str | os.PathLike[str], overrides: dict[str, Any] | None = None,
+                      seed: int = 0) -> bool:
     """Create a seeded tiny model at ``model_dir`` once; False when a complete one exists. Qwen2 unless
     ``overrides`` set ``model_type`` (e.g. ``{"model_type": "qwen3", "head_dim": 32}``).
 

@@ -200,7 +200,8 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster | None:
 
 def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
     """``host slots=N`` lines (``#`` comments, blank lines allowed) -> [(host, slots)]."""
-    out, seen = [], {}
+    out: list[tuple[str, int | None]] = []
+    seen: dict[str, int] = {}
     for no, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:

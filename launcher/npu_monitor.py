@@ -106,6 +106,7 @@ def running(devices: Devices, out: Path, node_rank: int, interval_s: float, npu_
         return
     path = RunDir(out).npu_log(node_rank)
     log(f"NPU monitor: npu-smi every {interval_s:g} s into {path}")
+    assert npu_smi is not None  # why above says so otherwise
     mon = NpuMonitor(path, devices.visible, npu_smi, lambda m: log(f"warning: {m}")).start(interval_s)
     try:
         yield mon

@@ -234,7 +234,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     n_read = 0
     try:
         with atomic_dir(out, "token-cache") as tmp:
-            manifest = {"settings": cache.settings_of(recipe, tokenizer_path),
+            manifest: dict[str, Any] = {"settings": cache.settings_of(recipe, tokenizer_path),
                         "sources": [cache.source_entry(s) for s in sources + val_sources]}
             build = _Build(tmp, recipe, progress)
             for part, srcs in (("train", sources), ("val", val_sources)):

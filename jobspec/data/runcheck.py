@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from jobspec.checkpoints import STATE, checkpoint_root, data_id, usable, ways_out
 from jobspec.config import Recipe
@@ -21,12 +22,12 @@ class RunDataChanged(DataError):
     """The recipe's data differs from the data the run in OUTPUT_DIR trained; nothing was written."""
 
 
-def _sources_now(recipe: Recipe) -> list[dict]:
+def _sources_now(recipe: Recipe) -> list[dict[str, Any]]:
     return [cache.source_entry(s, with_hash=False) for s in
             resolve_sources(recipe.data) + resolve_sources(recipe.data, val=True)]
 
 
-def data_changes(old: dict, recipe: Recipe, tokenizer_path: str | Path) -> list[str]:
+def data_changes(old: dict[str, Any], recipe: Recipe, tokenizer_path: str | Path) -> list[str]:
     """What differs between the cache manifest ``old`` and the recipe's data, one phrase each."""
     changes = []
     was, now = old.get("settings", {}), cache.settings_of(recipe, tokenizer_path)
