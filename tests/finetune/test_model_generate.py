@@ -132,6 +132,19 @@ def test_cli_checks_options_before_the_model_loads(ms_cpu, tiny_hf_dir, tmp_path
     assert picked == (d, "the base model (--base)")  # even though the fine-tuned export exists
 
 
+def test_cli_refuses_a_model_of_another_family_before_building(ms_cpu, tmp_path, capsys):
+    """issue 19.4: --model-dir with a Llama config.json answered anyway; now refused, naming what is supported."""
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}))
+    assert main(["--model-dir", str(d), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'llama' (LlamaForCausalLM) is not supported" in err and "Qwen3ForCausalLM" in err
+    assert "Traceback" not in err
+
+
 def test_cli_checks_weights_before_building(ms_cpu, tiny_hf_dir, capsys, monkeypatch):
     import finetune.model
 
