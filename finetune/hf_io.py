@@ -175,6 +175,11 @@ def plan_shards(sizes: list[tuple[str, int]], shard_size_bytes: int) -> list[lis
     return shards
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export.dtype={dtype!r}: must be one of {', '.join(EXPORT_DTYPES)} (e.g. export.dtype=bf16)")
+
+
 def _convert(a: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bf16":
         return fp32_to_bf16(a)
@@ -213,8 +218,7 @@ def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os
     ``out_dir`` None: only fetch, in the same order (a rank taking part in collective gathers).
     Readable by others (directory 0755, files 0644), e.g. by a non-root serving container.
     """
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export.dtype={dtype!r}: must be one of {', '.join(EXPORT_DTYPES)} (e.g. export.dtype=bf16)")
+    _check_dtype(dtype)
     st_dtype, itemsize = EXPORT_DTYPES[dtype]
     sizes = [(n, int(np.prod(shape)) * itemsize) for n, shape in shapes.items()]
     shards = plan_shards(sizes, shard_size_bytes)
@@ -243,8 +247,7 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
     Every rank must call it (TP slices are gathered collectively); only rank 0 writes.
     """
     rank = rank or model.rank
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export.dtype={dtype!r}: must be one of {', '.join(EXPORT_DTYPES)} (e.g. export.dtype=bf16)")
+    _check_dtype(dtype)
     if rank.tp == 1 and not rank.is_main:
         return None
     state, full = model.hf_state(), model.hf_shapes()

@@ -22,9 +22,9 @@ from finetune import kernels
 from finetune.dist import RankInfo
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
+from jobspec.data.template import IGNORE
 from jobspec.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
 
-IGNORE_INDEX = -100
 _MASKED = -1e9
 
 
@@ -298,7 +298,7 @@ class Qwen2ForCausalLM(nn.Cell):
         hidden = h.shape[-1]
         h = h[:, :-1].reshape(-1, hidden)
         target = labels[:, 1:].reshape(-1)
-        idx = ops.nonzero(target != IGNORE_INDEX).reshape(-1)
+        idx = ops.nonzero(target != IGNORE).reshape(-1)
         if idx.shape[0] == 0:  # no label in the batch: zero loss, zero gradients (empty kernels fail on CPU)
             return h.sum().astype(ms.float32) * 0.0 + 0.0  # + 0.0 turns -0.0 into 0.0
         h = ops.gather(h, idx, 0)

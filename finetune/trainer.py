@@ -176,7 +176,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
 def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
     """This DP rank's deterministic training batches from the token cache (prepared once per node or
     job), and its share of the validation set when the cache holds one."""
-    from jobspec.data.cache import VAL_INDEX
+    from jobspec.data.cache import INDEX, VAL_INDEX
     from jobspec.data.prepare import ensure_cache
 
     tc, d = recipe.train, recipe.data
@@ -187,7 +187,7 @@ def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[Batc
                            packing=d.packing, max_tokens_per_batch=d.max_tokens_per_batch, epochs=tc.epochs,
                            index_name=index_name)
 
-    return loader("index.npy"), loader(VAL_INDEX) if cache.num_val else None
+    return loader(INDEX), loader(VAL_INDEX) if cache.num_val else None
 
 
 def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple[Any, list]:

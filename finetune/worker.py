@@ -9,7 +9,6 @@ Dies with its parent (msrun or the launcher); a training rank records its start 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.affinity import apply_binding  # noqa: E402
-from jobspec.config import ConfigError, load_recipe  # noqa: E402
+from jobspec.config import ConfigError, load_plan  # noqa: E402  (sys.path set above)
 from jobspec.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
 
 
@@ -28,9 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="finetune.worker")
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe JSON")
     args = ap.parse_args(argv)
-    raw = json.loads(Path(args.config).read_text())
     try:
-        recipe = load_recipe(raw=raw.get("recipe", raw))
+        recipe = load_plan(args.config)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

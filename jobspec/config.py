@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -408,6 +409,19 @@ def _validate_data_sources(d: DataConfig) -> list[Problem]:
         p.append(Problem("data.val_size", "data.val_size and data.val_paths both set: validate on held-out samples "
                                           "(data.val_size) or on your own files (data.val_paths), not both", "0"))
     return p
+
+
+def load_plan(path: str | Path) -> Recipe:
+    """The resolved recipe a rank or prepare-data runs: ``plan.json`` (its "recipe"), a recipe JSON, or YAML.
+    Raises :class:`ConfigError`; an unreadable or malformed file as one naming the path."""
+    p = Path(path)
+    if p.suffix in (".yaml", ".yml"):
+        return load_recipe(str(p))
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"{p}: {e}"]) from None
+    return load_recipe(raw=raw.get("recipe", raw) if isinstance(raw, dict) else raw)
 
 
 def resolved_model_dir(r: Recipe) -> str:

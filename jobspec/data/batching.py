@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from jobspec.data.cache import INDEX
 from jobspec.data.template import IGNORE
 
 
@@ -103,7 +104,7 @@ class BatchLoader:
 
     def __init__(self, cache_dir: str | Path, seq_len: int, micro_batch_size: int, grad_accum: int,
                  dp_size: int, dp_rank: int, seed: int, packing: bool = True,
-                 max_tokens_per_batch: int = 0, epochs: int = 1, index_name: str = "index.npy"):
+                 max_tokens_per_batch: int = 0, epochs: int = 1, index_name: str = INDEX):
         """``index_name``: the cache's sample index to read (``val_index.npy`` for the validation set)."""
         cache_dir = Path(cache_dir)
         if not 0 <= dp_rank < dp_size:

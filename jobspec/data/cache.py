@@ -31,6 +31,7 @@ from jobspec.data.template import TEMPLATE_VERSION
 from jobspec.rundir import RunDir
 
 MANIFEST = "manifest.json"
+INDEX = "index.npy"
 VAL_INDEX = "val_index.npy"
 FORMAT_VERSION = 1
 _HEADER = 128  # fixed .npy header size so arrays can be streamed and the shape filled in last

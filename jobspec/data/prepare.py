@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from jobspec.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, load_recipe, resolved_model_dir
+from jobspec.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, load_plan, resolved_model_dir
 from jobspec.cpus import available_cpus
 from jobspec.data import cache, malloc
 from jobspec.data.clean import RULES
@@ -204,7 +204,7 @@ class _Build:
         elif self.cfg.val_paths and not len(val):
             raise DataError(f"data.val_paths: no validation sample left of {self.cfg.val_paths} after the rules "
                             "(a validation sample equal to a training sample is dropped as dedup); see the report")
-        np.save(self.tmp / "index.npy", index)
+        np.save(self.tmp / cache.INDEX, index)
         if len(val):
             np.save(self.tmp / cache.VAL_INDEX, val)
         return index, val
@@ -334,13 +334,8 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe (JSON or YAML)")
     args = ap.parse_args(argv)
     try:
-        path = Path(args.config)
-        if path.suffix in (".yaml", ".yml"):
-            recipe = load_recipe(str(path))
-        else:
-            raw = json.loads(path.read_text())
-            recipe = load_recipe(raw=raw.get("recipe", raw))
-    except (ConfigError, OSError, json.JSONDecodeError) as e:
+        recipe = load_plan(args.config)
+    except ConfigError as e:
         print(f"prepare-data: {args.config}: {e}", file=sys.stderr)
         return 2
     return main(recipe)

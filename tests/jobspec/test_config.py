@@ -2,10 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from jobspec.config import RECIPES_DIR, ConfigError, ParallelConfig, Recipe, load_recipe, resolve_recipe_path, to_dict
+from jobspec.config import (
+    RECIPES_DIR,
+    ConfigError,
+    ParallelConfig,
+    Recipe,
+    load_plan,
+    load_recipe,
+    resolve_recipe_path,
+    to_dict,
+)
 
 
 def problems_of(**overrides) -> list[str]:
@@ -96,3 +106,15 @@ def test_the_resolved_recipe_round_trips_through_its_dict():
     d = to_dict(r)
     assert load_recipe(raw=d) == r
     assert dataclasses.asdict(r) == d
+
+
+def test_load_plan_reads_the_recipe_of_a_plan_a_recipe_json_or_yaml(tmp_path):
+    """One reader for the workers and prepare-data (they read plan.json each on their own before)."""
+    r = load_recipe("tiny-cpu").resolved(1, "cpu")
+    (tmp_path / "plan.json").write_text(json.dumps({"recipe": to_dict(r), "topology": {}}))
+    (tmp_path / "recipe.json").write_text(json.dumps(to_dict(r)))
+    assert load_plan(tmp_path / "plan.json") == r == load_plan(tmp_path / "recipe.json")
+    assert load_plan(RECIPES_DIR / "tiny-cpu.yaml") == load_recipe("tiny-cpu")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"bad.json: Expecting property name"):
+        load_plan(tmp_path / "bad.json")
