@@ -71,6 +71,8 @@ class DataConfig:
     seq_len: int = 1024
     packing: bool = True
     system_prompt: str = "You are a helpful assistant."
+    # reasoning (reasoning_content, or <think>...</think> opening an answer): keep | drop | auto (keep what the data has)
+    thinking: str = "auto"
     max_tokens_per_batch: int = 0  # >0: dynamic batching by token budget instead of packing
     cache_dir: str = ""  # token cache; default <output_dir>/data
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)
@@ -392,6 +394,7 @@ def _validate_data_sources(d: DataConfig) -> list[Problem]:
     """data.columns, data.on_error, data.val_size / data.val_paths."""
     p: list[Problem] = []
     _choice(p, "data.on_error", d.on_error, ("fail", "skip"))
+    _choice(p, "data.thinking", d.thinking, ("auto", "keep", "drop"))
     for k, v in d.columns.items():
         if k not in DATA_COLUMNS:
             close = difflib.get_close_matches(str(k), DATA_COLUMNS, n=1)

@@ -26,7 +26,7 @@ import numpy as np
 
 from finetune.config import Recipe
 from finetune.data.files import Source, resolve_sources
-from finetune.data.template import TEMPLATE_VERSION
+from finetune.data.template import TEMPLATE_VERSIONS, chat_format
 
 MANIFEST = "manifest.json"
 VAL_INDEX = "val_index.npy"
@@ -64,8 +64,9 @@ def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict:
     later appear only when set, so a cache made before them stays fresh)."""
     d = recipe.data
     later = (("columns", d.columns), ("on_error", d.on_error if d.on_error != "fail" else ""),
-             ("val_size", d.val_size), ("val_paths", d.val_paths))
-    return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSION,
+             ("val_size", d.val_size), ("val_paths", d.val_paths),
+             ("thinking", d.thinking if d.thinking != "auto" else ""))
+    return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSIONS[chat_format(tokenizer_path)],
             "tokenizer_sha256": file_hash(Path(tokenizer_path)), "system_prompt": d.system_prompt,
             "seq_len": d.seq_len, "format": d.format, "max_samples": d.max_samples,
             "clean": dataclasses.asdict(d.clean),

@@ -21,8 +21,8 @@ from finetune.config import CleanConfig
 from finetune.data import malloc
 from finetune.data.clean import dedup_key, may_repeat, text_rule, token_rule
 from finetune.data.formats import Sample, is_text, uses_tools
-from finetune.data.template import (IGNORE, Specials, label_flat, render, render_system, render_turns,
-                                    splits_at_specials, truncate)
+from finetune.data.template import (IGNORE, Specials, chat_format, label_flat, render, render_system,
+                                    render_turns, splits_at_specials, truncate)
 
 # under the system (glibc) malloc, encodings of this many chunks are freed together: freeing each
 # chunk's before the next encode makes encode_batch ~1.2-1.4x slower; 48 chunks: ~290 MB RSS per
@@ -47,9 +47,11 @@ class Encoder:
 
     SYSTEM_CACHE = 4096  # distinct system prompts remembered
 
-    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig):
+    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig,
+                 thinking: str = "auto"):
         self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
         self.sp = Specials(self.tok)
+        self.fmt, self.thinking = chat_format(tokenizer_path), thinking  # the model family's template
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
         self.split = splits_at_specials(self.tok)
         self._system_ids: dict[str, list[int]] = {}
@@ -59,10 +61,10 @@ class Encoder:
     def _encode(self, samples: list[Sample]) -> list[list[int]]:
         """Token ids of the templated samples."""
         if not self.split:
-            encs = self.tok.encode_batch([render(s, self.system_prompt) for s in samples], add_special_tokens=False)
+            encs = self.tok.encode_batch([render(s, self.system_prompt, self.fmt, self.thinking) for s in samples], add_special_tokens=False)
             self._hold(encs)
             return [e.ids for e in encs]
-        systems = [render_system(s, self.system_prompt) for s in samples]
+        systems = [render_system(s, self.system_prompt, self.fmt) for s in samples]
         cached = self._system_ids
         new = list(dict.fromkeys(t for t in systems if t not in cached))
         if len(cached) + len(new) > self.SYSTEM_CACHE:
@@ -70,7 +72,8 @@ class Encoder:
             new = list(dict.fromkeys(systems))
         for text, enc in zip(new, self.tok.encode_batch(new, add_special_tokens=False)):
             cached[text] = enc.ids
-        encs = self.tok.encode_batch([render_turns(s) for s in samples], add_special_tokens=False)
+        encs = self.tok.encode_batch([render_turns(s, self.fmt, self.thinking) for s in samples],
+                                     add_special_tokens=False)
         self._hold(encs)
         return [cached[t] + e.ids for t, e in zip(systems, encs)]
 
