@@ -274,3 +274,16 @@ def test_model_template_row_names_a_changed_chat_template(tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     (r,) = rows(c, "template")
     assert r.status == "warn" and "<observation>" in r.detail and "template" in r.fix
+
+
+def test_model_template_row_of_a_qwen3_dir_with_its_released_template(tmp_path):
+    """A Qwen3 model dir: the data is written in Qwen3's template, so its own template is no warning."""
+    from tests.finetune.data.data_helpers import qwen3_dir
+
+    q3 = {**TINY, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16}
+    c = ctx(tmp_path, npu=False, cfg=q3)
+    c.recipe.model.init = None
+    d = qwen3_dir(Path(c.recipe.model.dir))  # Qwen3's tokenizer and tokenizer_config.json (released template)
+    (d / "config.json").write_text(json.dumps(q3))
+    (r,) = rows(c, "template")
+    assert r.status == "ok" and "as prepare-data does" in r.detail, r.detail

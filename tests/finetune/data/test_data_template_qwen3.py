@@ -101,3 +101,21 @@ def test_preflight_check_of_a_qwen3_dir_with_the_released_template(model, tmp_pa
     (changed / "tokenizer_config.json").write_text(json.dumps(cfg))
     status, line = check_model_template(changed, "You are a helpful assistant.")
     assert status == "differs" and "with reasoning" in line and "Qwen3's format" in line, line
+
+
+def test_prepare_data_writes_qwen3s_template_and_data_thinking_chooses_the_reasoning(model, tmp_path):
+    from finetune.data.prepare import prepare
+
+    data = write_jsonl(tmp_path / "r.jsonl", [GOLDEN["reasoning"]["record"]] * 2)
+    want = {t: len(GOLDEN[n]["input_ids"]) for t, n in (("auto", "reasoning"), ("drop", "reasoning_dropped"))}
+    for thinking, n in want.items():
+        info = prepare(recipe_for(tmp_path / thinking, [data], thinking=thinking), model / "tokenizer.json",
+                       progress=False)
+        assert info.manifest["settings"]["template"] == "qwen3-thinking-v1" and info.num_tokens == n
+
+
+def test_data_thinking_is_validated():
+    from finetune.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match="data.thinking='think'"):
+        load_recipe(raw={"model": {"init": {}}}, overrides={"data.thinking": "think"})
