@@ -79,6 +79,8 @@ class DataConfig:
     seq_len: int = 1024
     packing: bool = True
     system_prompt: str = "You are a helpful assistant."
+    # reasoning (reasoning_content, or <think>...</think> opening an answer); auto: keep what the data has
+    thinking: Literal["auto", "keep", "drop"] = "auto"
     max_tokens_per_batch: int = 0  # >0: dynamic batching by token budget instead of packing
     cache_dir: str = ""  # token cache; default <output_dir>/data
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)

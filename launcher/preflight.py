@@ -246,8 +246,10 @@ def check_model(c: Context) -> list[Check]:
 
     status, line = check_model_template(d, c.recipe.data.system_prompt)
     template = Check("template", "warn" if status in ("differs", "unchecked") else "ok", line,
-                     "the data is written in Qwen2.5's chat template; serve the fine-tuned model with it (the export "
-                     "keeps the model's tokenizer_config.json) or fine-tune a model whose template matches"
+                     "the data is written in prepare-data's chat template (Qwen2.5's; Qwen3's for a Qwen3 model); "
+                     "serve "
+                     "the fine-tuned model with it (the export keeps the model's tokenizer_config.json) or fine-tune "
+                     "a model whose template matches"
                      if status == "differs" else "")
     return [Check("model", "ok", f"{d}: config, weights, tokenizer present"), template]
 

@@ -6,8 +6,9 @@
 The model: ``jobspec.tiny`` with ``OVERRIDES`` (seed 0), which the test creates the same way; here
 transformers builds a ``Qwen3ForCausalLM`` from its config, takes those weights and saves it, and the
 saved tensors are checked equal to ``jobspec.tiny``'s (so the test's model is one transformers made).
-The batch: the three samples of ``data.json`` encoded by prepare-data's own encoder (Qwen2.5 template,
-the default system prompt). With ``data.packing`` they share one row of 256 tokens, each attending only
+The batch: the three samples of ``data.json`` encoded by prepare-data's own encoder for that model
+directory (Qwen3's template, the default system prompt). With ``data.packing`` they share one row of 256
+tokens, each attending only
 to itself, so the first step's loss is the token-weighted mean of their losses whatever their order.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from jobspec.config import CleanConfig, DataConfig  # noqa: E402  (pure Python)
 from jobspec.data.encode import Encoder  # noqa: E402
 from jobspec.data.formats import read_samples  # noqa: E402
-from jobspec.tiny import TINY_DEFAULTS, TOKENIZER_DIR, random_weights  # noqa: E402
+from jobspec.tiny import TINY_DEFAULTS, ensure_tiny_model, random_weights  # noqa: E402
 
 OUT = ROOT / "tests" / "finetune" / "golden" / "qwen3-e2e"
 OVERRIDES = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32, "attention_bias": False,
@@ -46,10 +47,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         saved = load_file(str(Path(tmp) / "model.safetensors"))
+        ensure_tiny_model(Path(tmp) / "m", OVERRIDES, 0)  # the test's model directory: its template, tokenizer
+        samples = list(read_samples(OUT / "data.json", "alpaca"))
+        enc = Encoder(str(Path(tmp) / "m" / "tokenizer.json"), DataConfig().system_prompt, SEQ_LEN,
+                      CleanConfig())(samples)
     if saved.keys() != weights.keys() or any(not np.array_equal(saved[k], weights[k]) for k in saved):
         raise SystemExit("transformers' saved Qwen3 differs from jobspec.tiny's tensors")
-    samples = list(read_samples(OUT / "data.json", "alpaca"))
-    enc = Encoder(str(TOKENIZER_DIR / "tokenizer.json"), DataConfig().system_prompt, SEQ_LEN, CleanConfig())(samples)
     assert len(enc["kept"]) == 3 and sum(enc["lengths"]) <= SEQ_LEN, enc["reasons"]
     total, count, start = 0.0, 0, 0
     for n in enc["lengths"]:

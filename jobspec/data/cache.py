@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 
 from jobspec.config import Recipe
 from jobspec.data.files import Source, resolve_sources
-from jobspec.data.template import TEMPLATE_VERSION
+from jobspec.data.template import TEMPLATE_VERSIONS, chat_format
 from jobspec.rundir import RunDir
 
 MANIFEST = "manifest.json"
@@ -67,8 +67,9 @@ def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict[str, Any]:
     later appear only when set, so a cache made before them stays fresh)."""
     d = recipe.data
     later = (("columns", d.columns), ("on_error", d.on_error if d.on_error != "fail" else ""),
-             ("val_size", d.val_size), ("val_paths", d.val_paths))
-    return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSION,
+             ("val_size", d.val_size), ("val_paths", d.val_paths),
+             ("thinking", d.thinking if d.thinking != "auto" else ""))
+    return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSIONS[chat_format(tokenizer_path)],
             "tokenizer_sha256": file_hash(Path(tokenizer_path)), "system_prompt": d.system_prompt,
             "seq_len": d.seq_len, "format": d.format, "max_samples": d.max_samples,
             "clean": dataclasses.asdict(d.clean),

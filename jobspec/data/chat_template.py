@@ -1,6 +1,6 @@
 """Does a model directory's own chat template write conversations the way prepare-data does?
 
-prepare-data writes Qwen2.5's template (``template.py``). A model directory whose
+prepare-data writes Qwen2.5's template, or Qwen3's for a Qwen3 model (``template.py``). A model directory whose
 ``tokenizer_config.json`` (or ``chat_template.jinja``) carries another template expects another
 format: :func:`check_model_template` renders probe conversations with that template, as
 transformers' ``apply_chat_template`` does (a sandboxed jinja2 environment, ``tojson`` without HTML
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.data.formats import sharegpt_sample
-from jobspec.data.template import render
+from jobspec.data.template import QWEN3, chat_format, render
 
 _WEATHER = {"name": "get_weather", "description": "Current weather of a city.",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -33,6 +33,10 @@ PROBES = (
           {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
       {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}], [_WEATHER]),
 )
+_REASONED = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "reasoning_content": "Add.", "content": "4."},
+             {"role": "user", "content": "And 3 + 3?"},
+             {"role": "assistant", "reasoning_content": "Add.", "content": "6."}]
+QWEN3_PROBES = (({"messages": _REASONED}, _REASONED, None),)  # reasoning: Qwen3's template writes it, Qwen2.5's not
 
 
 def model_template(model_dir: str | Path) -> str | None:
@@ -68,19 +72,22 @@ def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[st
 def check_model_template(model_dir: str | Path, system_prompt: str) -> tuple[str, str]:
     """("same" | "differs" | "none" | "unchecked", one line for the plan) for a model directory."""
     template = model_template(model_dir)
+    fmt = chat_format(Path(model_dir) / "tokenizer.json")
+    name = "Qwen3's" if fmt == QWEN3 else "Qwen2.5's"
     if template is None:
-        return "none", f"{model_dir} has no chat template; the data is written in Qwen2.5's format"
-    for record, messages, tools in PROBES:
-        ours = render(sharegpt_sample(record, "probe"), system_prompt)
+        return "none", f"{model_dir} has no chat template; the data is written in {name} format"
+    for record, messages, tools in PROBES + (QWEN3_PROBES if fmt == QWEN3 else ()):
+        ours = render(sharegpt_sample(record, "probe"), system_prompt, fmt)
         try:
             theirs = render_hf(template, [{"role": "system", "content": system_prompt}, *messages], tools)
         except Exception as e:  # a template may raise anything (raise_exception, undefined names)
             return "unchecked", f"the chat template of {model_dir} could not render a probe conversation ({e})"
         if theirs != ours:
             at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            what = "a conversation with tool calls" if tools else "a multi-turn conversation"
+            what = ("a conversation with tool calls" if tools else "a conversation with reasoning"
+                    if record["messages"] is _REASONED else "a multi-turn conversation")
             lo = max(0, at - 10)
             return "differs", (f"the chat template of {model_dir} writes {what} differently from prepare-data's "
-                               f"Qwen2.5 format, from character {at}: ours {ours[lo:at + 40]!r}, the model's "
-                               f"{theirs[lo:at + 40]!r}; the model is trained in Qwen2.5's format")
+                               f"{name} format, from character {at}: ours {ours[lo:at + 40]!r}, the model's "
+                               f"{theirs[lo:at + 40]!r}; the model is trained in {name} format")
     return "same", f"the chat template of {model_dir} writes conversations as prepare-data does"

@@ -25,6 +25,7 @@ from jobspec.data.formats import Sample, is_text, uses_tools
 from jobspec.data.template import (
     IGNORE,
     Specials,
+    chat_format,
     label_flat,
     render,
     render_system,
@@ -59,9 +60,11 @@ class Encoder:
 
     SYSTEM_CACHE = 4096  # distinct system prompts remembered
 
-    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig):
+    def __init__(self, tokenizer_path: str, system_prompt: str, seq_len: int, clean: CleanConfig,
+                 thinking: str = "auto"):
         self.tok = load_tokenizer(str(tokenizer_path), os.stat(tokenizer_path).st_mtime)
         self.sp = Specials(self.tok)
+        self.fmt, self.thinking = chat_format(tokenizer_path), thinking  # the model family's template
         self.system_prompt, self.seq_len, self.clean = system_prompt, seq_len, clean
         self.split = splits_at_specials(self.tok)
         self._system_ids: dict[str, list[int]] = {}
@@ -71,10 +74,11 @@ class Encoder:
     def _encode(self, samples: list[Sample]) -> list[list[int]]:
         """Token ids of the templated samples."""
         if not self.split:
-            encs = self.tok.encode_batch([render(s, self.system_prompt) for s in samples], add_special_tokens=False)
+            texts = [render(s, self.system_prompt, self.fmt, self.thinking) for s in samples]
+            encs = self.tok.encode_batch(texts, add_special_tokens=False)
             self._hold(encs)
             return [e.ids for e in encs]
-        systems = [render_system(s, self.system_prompt) for s in samples]
+        systems = [render_system(s, self.system_prompt, self.fmt) for s in samples]
         cached = self._system_ids
         new = list(dict.fromkeys(t for t in systems if t not in cached))
         if len(cached) + len(new) > self.SYSTEM_CACHE:
@@ -82,7 +86,8 @@ class Encoder:
             new = list(dict.fromkeys(systems))
         for text, enc in zip(new, self.tok.encode_batch(new, add_special_tokens=False)):
             cached[text] = enc.ids
-        encs = self.tok.encode_batch([render_turns(s) for s in samples], add_special_tokens=False)
+        encs = self.tok.encode_batch([render_turns(s, self.fmt, self.thinking) for s in samples],
+                                     add_special_tokens=False)
         self._hold(encs)
         return [cached[t] + e.ids for t, e in zip(systems, encs)]
 

@@ -188,6 +188,13 @@ def _tool_calls(calls: Any, where: str) -> str:
     return "\n".join(out)
 
 
+def _reasoned(message: dict[str, Any], content: str) -> str:
+    """An assistant turn's content with its ``reasoning_content`` (if any) opening it as
+    ``<think>\\n...\\n</think>\\n\\n``, where the template finds reasoning written inline."""
+    r = message.get("reasoning_content")
+    return f"<think>\n{r}\n</think>\n\n{content}" if isinstance(r, str) and r else content
+
+
 def _tool_responses(contents: list[str]) -> str:
     """Consecutive tool results: one user turn of <tool_response> blocks (as the template merges them)."""
     return "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
@@ -232,7 +239,7 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False, role_key: str = "",
             if not isinstance(content, str):
                 raise DataError(f"{where}: field '{field}.{ck}' must be a string or null next to tool_calls")
             calls = _tool_calls(m["tool_calls"], f"{where} {field}")
-            turns.append(("assistant", f"{content}\n{calls}" if content else calls))
+            turns.append(("assistant", _reasoned(m, f"{content}\n{calls}" if content else calls)))
             continue
         content = _text(m, ck, f"{where} {field}", True, "text", False)
         if role == "system":
@@ -240,7 +247,7 @@ def sharegpt_sample(rec: Any, where: str, bad: bool = False, role_key: str = "",
                 raise DataError(f"{where}: field '{field}': a system message must come first; move it")
             system = content or None
             continue
-        turns.append((role, content))
+        turns.append((role, _reasoned(m, content) if role == "assistant" else content))
     merged: list[tuple[str, str]] = []
     for role, group in itertools.groupby(turns, key=lambda t: t[0]):
         if role == "tool":

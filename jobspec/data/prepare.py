@@ -224,7 +224,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     size = sum(src.path.stat().st_size for src in sources + val_sources)
     workers = cfg.num_workers or (min(available_cpus(), MAX_AUTO_WORKERS) if size >= AUTO_POOL_BYTES else 1)
     malloc_name, malloc_lib = malloc.choose(cfg.worker_malloc) if workers > 1 else ("system", None)
-    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean)
+    args = (str(tokenizer_path), cfg.system_prompt, cfg.seq_len, cfg.clean, cfg.thinking)
     if progress:
         how = (f"{workers} tokenizer processes, malloc {malloc_name}" + (f" ({malloc_lib})" if malloc_lib else
                f" ({malloc.HINT})" if cfg.worker_malloc == "auto" else "")) if workers > 1 else "in this process"

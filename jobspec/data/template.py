@@ -1,27 +1,36 @@
-"""Qwen2.5 chat template, labels and truncation on token ids.
+"""Qwen2.5's and Qwen3's chat templates, labels and truncation on token ids.
 
-Text: ``<|im_start|>system\\n{system}<|im_end|>\\n`` (with tools: the system prompt, then the tool
-schemas and the call instructions of Qwen2.5's tool template) then per turn
+Qwen2.5 text: ``<|im_start|>system\\n{system}<|im_end|>\\n`` (with tools: the system prompt, then the
+tool schemas and the call instructions of Qwen2.5's tool template) then per turn
 ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` (tool calls and tool results are already in the
-turns' content, see ``formats.py``). The special tokens split the text before the
-byte-level pre-tokenizer, so encoding the whole rendered text gives the ids that
-``transformers``' ``apply_chat_template`` gives. Labels (aligned with input_ids; the model shifts)
-are -100 except each assistant turn's content tokens and its ``<|im_end|>``.
+turns' content, see ``formats.py``). Qwen3 (hybrid thinking) differs in three places: no system
+block when the system prompt is empty; each assistant turn after the last user query opens with
+``<think>\\n{reasoning}\\n</think>\\n\\n`` (the last one always, with empty reasoning when it has
+none); earlier assistant turns lose their reasoning. Reasoning is the ``<think>...</think>`` that
+opens an assistant turn's content (``formats.py`` writes ``reasoning_content`` there);
+``data.thinking=drop`` removes it. The special tokens split the text before the byte-level
+pre-tokenizer, so encoding the whole rendered text gives the ids that ``transformers``'
+``apply_chat_template`` gives. Labels (aligned with input_ids; the model shifts) are -100 except
+each assistant turn's content tokens (its reasoning included) and its ``<|im_end|>``.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from jobspec.data.formats import Sample
+from jobspec.qwen2_layout import family_of
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 IGNORE = -100
-TEMPLATE_VERSION = "qwen2.5-chatml-v1"  # part of the cache fingerprint
+QWEN25, QWEN3 = "qwen2.5", "qwen3"
+TEMPLATE_VERSIONS = {QWEN25: "qwen2.5-chatml-v1", QWEN3: "qwen3-thinking-v1"}  # part of the cache fingerprint
 TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
 TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
@@ -29,21 +38,59 @@ TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with f
               "\"arguments\": <args-json-object>}\n</tool_call>")
 
 
-def render(sample: Sample, default_system: str) -> str:
+def chat_format(tokenizer_path: str | Path) -> str:
+    """QWEN3 when the config.json beside the tokenizer is a Qwen3 model's, else QWEN25 (also for the
+    bundled tokenizer, which has no config.json)."""
+    try:
+        config = json.loads((Path(tokenizer_path).parent / "config.json").read_text())
+        return QWEN3 if family_of(config).model_type == "qwen3" else QWEN25
+    except (OSError, ValueError, AttributeError):  # no / unreadable config.json, another family
+        return QWEN25
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of an assistant turn, split at ``</think>`` as Qwen3's template splits it."""
+    if "</think>" not in content:
+        return "", content
+    parts = content.split("</think>")
+    return parts[0].rstrip("\n").split("<think>")[-1].lstrip("\n"), parts[-1].lstrip("\n")
+
+
+def render(sample: Sample, default_system: str, fmt: str = QWEN25, thinking: str = "auto") -> str:
     """The templated text of one sample (no generation prompt)."""
-    return render_system(sample, default_system) + render_turns(sample)
+    return render_system(sample, default_system, fmt) + render_turns(sample, fmt, thinking)
 
 
-def render_system(sample: Sample, default_system: str) -> str:
-    """The system block of the templated text."""
+def render_system(sample: Sample, default_system: str, fmt: str = QWEN25) -> str:
+    """The system block of the templated text (Qwen3: none when there is no system prompt nor tools)."""
     system = sample.system if sample.system is not None else default_system
+    if fmt == QWEN3 and not system:
+        return f"<|im_start|>system\n{TOOLS_HEAD[2:]}{sample.tools}{TOOLS_TAIL}<|im_end|>\n" if sample.tools else ""
     tools = f"{TOOLS_HEAD}{sample.tools}{TOOLS_TAIL}" if sample.tools else ""
     return f"<|im_start|>system\n{system}{tools}<|im_end|>\n"
 
 
-def render_turns(sample: Sample) -> str:
+def _is_query(role: str, content: str) -> bool:
+    return role == "user" and not (content.startswith("<tool_response>") and content.endswith("</tool_response>"))
+
+
+def render_turns(sample: Sample, fmt: str = QWEN25, thinking: str = "auto") -> str:
     """The templated text after the system block."""
-    return "".join([f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in sample.turns])
+    turns = sample.turns
+    if fmt == QWEN3:
+        last_query = max((i for i, (r, c) in enumerate(turns) if _is_query(r, c)), default=len(turns) - 1)
+        out = []
+        for i, (role, content) in enumerate(turns):
+            if role == "assistant":
+                reasoning, content = split_reasoning(content)
+                reasoning = "" if thinking == "drop" else reasoning
+                if i > last_query and (i == len(turns) - 1 or reasoning):
+                    content = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content}"
+            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+        return "".join(out)
+    if thinking == "drop":
+        turns = tuple((r, split_reasoning(c)[1] if r == "assistant" else c) for r, c in turns)
+    return "".join([f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns])
 
 
 def splits_at_specials(tokenizer: Tokenizer) -> bool:
@@ -65,6 +112,7 @@ class Specials:
             raise ValueError(f"tokenizer lacks {missing}: not a Qwen2/Qwen2.5 tokenizer.json")
         self.im_start, self.im_end, self.pad = ids["<|im_start|>"], ids["<|im_end|>"], ids["<|endoftext|>"]
         self.assistant = tokenizer.encode("assistant", add_special_tokens=False).ids[0]
+        self.system = tokenizer.encode("system", add_special_tokens=False).ids[0]
 
 
 def label_flat(ids: NDArray[Any], sp: Specials) -> NDArray[Any]:
@@ -101,12 +149,13 @@ def truncate(ids: NDArray[Any], labels: NDArray[Any], seq_len: int,
     """Fit one sample into seq_len keeping the assistant part; None when it cannot fit.
 
     Drops the earliest (user, assistant) turn pairs first, then cuts the last user content and
-    then the system content from the left. Never cuts an assistant turn.
+    then the system content (if there is a system block) from the left. Never cuts an assistant turn.
     """
     if len(ids) <= seq_len:
         return ids, labels
     bl = blocks(ids, sp)
-    system, turns = bl[0], bl[1:]
+    head = bl[:1] if ids[bl[0][0] + 1] == sp.system else []
+    turns = bl[len(head):]
     # the last user turn before the final assistant turn and everything after it must stay
     last_user = max((i for i in range(len(turns)) if ids[turns[i][0] + 1] != sp.assistant), default=0)
     keep_from = 0
@@ -117,12 +166,12 @@ def truncate(ids: NDArray[Any], labels: NDArray[Any], seq_len: int,
             nxt += 1  # drop up to the next user turn
         total -= sum(e - s for s, e in turns[keep_from:nxt])
         keep_from = nxt
-    kept = [system] + turns[keep_from:]
+    kept = head + turns[keep_from:]
     excess = total - seq_len
     cuts = [0] * len(kept)
     # cut content from the left (the 3 header tokens, <|im_end|> and "\n" stay): the last user
     # turn first, then the system prompt
-    for bi in ([1 + last_user - keep_from, 0] if turns else [0]):
+    for bi in ([len(head) + last_user - keep_from] if turns else []) + ([0] if head else []):
         s, e = kept[bi]
         if ids[s + 1] == sp.assistant:
             continue

@@ -285,3 +285,16 @@ def test_the_embedded_default_gets_a_memory_estimate_before_its_model_exists(tmp
     (memory,) = [r for r in preflight.check_memory(c)]
     assert memory.status == "ok" and "GiB per device" in memory.detail
     assert not (tmp_path / "out" / "base-model").exists()
+
+
+def test_model_template_row_of_a_qwen3_dir_with_its_released_template(tmp_path):
+    """A Qwen3 model dir: the data is written in Qwen3's template, so its own template is no warning."""
+    from tests.jobspec.data.data_helpers import qwen3_dir
+
+    q3 = {**TINY, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16}
+    c = ctx(tmp_path, npu=False, cfg=q3)
+    c.recipe.model.init = None
+    d = qwen3_dir(Path(c.recipe.model.dir))  # Qwen3's tokenizer and tokenizer_config.json (released template)
+    (d / "config.json").write_text(json.dumps(q3))
+    (r,) = rows(c, "template")
+    assert r.status == "ok" and "as prepare-data does" in r.detail, r.detail

@@ -29,3 +29,27 @@ def recipe_for(tmp_path: Path, paths, **data):
             "output_dir": str(tmp_path / "out")}
     over.update({f"data.{k}": v for k, v in data.items()})
     return load_recipe(raw={"model": {"init": {}}}, overrides=over)
+
+
+QWEN3_FILES = Path(__file__).parent / "qwen3"
+
+
+def qwen3_tokenizer_json() -> dict:
+    """Qwen3's tokenizer.json: the bundled Qwen2.5 one with the added tokens of Qwen3's
+    tokenizer_config.json (four more; see qwen3/README.md)."""
+    tok = json.loads(TOKENIZER.read_text())
+    added = json.loads((QWEN3_FILES / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    tok["added_tokens"] = [{"id": int(i), **{k: t[k] for k in ("content", "single_word", "lstrip", "rstrip",
+                                                               "normalized", "special")}}
+                           for i, t in added.items()]
+    return tok
+
+
+def qwen3_dir(d: Path) -> Path:
+    """A Qwen3 model directory's config.json, tokenizer.json and tokenizer_config.json (the released
+    chat template) under d (no weights)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    (d / "tokenizer.json").write_text(json.dumps(qwen3_tokenizer_json(), ensure_ascii=False))
+    (d / "tokenizer_config.json").write_bytes((QWEN3_FILES / "tokenizer_config.json").read_bytes())
+    return d
