@@ -77,21 +77,8 @@ CASES = {
     "reasoning": (REASONED, SYSTEM, "auto", [{"role": "system", "content": SYSTEM}, *REASONED["messages"]], None),
     "reasoning_dropped": (REASONED, SYSTEM, "drop", [{"role": "system", "content": SYSTEM}] + [
         {k: v for k, v in m.items() if k != "reasoning_content"} for m in REASONED["messages"]], None),
-    # inline <think> in ShareGPT values; a tool call after the last query keeps its reasoning
-    "reasoning_inline_tools": (
-        {"conversations": [
-            {"from": "human", "value": "Is it warm in Rome?"},
-            {"from": "gpt", "value": "<think>\nI need the weather.\n</think>\n\n"},
-            {"from": "function_call", "value": "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}"},
-            {"from": "observation", "value": "25 C"},
-            {"from": "gpt", "value": "<think>25 C is warm.</think>Yes, 25 C."}], "tools": [WEATHER["function"]]},
-        SYSTEM, "auto", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is it warm in Rome?"},
-                         {"role": "assistant", "content": "<think>\nI need the weather.\n</think>\n\n"},
-                         {"role": "assistant", "content": None,
-                          "tool_calls": [_call("get_weather", {"city": "Rome"})]},
-                         {"role": "tool", "content": "25 C"},
-                         {"role": "assistant", "content": "<think>25 C is warm.</think>Yes, 25 C."}],
-        [WEATHER["function"]]),
+    # (no case of reasoning before a tool call: ShareGPT cannot write it without two assistant turns in a row,
+    # which prepare-data drops as role_order, as LLaMA-Factory does)
 }
 
 
