@@ -72,7 +72,8 @@ def test_cli_recipe_beats_env_recipe():
 
 
 def test_unknown_recipe_names_the_choices():
-    with pytest.raises(ConfigError, match="RECIPE='nope': no such recipe; use one of: qwen2.5-7b-full, qwen2.5-7b-lora, tiny-cpu, tiny-cpu-lora"):
+    with pytest.raises(ConfigError, match="RECIPE='nope': no such recipe; use one of: qwen2.5-7b-full, "
+                                          "qwen2.5-7b-lora, tiny-cpu, tiny-cpu-lora"):
         load({"RECIPE": "nope"})
 
 
