@@ -1,7 +1,8 @@
 """The released dense Qwen2.5 and Qwen3 sizes as config.json dicts, and the README's size table
 (pure Python: the estimator of ``jobspec.memory`` decides every row).
 
-Sizes: hidden, layers, heads / KV heads, head_dim and tied embeddings as in ``../shared/README.md``;
+Sizes: hidden, layers, heads / KV heads, head_dim and tied embeddings as in the shared material's README
+(``shared/README.md`` beside the project);
 intermediate_size and vocab_size as in each model's published config.json (Qwen/Qwen2.5-*, Qwen/Qwen3-*
 on the Hugging Face Hub).
 """
