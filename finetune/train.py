@@ -75,7 +75,7 @@ def run(recipe: Recipe) -> int:
     # the plan's recipe is resolved already: this only checks it against the world msrun started
     recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    rank = init_distributed(recipe.parallel.tp, recipe.parallel.dp, device)
+    rank = init_distributed(recipe.parallel.tp_size, recipe.parallel.dp, device)
     dtype = compute_dtype(recipe)
     head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "

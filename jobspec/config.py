@@ -154,18 +154,27 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout: world = tp x dp x pp. dp=0 derives it from the world size."""
+    """Layout: world = tp x dp x pp. dp=0 derives it from the world size; tp "auto": the launcher picks
+    the smallest TP that fits the model's memory estimate (jobspec.memory.choose_tp) before resolving."""
 
-    tp: int = 1
+    tp: int | Literal["auto"] = 1
     dp: int = 0
     pp: int = 1
     shard_optimizer: bool | None = None  # None: on when dp > 1
     vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
     overlap_grad_reduce: bool = True  # dp > 1: each gradient bucket's reduction starts during the backward
 
+    @property
+    def tp_size(self) -> int:
+        """The TP size: 1 while tp is an unresolved "auto" (``world_problems`` refuses it)."""
+        return self.tp if isinstance(self.tp, int) else 1
+
     def world_problems(self, world: int) -> list[Problem]:
         """Why this layout cannot run on ``world`` workers (nodes x workers per node), each with the fix."""
-        tp, pp, dp = self.tp, self.pp, self.dp
+        if self.tp == "auto":
+            return [Problem("parallel.tp", "auto is chosen by the launcher from the model's config.json and the "
+                            "world (jobspec.memory.auto_tp) before the recipe is resolved", "2", "'auto'")]
+        tp, pp, dp = self.tp_size, self.pp, self.dp
         if world % (tp * pp):
             fit = max(d for d in range(1, world + 1) if world % d == 0 and d <= tp)
             return [Problem("parallel.tp", f"TP x PP = {tp * pp} does not divide the {world} worker(s) of this job "
@@ -178,10 +187,10 @@ class ParallelConfig:
     def for_world(self, world: int) -> ParallelConfig:
         """dp derived (0: world / (tp x pp)), shard_optimizer decided (None: dp > 1), vocab_parallel only with
         tp > 1, overlap_grad_reduce only with dp > 1."""
-        dp = self.dp or world // (self.tp * self.pp)
+        dp = self.dp or world // (self.tp_size * self.pp)
         shard = self.shard_optimizer if self.shard_optimizer is not None else dp > 1
         return dataclasses.replace(self, dp=dp, shard_optimizer=shard,
-                                   vocab_parallel=self.vocab_parallel and self.tp > 1,
+                                   vocab_parallel=self.vocab_parallel and self.tp_size > 1,
                                    overlap_grad_reduce=self.overlap_grad_reduce and dp > 1)
 
 
@@ -318,7 +327,8 @@ def compile_layers_problems(r: Recipe) -> list[Problem]:
     stale = ("give weights new storage (Parameter.set_data), which a compiled layer does not see: a DP2 run "
              "trained with its layers' weights frozen")
     why = {"train.recompute=true: recompute runs each layer op by op": t.recompute,
-           f"parallel.tp={r.parallel.tp}: not tried with the tensor-parallel layers' collectives": r.parallel.tp > 1,
+           f"parallel.tp={r.parallel.tp}: not tried with the tensor-parallel layers' collectives":
+               r.parallel.tp_size > 1,
            f"data.max_tokens_per_batch={r.data.max_tokens_per_batch}: every new batch shape compiles each layer "
            "again; packing keeps one shape": r.data.max_tokens_per_batch > 0,
            f"data parallel {dp}: the sharded optimizer and low-precision masters {stale}": dp > 1,
@@ -337,7 +347,7 @@ def validate(r: Recipe) -> list[Problem]:
     p += _validate_data_sources(r.data)
     _at_least(p, 1, "1", train__grad_accum=t.grad_accum, train__micro_batch_size=t.micro_batch_size,
               train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,
-              train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp,
+              train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp_size,
               parallel__pp=r.parallel.pp, launch__nnodes=L.nnodes, launch__cluster_time_out=L.cluster_time_out,
               launch__master_resolve_timeout_s=L.master_resolve_timeout_s,
               data__clean__repeated_chars_max_run=c.repeated_chars_max_run)

@@ -14,17 +14,16 @@ the same bucket partition as the sharded optimizer). Activations and workspace a
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-from jobspec.lora_config import trainable_elements
+from jobspec.config import ConfigError, Problem, Recipe, TrainConfig, resolved_model_dir
+from jobspec.lora_config import LoraConfig, trainable_elements
 from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
-
-if TYPE_CHECKING:
-    from jobspec.config import Recipe
-    from jobspec.lora_config import LoraConfig
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
 
@@ -106,7 +105,7 @@ def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
     """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json);
     preflight prints it, the trainer compares it with the measured peak at step 1."""
     p, t = recipe.parallel, recipe.train
-    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp, dp=p.dp,
+    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp_size, dp=p.dp,
                      precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
                      vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
                      lora=recipe.lora if t.method == "lora" else None)
@@ -120,7 +119,7 @@ TP_CANDIDATES = (1, 2, 4, 8)
 
 @dataclass
 class LayoutChoice:
-    """A full fine-tune layout that fits (``tp`` None: none does) and why it was chosen."""
+    """A layout that fits (``tp`` None: none does) and why it was chosen."""
 
     tp: int | None
     dp: int
@@ -128,27 +127,48 @@ class LayoutChoice:
     why: str
 
 
-def _full_ft(cfg: dict[str, Any], tp: int, dp: int, seq_len: int, precision: str) -> MemoryEstimate:
-    """As the NPU recipes train: micro batch 1, recompute, the optimizer sharded over DP, vocab-parallel
-    when TP > 1, the loss over chunks of ``train.loss_chunk_tokens`` (its default)."""
-    from jobspec.config import TrainConfig
+@dataclass(frozen=True)
+class TrainShape:
+    """What the estimate takes of a recipe besides the layout and the sequence; the defaults are how the NPU
+    recipes fully fine-tune (micro batch 1, recompute, the optimizer sharded over DP, vocab-parallel with
+    TP > 1, the loss over chunks of ``train.loss_chunk_tokens``' default)."""
 
-    return estimate_memory(cfg, seq_len=seq_len, micro_batch_size=1, tp=tp, dp=dp, precision=precision,
-                           recompute=True, shard_optimizer=True, vocab_parallel=tp > 1,
-                           loss_chunk_tokens=TrainConfig().loss_chunk_tokens)
+    precision: str = "bf16"
+    micro_batch_size: int = 1
+    recompute: bool = True
+    shard_optimizer: bool = True  # over DP when DP > 1
+    vocab_parallel: bool = True  # when TP > 1
+    loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens
+    lora: LoraConfig | None = None  # train.method=lora
+
+    @classmethod
+    def of(cls, recipe: Recipe, device: str) -> TrainShape:
+        """The shape of ``recipe`` trained on ``device`` ('npu' | 'cpu')."""
+        t, p = recipe.train, recipe.parallel
+        return cls(t.precision_on(device), t.micro_batch_size, t.recompute, p.shard_optimizer is not False,
+                   p.vocab_parallel, t.loss_chunk_tokens, recipe.lora if t.method == "lora" else None)
+
+    def estimate(self, cfg: dict[str, Any], tp: int, dp: int, seq_len: int) -> MemoryEstimate:
+        return estimate_memory(cfg, seq_len=seq_len, micro_batch_size=self.micro_batch_size, tp=tp, dp=dp,
+                               precision=self.precision, recompute=self.recompute,
+                               shard_optimizer=self.shard_optimizer, vocab_parallel=self.vocab_parallel and tp > 1,
+                               loss_chunk_tokens=self.loss_chunk_tokens, lora=self.lora)
 
 
-def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
-              usable: int = NPU_USABLE_BYTES) -> LayoutChoice:
+FULL_FT = TrainShape()
+
+
+def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
+              shape: TrainShape = FULL_FT, usable: int = NPU_USABLE_BYTES) -> LayoutChoice:
     """The smallest TP that divides the heads and KV heads (``tp_problems``), stays inside a node,
-    divides ``world`` and makes the full fine-tune estimate fit ``usable`` bytes per device."""
+    divides ``world`` and makes the estimate of ``shape`` fit ``usable`` bytes per device."""
     from jobspec.qwen2_layout import tp_problems
 
     refused: list[str] = []
     for tp in TP_CANDIDATES:
-        if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=tp > 1):
+        if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=shape.vocab_parallel and tp > 1):
             continue
-        est = _full_ft(cfg, tp, world // tp, seq_len, precision)
+        est = shape.estimate(cfg, tp, world // tp, seq_len)
         if est.total <= usable:
             why = f"TP {tp}: " + ("; ".join(refused) if refused else f"fits ({est.total / 2**30:.1f} GiB per NPU)")
             return LayoutChoice(tp, world // tp, est, why)
@@ -156,7 +176,7 @@ def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: i
     return LayoutChoice(None, 0, None, "; ".join(refused) or f"no TP up to {npus_per_node} divides the heads")
 
 
-def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
+def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8, shape: TrainShape = FULL_FT,
                    usable: int = NPU_USABLE_BYTES, max_world: int = 256) -> tuple[int, LayoutChoice]:
     """The fewest devices (1, 2, 4, then whole nodes doubling) with a layout that fits; (0, the last
     refusal) when none up to ``max_world`` (32 nodes) does: ZeRO-1 shards only the optimizer state
@@ -164,26 +184,50 @@ def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8,
     worlds = [w for w in (1, 2, 4) if w < npus_per_node] + \
         [npus_per_node * 2**k for k in range(max_world.bit_length()) if npus_per_node * 2**k <= max_world]
     for world in worlds:
-        choice = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision,
-                           usable=usable)
+        choice = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, shape=shape, usable=usable)
         if choice.tp is not None:
             return world, choice
     return 0, LayoutChoice(None, 0, None, f"at {worlds[-1]} NPUs: {choice.why}")
 
 
-def no_fit_advice(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8, precision: str = "bf16",
-                  usable: int = NPU_USABLE_BYTES) -> str:
-    """Why no layout of ``world`` devices fits and what would: the smallest world, a shorter sequence."""
-    why = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision,
-                    usable=usable).why
-    need, _ = smallest_world(cfg, seq_len=seq_len, npus_per_node=npus_per_node, precision=precision, usable=usable)
+def no_fit_advice(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
+                  shape: TrainShape = FULL_FT, usable: int = NPU_USABLE_BYTES) -> str:
+    """Why no layout of ``world`` devices fits and what would: the smallest world, a shorter sequence, LoRA."""
+    def fits(w: int, s: int) -> bool:
+        return choose_tp(cfg, w, seq_len=s, npus_per_node=npus_per_node, shape=shape, usable=usable).tp is not None
+
+    why = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, shape=shape, usable=usable).why
+    need, _ = smallest_world(cfg, seq_len=seq_len, npus_per_node=npus_per_node, shape=shape, usable=usable)
     fixes = [f"{need} NPUs ({math.ceil(need / npus_per_node)} node(s))" if need else
              "more than ZeRO-1 on up to 256 NPUs (it shards only the optimizer state over DP: ZeRO-2/3 or "
              "pipeline stages)"]
     s = seq_len // 2
-    while s >= 256 and choose_tp(cfg, world, seq_len=s, npus_per_node=npus_per_node, precision=precision,
-                                 usable=usable).tp is None:
+    while s >= 256 and not fits(world, s):
         s //= 2
     if s >= 256:
         fixes.append(f"data.seq_len={s}")
-    return f"no layout of {world} NPU(s) fits: {why}; would fit: " + " or ".join(fixes) + " or LoRA (fewer states)"
+    if shape.lora is None:
+        fixes.append("LoRA (train.method=lora: fewer states)")
+    return f"no layout of {world} NPU(s) fits: {why}; would fit: " + " or ".join(fixes)
+
+
+def auto_tp(recipe: Recipe, world: int, npus_per_node: int, device: str) -> tuple[int, str]:
+    """``parallel.tp: auto`` resolved for ``world`` workers, ``npus_per_node`` of them per node: (TP, why).
+    1 on CPU workers and where the model's config.json is not there yet (the tiny default is created later)
+    or unreadable (preflight's model row says why); else :func:`choose_tp` with the recipe's own settings.
+    Raises :class:`ConfigError` with :func:`no_fit_advice` when no TP fits."""
+    if device == "cpu":
+        return 1, "auto -> 1: CPU workers (the choice is made for NPU memory)"
+    path = Path(resolved_model_dir(recipe) or ".") / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        shape = TrainShape.of(recipe, device)
+        choice = choose_tp(cfg, world, seq_len=recipe.data.seq_len, npus_per_node=npus_per_node, shape=shape)
+    except FileNotFoundError:
+        return 1, f"auto -> 1: no {path} yet to estimate from"
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:  # ValueError: JSON, another family
+        return 1, f"auto -> 1: {path} unusable for the estimate ({type(e).__name__}: {e})"
+    if choice.tp is None:
+        advice = no_fit_advice(cfg, world, seq_len=recipe.data.seq_len, npus_per_node=npus_per_node, shape=shape)
+        raise ConfigError([Problem("parallel.tp", f"auto: {advice}", value="'auto'")])
+    return choice.tp, f"auto -> {choice.why}"

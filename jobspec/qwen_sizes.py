@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jobspec.memory import smallest_world
+from jobspec.lora_config import LoraConfig
+from jobspec.memory import FULL_FT, TrainShape, smallest_world
 from jobspec.qwen2_layout import param_count
 
 
@@ -45,17 +46,20 @@ NPUS_PER_NODE = 8
 
 
 def size_table(seq_len: int = TABLE_SEQ_LEN) -> str:
-    """Markdown: full fine-tune (bf16, micro batch 1, recompute, ZeRO-1) of every size on 64 GB 910Bs."""
-    rows = ["| model | params | layout | NPUs | nodes | GiB per NPU | why |", "|---|---|---|---|---|---|---|"]
+    """Markdown: full fine-tune (bf16, micro batch 1, recompute, ZeRO-1) and LoRA (``LoraConfig()``'s r 8 on
+    all seven linear layers, as recipes/qwen-lora.yaml) of every size on 64 GB 910Bs."""
+    rows = ["| model | method | params | layout | NPUs | nodes | GiB per NPU | why |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, cfg in SIZES.items():
-        world, choice = smallest_world(cfg, seq_len=seq_len, npus_per_node=NPUS_PER_NODE)
         params = f"{param_count(cfg) / 1e9:.2f} B"
-        if not world:
-            rows.append(f"| {name} | {params} | needs more than ZeRO-1 | - | - | - | {choice.why} |")
-            continue
-        total = choice.estimate.total if choice.estimate else 0  # a layout that fits has its estimate
-        rows.append(f"| {name} | {params} | TP {choice.tp} x DP {choice.dp} | {world} | "
-                    f"{math.ceil(world / NPUS_PER_NODE)} | {total / 2**30:.1f} | {choice.why} |")
+        for method, shape in (("full", FULL_FT), ("LoRA", TrainShape(lora=LoraConfig()))):
+            world, choice = smallest_world(cfg, seq_len=seq_len, npus_per_node=NPUS_PER_NODE, shape=shape)
+            if not world:
+                rows.append(f"| {name} | {method} | {params} | needs more than ZeRO-1 | - | - | - | {choice.why} |")
+                continue
+            total = choice.estimate.total if choice.estimate else 0  # a layout that fits has its estimate
+            rows.append(f"| {name} | {method} | {params} | TP {choice.tp} x DP {choice.dp} | {world} | "
+                        f"{math.ceil(world / NPUS_PER_NODE)} | {total / 2**30:.1f} | {choice.why} |")
     return "\n".join(rows)
 
 

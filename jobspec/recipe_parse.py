@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import re
+import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -78,6 +79,16 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
             problems.append(Problem(key, f"must be one of {', '.join(args)}", args[0], repr(value)))
             return args[0]
         return str(value)
+    if origin in (typing.Union, types.UnionType) and type(None) not in args:  # a number or a word: int | "auto"
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if str(value).strip() in words:
+            return str(value).strip()
+        number = next(a for a in args if a in (int, float))
+        wrong: list[Problem] = []
+        out = _coerce(value, number, key, wrong, default)
+        problems += [dataclasses.replace(p, message=f"{p.message} or {' or '.join(words)}", example=words[0])
+                     for p in wrong]
+        return out
     if origin is typing.Union or (origin is not None and type(None) in args):
         inner = [a for a in args if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in {"", "null", "none", "auto"}):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobspec.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
+from jobspec.memory import auto_tp
 from jobspec.rundir import RunDir
 from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
 from launcher import cluster as clusterlib
@@ -137,10 +138,13 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
     # NPU recipe, no NPU visible: planned for its smallest world (TP x PP); preflight stops it there
     nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
-             or recipe.parallel.tp * recipe.parallel.pp)
+             or recipe.parallel.tp_size * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
+    tp_why = ""
     try:
+        if recipe.parallel.tp == "auto":  # before resolving: the smallest TP whose estimate fits (jobspec/memory.py)
+            recipe.parallel.tp, tp_why = auto_tp(recipe, world, nproc, device)
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
         if device == "npu" and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
@@ -162,7 +166,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     L, p = recipe.launch, recipe.parallel
     plan = planlib.Plan(
         recipe=rd, path=RunDir(out).plan, log_dir=RunDir(out).logs, cluster_time_out=L.cluster_time_out,
-        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, p.tp, p.pp, p.dp),
+        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, p.tp_size, p.pp,
+                                  p.dp),
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
         binding={**binding, "ranks": numa.to_json(ranks, nodes)},
@@ -170,6 +175,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         worker_env=launch.set_vars(env, host.env),
         sources={"recipe": f"{s.recipe} ({s.recipe_reason})",
                  "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(L.device, recipe.name),
+                 **({"parallel.tp": tp_why} if tp_why else {}),
                  "device_notes": devs.notes,
                  "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                f"a relative path is relative to the current directory ({cwd})",
@@ -191,6 +197,8 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
         f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
         f"{t.master_addr}:{t.master_port}")
+    if "parallel.tp" in p.sources:
+        say(f"parallel.tp: {p.sources['parallel.tp']}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
         f"{'sharded over DP' if r.parallel.shard_optimizer else 'replicated'}")
     say(f"output: {p.sources['output_dir']}")

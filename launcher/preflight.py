@@ -358,7 +358,7 @@ def check_network(c: Context) -> list[Check]:
 def check_world(c: Context) -> list[Check]:
     """What the world size alone does not decide: TP inside a node and dividing heads and vocab."""
     r, out = c.recipe, []
-    tp = r.parallel.tp
+    tp = r.parallel.tp_size
     if c.nproc % tp:
         out.append(Check("layout", "fail", f"TP={tp} does not divide NPROC_PER_NODE={c.nproc} (TP stays in a node)",
                          "e.g. TP=2 with 8 NPUs per node"))

@@ -2,7 +2,7 @@
 
 Precedence: CLI ``key=value`` > environment (``OVERRIDES`` then the named variables) > recipe >
 schema defaults. Empty environment values count as unset. A problem names where its value came
-from: ``TP='two' (parallel.tp): expected an integer (e.g. TP=8)`` for a variable,
+from: ``PP='two' (parallel.pp): expected an integer (e.g. PP=8)`` for a variable,
 ``OVERRIDES: train.lr='x': ...`` for an ``OVERRIDES`` item, ``recipes/x.yaml:12: ...`` for a recipe line.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1)"),
     ("HOSTFILE", "launch.hostfile", "`host slots=N` lines (see `hostfiles/`); this node is the line naming one "
                                     "of its host names or interface addresses, or `NODE_RANK`"),
-    ("TP", "parallel.tp", "tensor-parallel size (world = TP x DP x PP)"),
+    ("TP", "parallel.tp", "tensor-parallel size (world = TP x DP x PP), or `auto`: the smallest that fits"),
     ("PP", "parallel.pp", "pipeline-parallel size (1)"),
     ("DP", "parallel.dp", "data-parallel size; `0` derives it from the world size"),
     ("OVERRIDES", "", "space-separated `key=value` for any recipe key, e.g. "

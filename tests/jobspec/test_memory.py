@@ -164,7 +164,8 @@ def test_the_readme_size_table_is_the_estimators():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
     assert table == size_table()
-    assert "| Qwen2.5-72B | 72.71 B | needs more than ZeRO-1 |" in table
+    assert "| Qwen2.5-72B | full | 72.71 B | needs more than ZeRO-1 |" in table
+    assert "| Qwen2.5-72B | LoRA | 72.71 B | TP 4 x DP 1 | 4 | 1 |" in table
 
 
 def test_the_table_is_what_plan_estimates_for_the_chosen_layout():

@@ -46,7 +46,7 @@ def test_all_problems_reported_at_once_naming_env_vars():
         load({"TP": "two", "NUMA_BIND": "sometimes", "DRY_RUN": "maybe", "OVERRIDES": "train.lrr=1 oops"},
              ["train.epochs=0"])
     p = e.value.problems
-    assert "TP='two' (parallel.tp): expected an integer (e.g. TP=8)" in p
+    assert "TP='two' (parallel.tp): expected an integer or auto (e.g. TP=auto)" in p
     assert any(x.startswith("NUMA_BIND='sometimes' (launch.numa_bind): must be one of auto") for x in p)
     assert any(x.startswith("DRY_RUN='maybe' (launch.dry_run): expected true or false") for x in p)
     assert any("train.lrr: unknown key; did you mean train.lr?" in x and x.startswith("OVERRIDES") for x in p)
@@ -72,8 +72,8 @@ def test_cli_recipe_beats_env_recipe():
 
 
 def test_unknown_recipe_names_the_choices():
-    with pytest.raises(ConfigError, match="RECIPE='nope': no such recipe; use one of: qwen2.5-7b-full, "
-                                          "qwen2.5-7b-lora, tiny-cpu, tiny-cpu-lora"):
+    with pytest.raises(ConfigError, match="RECIPE='nope': no such recipe; use one of: qwen-full, qwen-lora, "
+                                          "qwen2.5-7b-full, qwen2.5-7b-lora, tiny-cpu, tiny-cpu-lora"):
         load({"RECIPE": "nope"})
 
 
@@ -107,7 +107,7 @@ def test_problems_come_structured_and_are_worded_by_origin():
     with pytest.raises(ConfigError) as e:
         load({"TP": "two", "OVERRIDES": "train.eps=-1"}, ["train.lr=inf"])
     items = {p.key: p for p in e.value.items}
-    assert (items["parallel.tp"].message, items["parallel.tp"].example) == ("expected an integer", "8")
+    assert (items["parallel.tp"].message, items["parallel.tp"].example) == ("expected an integer or auto", "auto")
     assert "OVERRIDES: train.eps=-1.0: must be > 0 (e.g. train.eps=1e-6)" in e.value.problems
     assert "train.lr='inf': expected a finite number (e.g. train.lr=2e-5)" in e.value.problems
 

@@ -46,7 +46,7 @@ def run_main(args, capsys, **host):
 
 
 def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
-    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.11", "MODEL_DIR": str(tmp_path / "m"),
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.11", "MODEL_DIR": str(tmp_path / "m"), "TP": "2",
            "DATA": str(tmp_path / "d.json"), "OUTPUT_DIR": str(tmp_path / "out"), "NUMA_BIND": "affinity"}
     rc, plan, out = run_main(["plan"], capsys, env=env, dev_dir=atlas / "dev", root=atlas,
                              sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities=set())

@@ -45,7 +45,8 @@ def ctx(root: Path, npu: bool = True, nproc: int = 8, cfg: dict = QWEN7B, nnodes
         **over) -> preflight.Context:
     data = root / "train.jsonl"
     data.write_text('{"instruction": "hi", "output": "hello"}\n')
-    o = {"model.dir": str(model_dir(root, cfg)), "data.paths": str(data), "output_dir": str(root / "out"), **over}
+    o = {"model.dir": str(model_dir(root, cfg)), "data.paths": str(data), "output_dir": str(root / "out"),
+         **({"parallel.tp": "2"} if npu else {}), **over}  # the NPU recipe's auto is the launcher's
     recipe = load_recipe("qwen2.5-7b-full" if npu else "tiny-cpu", o).resolved(nnodes * nproc, "npu" if npu else "cpu")
     if npu and not (root / "dev").exists():
         make_dev(root)
