@@ -38,6 +38,16 @@ def test_the_dataclass_defaults_are_the_defaults():
         Recipe().train.grad_accum, 1, 0, None)
 
 
+def test_tp_is_a_number_or_auto_and_auto_is_refused_unresolved():
+    assert load_recipe("tiny-cpu", {"parallel.tp": "auto"}).parallel.tp == "auto"
+    assert load_recipe("tiny-cpu", {"parallel.tp": "4"}).parallel.tp == 4
+    assert problems_of(**{"parallel.tp": "two"}) == [
+        "parallel.tp='two': expected an integer or auto (e.g. parallel.tp=auto)"]
+    assert problems_of(**{"parallel.tp": "0"}) == ["parallel.tp=0: must be >= 1 (e.g. parallel.tp=1)"]
+    with pytest.raises(ConfigError, match="parallel.tp='auto': auto is chosen by the launcher"):
+        load_recipe("qwen-full").resolved(8, "npu")
+
+
 def test_overrides_are_coerced_to_the_schema_types():
     r = load_recipe("tiny-cpu", {"train.lr": "3e-5", "train.max_steps": "7", "train.betas": "0.8,0.95",
                                  "parallel.shard_optimizer": "false"})

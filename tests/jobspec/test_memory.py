@@ -178,3 +178,18 @@ def test_the_table_is_what_plan_estimates_for_the_chosen_layout():
         world, choice = smallest_world(SIZES[name], seq_len=4096)
         recipe = load_recipe("qwen2.5-7b-full", {"parallel.tp": str(choice.tp)}).resolved(world, "npu")
         assert memory_estimate(recipe, SIZES[name]).total == choice.estimate.total, name
+
+
+@pytest.mark.parametrize("recipe,over", [("qwen-full", {}), ("qwen-lora", {}),
+                                         ("qwen-full", {"train.recompute": "false", "train.micro_batch_size": "2",
+                                                        "parallel.vocab_parallel": "false"})])
+def test_auto_tp_estimates_the_recipe_as_it_will_be_resolved(recipe, over):
+    """TrainShape.of(recipe) (what parallel.tp: auto estimates) == memory_estimate of the resolved recipe."""
+    from jobspec.config import load_recipe
+    from jobspec.memory import TrainShape, memory_estimate
+    from jobspec.qwen_sizes import SIZES
+
+    cfg, shape = SIZES["Qwen3-8B"], TrainShape.of(load_recipe(recipe, over), "npu")
+    for tp, world in ((1, 8), (2, 8), (4, 16)):
+        resolved = load_recipe(recipe, {**over, "parallel.tp": str(tp)}).resolved(world, "npu")
+        assert shape.estimate(cfg, tp, world // tp, 4096) == memory_estimate(resolved, cfg), (tp, world)

@@ -1,0 +1,103 @@
+"""parallel.tp: auto, resolved by the launcher from MODEL_DIR/config.json (a config.json alone, no weights)
+and the world on fake Atlas 800T A2 hosts (8 NPUs each; 16 NPUs: two nodes, this one node 0)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launcher_fakes import recorded_npu_smi
+
+import launcher.__main__ as lm
+from jobspec.qwen_sizes import SIZES, size_table
+
+
+def plan(atlas: Path, recipe: str, size: str | None, npus: int, capsys: pytest.CaptureFixture[str],
+         **env: str) -> tuple[int, dict | None, str, str]:
+    """``plan --recipe recipe`` for MODEL_DIR holding the config.json of ``size`` (None: an empty dir) on
+    ``npus`` NPUs: (exit code, plan.json as printed, stdout, stderr)."""
+    model = atlas / "model"
+    model.mkdir(exist_ok=True)
+    if size:
+        (model / "config.json").write_text(json.dumps(SIZES[size]))
+    nodes = {"NNODES": str(npus // 8), "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.11"} if npus > 8 else \
+        {"NPROC_PER_NODE": str(npus)}
+    host = lm.Host(env={"MODEL_DIR": str(model), "OUTPUT_DIR": str(atlas / "out"), **nodes, **env},
+                   dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys", npu_smi=recorded_npu_smi,
+                   identities=set())
+    rc = lm.main(["plan", "--recipe", recipe], host)
+    out = capsys.readouterr()
+    text = out.out
+    printed = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0] if "\n{" in text else None
+    return rc, printed, out.out, out.err
+
+
+@pytest.mark.parametrize("size,npus,tp,why", [
+    ("Qwen2.5-7B", 4, 2, "auto -> TP 2: TP 1 needs 68.9 GiB per NPU > 60 usable"),
+    ("Qwen2.5-7B", 8, 1, "auto -> TP 1: fits (58.2 GiB per NPU)"),  # the optimizer sharded over 8
+    ("Qwen2.5-7B", 16, 1, "auto -> TP 1: fits (52.9 GiB per NPU)"),
+    ("Qwen2.5-32B", 16, 8, "auto -> TP 8: TP 1 needs 213.1 GiB per NPU > 60 usable; TP 2 needs 120.1 GiB per NPU "
+                           "> 60 usable; TP 4 needs 73.5 GiB per NPU > 60 usable"),
+])
+def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsys, size, npus, tp, why):
+    rc, p, out, _ = plan(atlas, "qwen-full", size, npus, capsys)
+    assert rc == 0
+    assert (p["topology"]["tp"], p["topology"]["dp"], p["topology"]["world_size"]) == (tp, npus // tp, npus)
+    assert p["recipe"]["parallel"]["tp"] == tp and p["sources"]["parallel.tp"] == why
+    assert f"[launcher] parallel.tp: {why}\n" in out
+
+
+def test_lora_is_chosen_with_the_lora_estimate(atlas, capsys):
+    """32B: full fine-tune fits nowhere on 8 NPUs, LoRA with TP 2 (TP 1: the bf16 base alone is 61 GiB)."""
+    rc, p, _, _ = plan(atlas, "qwen-lora", "Qwen2.5-32B", 8, capsys)
+    assert rc == 0 and (p["topology"]["tp"], p["topology"]["dp"]) == (2, 4)
+    assert p["sources"]["parallel.tp"].startswith("auto -> TP 2: TP 1 needs 69.")
+    assert p["recipe"]["train"]["method"] == "lora"
+
+
+def test_an_explicit_tp_is_kept(atlas, capsys):
+    rc, p, _, _ = plan(atlas, "qwen2.5-7b-full", "Qwen2.5-7B", 8, capsys, TP="4")
+    assert rc == 0 and (p["topology"]["tp"], p["topology"]["dp"]) == (4, 2) and "parallel.tp" not in p["sources"]
+
+
+@pytest.mark.parametrize("size,npus,advice", [
+    ("Qwen2.5-72B", 8, ["more than ZeRO-1 on up to 256 NPUs", "LoRA (train.method=lora"]),
+    ("Qwen2.5-32B", 8, ["would fit: 16 NPUs (2 node(s))", "LoRA (train.method=lora"]),
+])
+def test_a_model_that_fits_nowhere_is_refused_before_any_work(atlas, capsys, size, npus, advice):
+    rc, p, out, err = plan(atlas, "qwen-full", size, npus, capsys)
+    assert rc == 2 and p is None and "Traceback" not in err + out
+    assert f"parallel.tp='auto': auto: no layout of {npus} NPU(s) fits: TP 1 needs" in err
+    assert all(a in err for a in advice), err
+    assert not (atlas / "out").exists()  # nothing written
+
+
+def test_without_a_config_json_or_on_cpu_auto_is_one_with_its_reason(atlas, capsys):
+    rc, p, out, _ = plan(atlas, "qwen-full", None, 8, capsys)
+    assert rc == 0 and (p["topology"]["tp"], p["topology"]["dp"]) == (1, 8)
+    assert p["sources"]["parallel.tp"] == f"auto -> 1: no {atlas / 'model' / 'config.json'} yet to estimate from"
+    rc, p, out, _ = plan(atlas, "tiny-cpu", None, 1, capsys, TP="auto", MODEL_DIR="")  # the tiny default
+    assert rc == 0 and p["topology"]["tp"] == 1
+    assert p["sources"]["parallel.tp"] == "auto -> 1: CPU workers (the choice is made for NPU memory)"
+
+
+def table_row(name: str, method: str) -> dict[str, str]:
+    head, _, *rows = size_table().splitlines()
+    keys = [k.strip() for k in head.strip("|").split("|")]
+    for row in rows:
+        cells = dict(zip(keys, (c.strip() for c in row.strip("|").split("|"))))
+        if (cells["model"], cells["method"]) == (name, method):
+            return cells
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name,recipe", [("Qwen2.5-7B", "qwen-full"), ("Qwen2.5-32B", "qwen-full"),
+                                         ("Qwen3-8B", "qwen-full"), ("Qwen3-32B", "qwen-lora"),
+                                         ("Qwen2.5-72B", "qwen-lora")])
+def test_plan_prints_the_size_tables_layout_and_memory(atlas, capsys, name, recipe):
+    row = table_row(name, "LoRA" if recipe == "qwen-lora" else "full")
+    rc, p, out, _ = plan(atlas, recipe, name, int(row["NPUs"]), capsys)
+    t = p["topology"]
+    assert rc == 0 and f"TP {t['tp']} x DP {t['dp']}" == row["layout"]
+    assert f"= {row['GiB per NPU']} (embedding/LM head" in out and f"{p['memory']['total'] / 2**30:.1f}" == \
+        row["GiB per NPU"]
