@@ -1,10 +1,11 @@
-"""Answer prompts with a Hugging Face Qwen2 directory (e.g. the fine-tune's export) to check a model.
+"""Answer prompts with a Hugging Face Qwen2/Qwen2.5/Qwen3 directory (e.g. the fine-tune's export) to check a model.
 
     python finetune/generate.py --model-dir output/hf --prompt "What is the capital of France?" --prompt "2+2?"
     python finetune/generate.py --model-dir output/hf --input prompts.jsonl --output answers.jsonl
     python finetune/generate.py --model-dir output/hf --chat
 
-Prompts are rendered with the training chat template (``data/template.py``) and answered in
+Prompts are rendered with the training chat template of the model's family (``data/template.py``:
+Qwen3's for a Qwen3 config.json, else Qwen2.5's; a config.json of another family is refused) and answered in
 batches (left-padded); keys and values of earlier positions are cached, so after the prompt each
 step runs one token per row. Sampling defaults come from the model's ``generation_config.json``;
 flags override them. The device is chosen like training's (an NPU when one is present).
@@ -27,7 +28,7 @@ import numpy as np  # noqa: E402  (sys.path set above)
 
 from jobspec.config import DataConfig  # noqa: E402  (sys.path set above)
 from jobspec.data.formats import Sample  # noqa: E402  (sys.path set above)
-from jobspec.data.template import render  # noqa: E402  (sys.path set above)
+from jobspec.data.template import QWEN25, chat_format, render  # noqa: E402  (sys.path set above)
 from jobspec.recipe_parse import Problem  # noqa: E402  (sys.path set above)
 from jobspec.rundir import RunDir  # noqa: E402  (sys.path set above)
 
@@ -65,11 +66,11 @@ class Sampling:
         return s
 
 
-def chat_prompt(turns: str | Turns, system: str | None = None) -> str:
-    """The training chat template (``data/template.py``) of a conversation (or one user prompt),
-    ending where the assistant answers; ``system`` None: the training default."""
+def chat_prompt(turns: str | Turns, system: str | None = None, fmt: str = QWEN25) -> str:
+    """The training chat template (``data/template.py``; ``fmt``: the model's, ``chat_format``) of a
+    conversation (or one user prompt), ending where the assistant answers; ``system`` None: the training default."""
     turns = [("user", turns)] if isinstance(turns, str) else turns
-    return render(Sample(system, tuple(turns), "prompt"), SYSTEM_PROMPT) + ANSWER_HEADER
+    return render(Sample(system, tuple(turns), "prompt"), SYSTEM_PROMPT, fmt) + ANSWER_HEADER
 
 
 def next_token(logits: np.ndarray, seen: list[int], temperature: float, top_p: float,
@@ -191,14 +192,15 @@ def read_prompts(path: str | Path) -> list[dict]:
     return out
 
 
-def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int,
+def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int, *, fmt: str,
            progress: Callable[[str], None] | None = None) -> list[str]:
-    """The assistant's answer to each conversation, in batches of ``batch_size`` (``progress``: told after each)."""
+    """The assistant's answer to each conversation in the chat format ``fmt``, in batches of ``batch_size``
+    (``progress``: told after each)."""
     pad = tokenizer.token_to_id("<|endoftext|>") or 0
     texts = []
     for a in range(0, len(convs), batch_size):
         part = convs[a:a + batch_size]
-        ids = [tokenizer.encode(chat_prompt(c["turns"], c["system"]), add_special_tokens=False).ids for c in part]
+        ids = [tokenizer.encode(chat_prompt(c["turns"], c["system"], fmt), add_special_tokens=False).ids for c in part]
         texts += [tokenizer.decode(o, skip_special_tokens=True) for o in generate(model, ids, stops, s, pad)]
         if progress is not None:
             progress(f"{len(texts)}/{len(convs)} answered")
@@ -218,7 +220,7 @@ def pick_model(args: argparse.Namespace) -> tuple[Path, str]:
                      "base model" + (f" {args.base_model}" if args.base_model else " (with --base-model DIR)"))
 
 
-def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None) -> None:
+def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None, fmt: str) -> None:
     """A multi-turn conversation in the terminal; /reset starts over, /exit or Ctrl-D ends."""
     turns: Turns = []
     print("chat: /reset starts over, /exit or Ctrl-D ends", file=sys.stderr)
@@ -234,7 +236,7 @@ def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None) -> 
             turns = [] if text else turns
             continue
         turns.append(("user", text))
-        reply = answer(model, tokenizer, [{"turns": turns, "system": system}], s, stops, 1)[0]
+        reply = answer(model, tokenizer, [{"turns": turns, "system": system}], s, stops, 1, fmt=fmt)[0]
         turns.append(("assistant", reply))
         print(f"assistant> {reply}", flush=True)
 
@@ -264,7 +266,8 @@ def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
     rank.log(f"[train] inference check: answering {len(convs)} prompts of {prompts} (up to {s.max_new_tokens} new "
              "tokens each)")
     texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8,
-                   lambda done: rank.log(f"[train] inference check: {done}"))
+                   fmt=chat_format(Path(config_dir) / "tokenizer.json"),
+                   progress=lambda done: rank.log(f"[train] inference check: {done}"))
     if not rank.is_main:
         return None
     out = RunDir(recipe.output_dir).samples
@@ -333,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         s = dataclasses.replace(Sampling.of_model(model_dir), **{f.name: getattr(args, f.name)
                                                                  for f in dataclasses.fields(Sampling)
                                                                  if getattr(args, f.name) is not None})
+        fmt = chat_format(model_dir / "tokenizer.json")  # before the model loads: an unknown family is refused
         model, tokenizer, target = load_model(model_dir, args.device)
         if args.adapter:
             from finetune.lora_io import load_adapter
@@ -345,11 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[generate] {what}: {model_dir.resolve()} on {target}; {s}", file=sys.stderr)
     stops = stop_ids(tokenizer, model_dir)
     if args.chat:
-        chat(model, tokenizer, s, stops, args.system)
+        chat(model, tokenizer, s, stops, args.system, fmt)
         return 0
     for c in convs:
         c["system"] = c["system"] if c["system"] is not None else args.system
-    texts = answer(model, tokenizer, convs, s, stops, args.batch_size)
+    texts = answer(model, tokenizer, convs, s, stops, args.batch_size, fmt=fmt)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             for c, t in zip(convs, texts):

@@ -54,8 +54,10 @@ def model_template(model_dir: str | Path) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-    """The text transformers' ``apply_chat_template(messages, tools=tools, tokenize=False)`` gives."""
+def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+              add_generation_prompt: bool = False) -> str:
+    """The text transformers' ``apply_chat_template(messages, tools=tools, tokenize=False,
+    add_generation_prompt=add_generation_prompt)`` gives."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -66,7 +68,8 @@ def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[st
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
         json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, tools=tools, add_generation_prompt=False)
+    return env.from_string(template).render(messages=messages, tools=tools,
+                                              add_generation_prompt=add_generation_prompt)
 
 
 def check_model_template(model_dir: str | Path, system_prompt: str) -> tuple[str, str]:

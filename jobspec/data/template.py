@@ -39,13 +39,17 @@ TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with f
 
 
 def chat_format(tokenizer_path: str | Path) -> str:
-    """QWEN3 when the config.json beside the tokenizer is a Qwen3 model's, else QWEN25 (also for the
-    bundled tokenizer, which has no config.json)."""
-    try:
-        config = json.loads((Path(tokenizer_path).parent / "config.json").read_text())
-        return QWEN3 if family_of(config).model_type == "qwen3" else QWEN25
-    except (OSError, ValueError, AttributeError):  # no / unreadable config.json, another family
+    """QWEN3 when the config.json beside the tokenizer is a Qwen3 model's, QWEN25 for a Qwen2 one and for a
+    tokenizer without config.json (the bundled one). Raises ValueError naming config.json when it is
+    unreadable or of another family: no template of ours is that model's."""
+    path = Path(tokenizer_path).parent / "config.json"
+    if not path.exists():
         return QWEN25
+    try:
+        config = json.loads(path.read_text())
+        return QWEN3 if family_of(config).model_type == "qwen3" else QWEN25
+    except (OSError, ValueError, AttributeError) as e:  # unreadable, not JSON, not a mapping, another family
+        raise ValueError(f"{path}: the chat format (Qwen2.5's or Qwen3's) cannot be told from it: {e}") from None
 
 
 def split_reasoning(content: str) -> tuple[str, str]:

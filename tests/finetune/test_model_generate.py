@@ -166,7 +166,7 @@ def test_chat_keeps_the_conversation(ms_cpu, tiny_hf_dir, monkeypatch, capsys):
     seen = []
     real = gen.answer
     monkeypatch.setattr(gen, "answer",
-                        lambda m, t, convs, *a: seen.append(list(convs[0]["turns"])) or real(m, t, convs, *a))
+                        lambda m, t, convs, *a, **k: seen.append(list(convs[0]["turns"])) or real(m, t, convs, *a, **k))
     assert main(["--model-dir", str(d), "--chat", "--max-new-tokens", "2"]) == 0
     assert [len(t) for t in seen] == [1, 3] and seen[1][0] == ("user", "Hi") and seen[1][1][0] == "assistant"
     assert capsys.readouterr().out.count("assistant> ") == 2
@@ -196,3 +196,55 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
                  "--seed", str(recipe.train.seed)]) == 0
     assert [json.loads(x) for x in (tmp_path / "gen.jsonl").read_text(encoding="utf-8").splitlines()] == rows
     assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo()) is None
+
+
+QWEN3_CHATS = [([("user", "Hi")], ""),  # Qwen3 writes no system block for an empty system prompt, Qwen2.5 does
+               ([("user", "7 * 8?"), ("assistant", "<think>\n7 * 8 = 56.\n</think>\n\n56."), ("user", "/ 4?")],
+                "Be brief.")]  # an earlier turn's reasoning is dropped
+
+
+@pytest.mark.parametrize("turns,system", QWEN3_CHATS)
+def test_chat_prompt_is_qwen3s_template_for_qwen3(tmp_path, turns, system):
+    from jobspec.data.chat_template import model_template, render_hf
+    from jobspec.data.template import QWEN3
+    from tests.jobspec.data.data_helpers import qwen3_dir
+
+    messages = [{"role": "system", "content": system}] * bool(system) + [{"role": r, "content": c} for r, c in turns]
+    hf = render_hf(model_template(qwen3_dir(tmp_path)), messages, add_generation_prompt=True)
+    assert chat_prompt(turns, system, QWEN3) == hf
+    assert chat_prompt(turns, system) != hf  # Qwen2.5's differs
+
+
+def test_generate_prompts_a_qwen3_model_with_qwen3s_template(ms_cpu, tmp_path, monkeypatch, capsys):
+    """main(): the model directory's family picks the template (here, the empty system prompt's)."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    import finetune.generate as gen
+    from tests.jobspec.data.data_helpers import qwen3_tokenizer_json
+
+    d = tmp_path / "q3"
+    shutil.copytree(GOLDEN / "qwen3-untied", d)
+    (d / "tokenizer.json").write_text(json.dumps(qwen3_tokenizer_json(), ensure_ascii=False))
+    seen = []
+    monkeypatch.setattr(gen, "generate", lambda model, ids, stops, s, pad: seen.extend(ids) or [[] for _ in ids])
+    assert main(["--model-dir", str(d), "--prompt", "Hi", "--system", ""]) == 0
+    text = Tokenizer.from_file(str(d / "tokenizer.json")).decode(seen[0], skip_special_tokens=False)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("config,why", [("{not json", "Expecting property name"),
+                                        ('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}',
+                                         "model_type 'llama' (LlamaForCausalLM) is not supported")])
+def test_a_config_json_of_no_known_family_is_an_error_naming_it(tmp_path, capsys, config, why):
+    from jobspec.data.template import chat_format
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: the chat format .* cannot be told from it"):
+        chat_format(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert main(["--model-dir", str(tmp_path), "--prompt", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'config.json'}: the chat format") and why in err
+    assert "Traceback" not in err
