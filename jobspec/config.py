@@ -154,8 +154,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout: world = tp x dp x pp. dp=0 derives it from the world size; tp "auto": the launcher picks
-    the smallest TP that fits the model's memory estimate (jobspec.memory.choose_tp) before resolving."""
+    """Layout: world = tp x dp x pp. dp=0 derives it from the world size; tp auto: jobspec.memory.auto_tp."""
 
     tp: int | Literal["auto"] = 1
     dp: int = 0
@@ -165,15 +164,13 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True  # dp > 1: each gradient bucket's reduction starts during the backward
 
     @property
-    def tp_size(self) -> int:
-        """The TP size: 1 while tp is an unresolved "auto" (``world_problems`` refuses it)."""
+    def tp_size(self) -> int:  # 1 while tp is an unresolved "auto" (world_problems refuses it)
         return self.tp if isinstance(self.tp, int) else 1
 
     def world_problems(self, world: int) -> list[Problem]:
         """Why this layout cannot run on ``world`` workers (nodes x workers per node), each with the fix."""
         if self.tp == "auto":
-            return [Problem("parallel.tp", "auto is chosen by the launcher from the model's config.json and the "
-                            "world (jobspec.memory.auto_tp) before the recipe is resolved", "2", "'auto'")]
+            return [Problem("parallel.tp", "auto is resolved by the launcher first (memory.auto_tp)", "2", "'auto'")]
         tp, pp, dp = self.tp_size, self.pp, self.dp
         if world % (tp * pp):
             fit = max(d for d in range(1, world + 1) if world % d == 0 and d <= tp)

@@ -44,7 +44,7 @@ def test_tp_is_a_number_or_auto_and_auto_is_refused_unresolved():
     assert problems_of(**{"parallel.tp": "two"}) == [
         "parallel.tp='two': expected an integer or auto (e.g. parallel.tp=auto)"]
     assert problems_of(**{"parallel.tp": "0"}) == ["parallel.tp=0: must be >= 1 (e.g. parallel.tp=1)"]
-    with pytest.raises(ConfigError, match="parallel.tp='auto': auto is chosen by the launcher"):
+    with pytest.raises(ConfigError, match="parallel.tp='auto': auto is resolved by the launcher first"):
         load_recipe("qwen-full").resolved(8, "npu")
 
 
