@@ -132,7 +132,7 @@ CASES = [
                                                        "e.g. train.precision=fp32"]),
     ("export-dtype", {}, ["export.dtype=int8"], 2, ["export.dtype='int8'", "e.g. export.dtype=bf16"]),
     ("shard-size", {}, ["export.shard_size=huge"], 2, ["export.shard_size='huge'", "e.g. export.shard_size=2GB"]),
-    ("tp-not-a-number", {"TP": "two"}, [], 2, ["TP='two' (parallel.tp)", "e.g. TP=8"]),
+    ("tp-not-a-number", {"TP": "two"}, [], 2, ["TP='two' (parallel.tp): expected an integer or auto", "e.g. TP=auto"]),
     ("tp-does-not-divide", {"TP": "3", "NPROC_PER_NODE": "4"}, [], 2, ["TP='3' (parallel.tp)", "e.g. TP=2"]),
     ("dp-mismatch", {"DP": "3", "NPROC_PER_NODE": "2"}, [], 2, ["DP='3' (parallel.dp)", "e.g. DP=2"]),
     ("pp", {"PP": "2", "NPROC_PER_NODE": "2"}, [], 2, ["PP='2' (parallel.pp)", "e.g. PP=1"]),
