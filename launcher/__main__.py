@@ -159,7 +159,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     rd = to_dict(recipe)
     rd["model"]["dir"] = resolved_model_dir(recipe)
     rd["launch"]["nproc_per_node"] = nproc
-    L, p = recipe.launch, recipe.parallel
+    L, p = recipe.launch, recipe.layout or recipe.parallel  # no layout: an NPU plan with no NPU (preflight stops)
     plan = planlib.Plan(
         recipe=rd, path=RunDir(out).plan, log_dir=RunDir(out).logs, cluster_time_out=L.cluster_time_out,
         topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, p.tp, p.pp, p.dp),
@@ -192,7 +192,7 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
         f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
         f"{t.master_addr}:{t.master_port}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
-        f"{'sharded over DP' if r.parallel.shard_optimizer else 'replicated'}")
+        f"{'sharded over DP' if r.layout and r.layout.shard_optimizer else 'replicated'}")
     say(f"output: {p.sources['output_dir']}")
     say(f"binding ({p.binding['method']}, allowed CPUs {p.binding['allowed_cpus']} from "
         f"{p.binding['allowed_from']}):")

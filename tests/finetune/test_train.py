@@ -154,10 +154,11 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
     from finetune.progress import Reporter
     from finetune.train import StopFlag, train_loop
     from finetune.trainer import setup
+    from jobspec.layout import Layout
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
                                   "train.grad_accum": "2", "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32)
     assert trainer.opt.gate.on_device is False  # CPU's default
     trainer.opt.gate.on_device = on_device
     trainer.model.loss_fn.host_gemm = False  # CPU's head matmuls read host memory, which waits for no device
@@ -177,16 +178,17 @@ def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(t
     with what it means, instead of hours of flat loss."""
     import mindspore as ms
 
-    from finetune import optim
     from finetune.dist import init_distributed
+    from finetune.optim import update
     from finetune.progress import Reporter
     from finetune.train import StopFlag, train_loop
     from finetune.trainer import setup
+    from jobspec.layout import Layout
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
                                   "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
-    monkeypatch.setattr(optim, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32)
+    monkeypatch.setattr(update, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
     with pytest.raises(RuntimeError, match=r"applied 2 step\(s\) up to step 2 but no master weight changed"):
         train_loop(trainer, Reporter(trainer), StopFlag())
 
