@@ -40,11 +40,6 @@ class Layout:
         return self.micro_batch_size * self.grad_accum * self.dp
 
     @property
-    def global_batch_tokens(self) -> int:
-        """Token positions per optimizer step (sequences x seq_len; packing fills them)."""
-        return self.global_batch * self.seq_len
-
-    @property
     def device_target(self) -> Literal["Ascend", "CPU"]:
         """MindSpore's name of the device."""
         return "Ascend" if self.device == "npu" else "CPU"

@@ -278,3 +278,15 @@ def test_too_little_data_for_a_global_batch_gives_the_numbers_and_the_fix(tmp_pa
                                  "train.grad_accum": "3"}))
     assert ("1 samples make 1 packed sequences, a global batch takes 6 (train.micro_batch_size 2 x "
             "train.grad_accum 3 x dp 1); lower train.micro_batch_size or train.grad_accum") in str(e.value)
+
+
+def test_a_worker_runs_the_plans_layout_or_refuses_it_before_any_work(tmp_path, monkeypatch):
+    """The plan's layout is checked against the world the worker was started in (here one process, no
+    msrun), never decided again: a plan made for 2 workers stops naming both worlds and the fix."""
+    from jobspec.config import ConfigError
+
+    monkeypatch.delenv("MS_ROLE", raising=False)
+    plan = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "out")}).resolved(2, "cpu")
+    with pytest.raises(ConfigError, match=r"made for 2 worker\(s\) on cpu .*this job has 1 on cpu.*launcher plan"):
+        run(plan)
+    assert not (tmp_path / "out").exists()  # nothing was started

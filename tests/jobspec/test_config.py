@@ -89,8 +89,7 @@ def test_resolved_derives_dp_and_the_sharded_optimizer(tp, dp, world, expect):
     assert lay.shard_optimizer is (expect > 1)
     assert lay.overlap_grad_reduce is (expect > 1)
     assert lay.vocab_parallel is (tp > 1)
-    mbs = r.train.micro_batch_size
-    assert (lay.global_batch, lay.global_batch_tokens) == (mbs * 3 * expect, mbs * 3 * expect * r.data.seq_len)
+    assert (lay.global_batch, lay.seq_len) == (r.train.micro_batch_size * 3 * expect, r.data.seq_len)
     assert r.launch.device == "cpu"
     assert r.parallel == asked.parallel  # the request stays as asked; the decision is the layout's
 
