@@ -189,8 +189,8 @@ def _prune(root: Path, keep: int) -> None:
 # -------------------------------------------------------------------------------------- verify, load
 
 
-def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict | None = None, log=print,
-                shard: bool | None = None) -> tuple[Path, TrainerState, dict[str, np.ndarray]] | None:
+def load_latest(root: Path, model_params: list, rank: RankInfo, shard: bool, identity: dict | None = None,
+                log=print) -> tuple[Path, TrainerState, dict[str, np.ndarray]] | None:
     """Restore the newest checkpoint that verifies and loads on every rank; None when there is none.
 
     A damaged or unhealthy one, or a step directory without manifest, is skipped with a line naming
@@ -222,14 +222,14 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, identity: dict |
     return None
 
 
-def load_checkpoint(path: Path, model_params: list, rank: RankInfo, shard: bool | None = None,
+def load_checkpoint(path: Path, model_params: list, rank: RankInfo, shard: bool,
                     identity: dict | None = None) -> tuple[TrainerState, dict[str, np.ndarray]]:
     """Verify and restore one given checkpoint in place; return the trainer state and optimizer state.
 
     Any problem raises naming the file (train.resume=<path>). A checkpoint of another layout (tp, dp,
     vocab-parallel) is gathered and re-split for this one when the parameters are a model's (they
     carry ``hf_shape`` and ``tp_slice``, see ``finetune/reshard.py``); ``shard``: whether this run's
-    optimizer is sharded over DP (None: when dp > 1, the default), which decides the format of the
+    optimizer is sharded over DP (the layout's ``shard_optimizer``), which decides the format of the
     returned optimizer state.
     """
     state, weights, optim = _read(path, model_params, rank, shard, identity)
@@ -243,7 +243,7 @@ def _verified(path: Path, names: list[str] | None = None) -> None:
         raise ValueError(problem)
 
 
-def _read(path: Path, model_params: list, rank: RankInfo, shard: bool | None, identity: dict | None
+def _read(path: Path, model_params: list, rank: RankInfo, shard: bool, identity: dict | None
           ) -> tuple[TrainerState, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Verify the files this rank reads, then read them: (state, weights, optimizer state); nothing applied.
     A checkpoint of another run (``identity``: model, data, method) is refused before its tensors are read."""
@@ -266,7 +266,7 @@ def _read(path: Path, model_params: list, rank: RankInfo, shard: bool | None, id
         saved = SavedState(path, [p.name for p in model_params], {p.name: p.hf_shape for p in model_params},
                            BUCKET_BYTES)
         weights, optim_state = local_state(saved, [(p.name, p.tp_slice, p.dtype == ms.float32) for p in model_params],
-                                           rank.dp, rank.dp_rank, rank.dp > 1 if shard is None else shard)
+                                           rank.dp, rank.dp_rank, shard)
         return state, weights, optim_state
     if not same:
         raise CheckpointMismatch(f"{path}: written with layout {manifest['layout']}, this run has {layout(rank)}; "

@@ -8,8 +8,8 @@ msrun 2.10 sets, per worker: ``MS_ROLE=MS_WORKER``, ``MS_WORKER_NUM`` (world siz
 contiguous ranks (inside one node when tp divides the local worker count) and a DP group is the
 ranks with the same tp_rank.
 
-The layout (tp, dp) comes resolved in the plan (``Recipe.resolved``); a worker only checks that msrun
-started the world the plan was made for. The pure-Python parts (group ranks) import no MindSpore;
+The layout comes decided in the plan (``recipe.layout``, ``jobspec/layout.py``); a worker only checks
+that msrun started the world the plan was made for. The pure-Python parts (group ranks) import no MindSpore;
 the collective helpers import it lazily.
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from jobspec.layout import Device, Layout
 from jobspec.memory import BUCKET_BYTES as BUCKET_BYTES  # optim, export and checkpoint import it from here
 
 
@@ -48,11 +49,16 @@ class RankInfo:
             print(msg, flush=True)
 
 
-def device_target(launch_device: str) -> str:
-    """'Ascend' or 'CPU' from launch.device (auto: Ascend when /dev/davinciN exists)."""
-    if launch_device in ("npu", "cpu"):
-        return "Ascend" if launch_device == "npu" else "CPU"
-    return "Ascend" if glob.glob("/dev/davinci[0-9]*") else "CPU"
+def launch_device(setting: str) -> Device:
+    """'npu' or 'cpu' from launch.device (auto: npu when /dev/davinciN exists)."""
+    if setting in ("npu", "cpu"):
+        return cast(Device, setting)
+    return "npu" if glob.glob("/dev/davinci[0-9]*") else "cpu"
+
+
+def device_target(setting: str) -> str:
+    """MindSpore's device name ('Ascend' or 'CPU') for launch.device."""
+    return Layout(device=launch_device(setting)).device_target
 
 
 def under_msrun() -> bool:
@@ -65,11 +71,11 @@ def launched_world() -> int:
     return int(os.environ["MS_WORKER_NUM"]) if under_msrun() else 1
 
 
-def check_world(world: int, tp: int, dp: int) -> None:
-    """ValueError naming the fix unless the plan's ``tp x dp`` is the world msrun started."""
-    if tp * dp != world:
-        raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp} but the job has {world} worker(s): the "
-                         "plan was made for another world; make it again for this one (python -m launcher plan)")
+def check_world(world: int, layout: Layout) -> None:
+    """ValueError naming the fix unless the plan's layout is the world msrun started."""
+    problem = layout.world_problem(world, layout.device)
+    if problem:
+        raise ValueError(problem)
 
 
 def tp_group_ranks(rank: int, tp: int) -> list[int]:
@@ -100,22 +106,22 @@ def set_device(target: str, device_id: int | None) -> None:
             raise
 
 
-def init_distributed(tp: int = 1, dp: int = 1, device_target: str = "CPU") -> RankInfo:
+def init_distributed(layout: Layout) -> RankInfo:
     """Initialise collectives when launched by msrun and build the TP/DP groups of the plan's layout.
 
     Single process (no msrun): world 1, no groups, nothing initialised. A group spanning all ranks
     is the backend's world group (not a created sub-group), so world-only collectives can use it.
     """
-    world_env = launched_world()
-    check_world(world_env, tp, dp)  # fail fast, before connecting to anyone
+    world_env, tp, dp, target = launched_world(), layout.tp, layout.dp, layout.device_target
+    check_world(world_env, layout)  # fail fast, before connecting to anyone
     if not under_msrun():
-        set_device(device_target, None)
-        return RankInfo(device_target=device_target)
+        set_device(target, None)
+        return RankInfo(device_target=target)
     local_rank = int(os.environ.get("DEVICE_ID", "0"))
 
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
-    set_device(device_target, local_rank if device_target == "Ascend" else None)  # one NPU per local worker
+    set_device(target, local_rank if target == "Ascend" else None)  # one NPU per local worker
     init()
     rank, world = get_rank(), get_group_size()
     if world != world_env:
@@ -137,7 +143,7 @@ def init_distributed(tp: int = 1, dp: int = 1, device_target: str = "CPU") -> Ra
         create_group(name, ranks)
         return name
 
-    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device_target=device_target, tp=tp,
+    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device_target=target, tp=tp,
                     dp=dp, tp_rank=rank % tp, dp_rank=rank // tp, tp_group=group("tp", tp_group_ranks(rank, tp)),
                     dp_group=group("dp", dp_group_ranks(rank, tp, dp)), world_group=world_group)
 

@@ -2,7 +2,7 @@
 
 A checkpoint holds each rank's local tensors (``finetune/checkpoint.py``): the model once per TP
 position (the ranks of dp_rank 0, ``rank == tp_rank``), the optimizer state per rank when sharded
-over DP (flat buckets cut into ``dp`` chunks, ``finetune/parallel/zero.py``), else once per TP
+over DP (flat buckets cut into ``dp`` chunks, ``finetune/optim/sharded.py``), else once per TP
 position. :class:`SavedState` reassembles full Hugging Face tensors from any of them; the slice a
 rank held is read off the stored shapes (``n = full / local`` pieces along the one axis that
 differs, KV-head copies on ``tp / n`` ranks each), so no config of the writing run is needed.
@@ -145,7 +145,7 @@ def local_state(saved: SavedState, params: list[tuple[str, TPSlice | None, bool]
     """(weights, optimizer state) of one rank of another layout.
 
     ``params``: (name, this rank's slice, fp32?) in model order. The optimizer state has the format
-    of ``optim.AdamW`` or, when ``shard`` and dp > 1, of ``parallel.zero.ShardedAdamW`` (this DP
+    of ``optim.AdamW`` or, when ``shard``, of ``optim.ShardedAdamW`` (this DP
     rank's chunk of every bucket); a master copy is kept for non-fp32 parameters.
     """
     weights = {n: cut(saved.weights(n), part) for n, part, _ in params}

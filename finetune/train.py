@@ -4,7 +4,7 @@ Configured only by the resolved recipe and the rank environment msrun gives the 
 setup (model, optimizer, data, resume) is ``finetune/trainer.py``; this module runs the steps.
 
 Host syncs: on Ascend a step copies nothing from the device. Clipping, skipping a non-finite step
-and the fp16 loss scale happen on the device (finetune/optim.py ``StepGate``; on CPU, whose kernels
+and the fp16 loss scale happen on the device (finetune/optim/update.py ``StepGate``; on CPU, whose kernels
 are synchronous, the norm is read once per step instead); the loss, grad norm, loss scale, skipped
 steps, token counts and the stop request reach the host only at a *sync point*: a logged,
 checkpoint, eval or last step, in one read. So a SIGTERM, and a run of train.max_bad_steps
@@ -19,7 +19,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import all_reduce_sum, barrier, device_target, dp_totals, init_distributed, launched_world
+from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, launch_device, launched_world
 from finetune.optim import SkippedSteps, UpdateCheck, lr_at
 from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
@@ -71,15 +71,17 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
 
 def run(recipe: Recipe) -> int:
     """Fine-tune as the recipe says; returns the process exit code."""
-    device = device_target(recipe.launch.device)
-    # the plan's recipe is resolved already: this only checks it against the world msrun started
-    recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
+    # the plan's recipe comes resolved: this checks its layout against the world msrun started (a recipe
+    # without a plan, e.g. a test's, is resolved here for that world on its launch.device)
+    device = recipe.layout.device if recipe.layout else launch_device(recipe.launch.device)
+    recipe = recipe.resolved(launched_world(), device)
+    layout = recipe.decided_layout
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    rank = init_distributed(recipe.parallel.tp_size, recipe.parallel.dp, device)
+    rank = init_distributed(layout)
     dtype = compute_dtype(recipe)
-    head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
-    rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
-             f"{head}), compute dtype {dtype}, output {recipe.output_dir}")
+    head = ("vocab-parallel" if layout.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
+    rank.log(f"[train] device {layout.device_target}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, "
+             f"embedding/LM head {head}), compute dtype {dtype}, output {recipe.output_dir}")
     trainer = setup(recipe, rank, dtype)
     reporter = Reporter(trainer)
     code = train_loop(trainer, reporter, StopFlag())

@@ -10,14 +10,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mindspore as ms
 import numpy as np
 
 from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoint, load_latest, save_checkpoint
 from finetune.dist import RankInfo
-from finetune.optim import AdamW, LossScaler, Optimizer
+from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
 from jobspec.checkpoints import archive_checkpoints, checkpoint_root, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
@@ -25,9 +25,6 @@ from jobspec.data.batching import BatchLoader
 from jobspec.data.cache import cache_dir_for
 from jobspec.fsutil import remove_stale_temps
 from jobspec.rerun import changed_settings, run_settings
-
-if TYPE_CHECKING:
-    pass
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -99,7 +96,7 @@ class Trainer:
         optimizer, data position, loss scale, counters."""
         shard = self.opt.sharded
         if path is None:
-            found = load_latest(checkpoint_root(self.out), self.params, self.rank, self.identity, print, shard)
+            found = load_latest(checkpoint_root(self.out), self.params, self.rank, shard, self.identity, print)
             if found is None:
                 return
             path, state, optim_state = found
@@ -151,8 +148,9 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
             "use fewer workers, or add data")
     rank.log(f"[train] building the model and loading the weights of {model_dir}")
     model, params = build_model(recipe, rank, model_dir, dtype)
-    opt = build_optimizer(params, tc, rank, bool(recipe.parallel.shard_optimizer))  # resolved: never None
-    overlap = recipe.parallel.overlap_grad_reduce  # resolved: only with dp > 1
+    layout = recipe.decided_layout
+    opt = build_optimizer(params, tc, rank, layout.shard_optimizer)
+    overlap = layout.overlap_grad_reduce
     trainer = Trainer(recipe, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
     if rank.dp > 1:
@@ -162,7 +160,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     n_params = sum(int(np.prod(p.shape)) for p in params)
     rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
              f"({loader.steps_per_epoch} per epoch), global batch "
-             f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
+             f"{layout.global_batch} x {layout.seq_len} tokens")
     trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
     if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
         from finetune.lora_io import adapter_identity
@@ -197,9 +195,9 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
 
     tc = recipe.train
     ms.set_seed(tc.seed)
-    cfg = Qwen2Config.from_dict(load_hf_config(model_dir))
+    cfg, layout = Qwen2Config.from_dict(load_hf_config(model_dir)), recipe.decided_layout
     model = Qwen2ForCausalLM(cfg, rank, recompute=tc.recompute, compute_dtype=dtype,
-                             vocab_parallel=recipe.parallel.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
+                             vocab_parallel=layout.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
     if tc.compile_layers:  # one fp32 process on CPU (config.compile_layers_problems)
         model.model.compile_layers()
@@ -216,9 +214,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
 
 
 def build_optimizer(params: list, cfg: TrainConfig, rank: RankInfo, shard: bool) -> Optimizer:
-    """AdamW, or its data-parallel sharded version when ``shard`` and dp > 1."""
-    if shard and rank.dp > 1:
-        from finetune.parallel.zero import ShardedAdamW
-
+    """AdamW, or its data-parallel sharded version when ``shard`` (the layout's: only with dp > 1)."""
+    if shard:
         return ShardedAdamW(params, cfg, rank)
     return AdamW(params, cfg, rank)

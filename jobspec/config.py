@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
+from jobspec.layout import Device, Layout, decide, world_problems
 from jobspec.lora_config import LoraConfig, lora_problems
 from jobspec.recipe_parse import ConfigError as ConfigError
 from jobspec.recipe_parse import Problem as Problem
@@ -106,7 +107,7 @@ class LossScaleConfig:
 class TrainConfig:
     """Optimizer, schedule, batch and checkpoint settings (defaults from the field guide)."""
 
-    method: str = "full"  # full | lora (adapters on the frozen base: the lora section)
+    method: Literal["full", "lora"] = "full"  # lora: adapters on the frozen base (the lora section)
     lr: float = 2e-5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-6
@@ -154,41 +155,19 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout: world = tp x dp x pp. dp=0 derives it from the world size; tp auto: jobspec.memory.auto_tp."""
+    """The layout asked for: world = tp x dp x pp (tp auto: the launcher's ``jobspec.memory.auto_tp``).
+    ``Recipe.resolved`` decides the rest into its ``layout``."""
 
     tp: int | Literal["auto"] = 1
     dp: int = 0
     pp: int = 1
-    shard_optimizer: bool | None = None  # None: on when dp > 1
+    shard_optimizer: bool | None = None  # unset: on when dp > 1
     vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
     overlap_grad_reduce: bool = True  # dp > 1: each gradient bucket's reduction starts during the backward
 
     @property
-    def tp_size(self) -> int:  # 1 while tp is an unresolved "auto" (world_problems refuses it)
+    def tp_size(self) -> int:  # 1 while tp is an unresolved "auto" (Recipe.resolved refuses it)
         return self.tp if isinstance(self.tp, int) else 1
-
-    def world_problems(self, world: int) -> list[Problem]:
-        """Why this layout cannot run on ``world`` workers (nodes x workers per node), each with the fix."""
-        if self.tp == "auto":
-            return [Problem("parallel.tp", "auto is resolved by the launcher first (memory.auto_tp)", "2", "'auto'")]
-        tp, pp, dp = self.tp_size, self.pp, self.dp
-        if world % (tp * pp):
-            fit = max(d for d in range(1, world + 1) if world % d == 0 and d <= tp)
-            return [Problem("parallel.tp", f"TP x PP = {tp * pp} does not divide the {world} worker(s) of this job "
-                            "(nodes x workers per node)", str(fit), repr(tp))]
-        if dp and tp * dp * pp != world:
-            return [Problem("parallel.dp", f"TP={tp} x DP={dp} x PP={pp} = {tp * dp * pp} != world {world} "
-                            "(nodes x workers per node); DP=0 derives it", str(world // (tp * pp)), repr(dp))]
-        return []
-
-    def for_world(self, world: int) -> ParallelConfig:
-        """dp derived (0: world / (tp x pp)), shard_optimizer decided (None: dp > 1), vocab_parallel only with
-        tp > 1, overlap_grad_reduce only with dp > 1."""
-        dp = self.dp or world // (self.tp_size * self.pp)
-        shard = self.shard_optimizer if self.shard_optimizer is not None else dp > 1
-        return dataclasses.replace(self, dp=dp, shard_optimizer=shard,
-                                   vocab_parallel=self.vocab_parallel and self.tp_size > 1,
-                                   overlap_grad_reduce=self.overlap_grad_reduce and dp > 1)
 
 
 @dataclass
@@ -236,6 +215,14 @@ class Recipe:
     export: ExportConfig = field(default_factory=ExportConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # with train.method=lora
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    layout: Layout | None = None  # decided by `resolved` (plan.json carries it); never set in a recipe
+
+    @property
+    def decided_layout(self) -> Layout:
+        """The layout of a resolved recipe; ValueError on one not resolved yet."""
+        if self.layout is None:
+            raise ValueError("the recipe is not resolved: Recipe.resolved(world, device) decides its layout")
+        return self.layout
 
     def resolved(self, world: int, device: str) -> Recipe:
         """This recipe for ``world`` workers on ``device`` ('npu' | 'cpu'), every derived value explicit.
@@ -243,13 +230,22 @@ class Recipe:
         The launcher writes the result into plan.json; on a resolved recipe this only checks (the worker
         calls it with the world msrun started). Raises :class:`ConfigError` naming each fix.
         """
-        problems = self.parallel.world_problems(world) + self.train.device_problems(device)
+        if self.layout is not None:  # a plan's recipe: its layout is kept, only checked against this job
+            problem = self.layout.world_problem(world, device)
+            if problem:
+                raise ConfigError([Problem("layout", problem)])
+            return copy.deepcopy(self)
+        p, t, dev = self.parallel, self.train, cast(Device, device)  # callers pass 'npu' | 'cpu' (docstring)
+        if p.tp == "auto":
+            raise ConfigError([Problem("parallel.tp", "auto is resolved by the launcher first", "2", "'auto'")])
+        problems = world_problems(p.tp, p.dp, p.pp, world) + t.device_problems(device)
         if problems:
             raise ConfigError(problems)
         r = copy.deepcopy(self)
-        r.parallel = self.parallel.for_world(world)
-        r.train.precision = self.train.precision_on(device)
-        r.launch.device = cast(Literal["npu", "cpu"], device)  # callers pass 'npu' | 'cpu' (docstring)
+        r.layout = decide(p.tp_size, p.dp, p.pp, p.shard_optimizer, p.overlap_grad_reduce, p.vocab_parallel,
+                          t.micro_batch_size, t.grad_accum, self.data.seq_len, world, dev)
+        r.train.precision = t.precision_on(device)
+        r.launch.device = dev
         problems = compile_layers_problems(r)  # the rules that needed the world and the device
         if problems:
             raise ConfigError(problems)
@@ -298,6 +294,11 @@ def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | Non
         data.setdefault("name", path.stem)
         where = _shown(path)
     data = merge(data, nest(overrides or {}), WHOLE_KEYS)
+    if "layout" in data and raw is None:  # only a plan's recipe (raw) carries one
+        problems.append(Problem("layout", "decided by the launcher from the parallel section (Recipe.resolved), "
+                                "not set in a recipe; set parallel.tp, parallel.dp, parallel.shard_optimizer ...",
+                                "parallel.shard_optimizer=false"))
+        del data["layout"]
     recipe: Recipe = build(Recipe, data, "", problems)
     bad = {p.key for p in problems}
     problems += [p for p in validate(recipe) if p.key not in bad]  # a value that failed to parse fails no range
@@ -320,7 +321,7 @@ def compile_layers_problems(r: Recipe) -> list[Problem]:
     A rule on a value still to be derived (dp 0, precision or device auto) waits for ``Recipe.resolved``."""
     if not r.train.compile_layers:
         return []
-    t, dp = r.train, r.parallel.dp
+    t, dp = r.train, r.layout.dp if r.layout else r.parallel.dp
     stale = ("give weights new storage (Parameter.set_data), which a compiled layer does not see: a DP2 run "
              "trained with its layers' weights frozen")
     why = {"train.recompute=true: recompute runs each layer op by op": t.recompute,

@@ -104,8 +104,8 @@ def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
                     estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
     """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json);
     preflight prints it, the trainer compares it with the measured peak at step 1."""
-    p, t = recipe.parallel, recipe.train
-    return estimator(cfg, seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size, tp=p.tp_size, dp=p.dp,
+    p, t = recipe.decided_layout, recipe.train
+    return estimator(cfg, seq_len=p.seq_len, micro_batch_size=p.micro_batch_size, tp=p.tp, dp=p.dp,
                      precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
                      vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
                      lora=recipe.lora if t.method == "lora" else None)

@@ -163,11 +163,11 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     rd = to_dict(recipe)
     rd["model"]["dir"] = resolved_model_dir(recipe)
     rd["launch"]["nproc_per_node"] = nproc
-    L, p = recipe.launch, recipe.parallel
+    L, p = recipe.launch, recipe.layout or recipe.parallel  # no layout: an NPU plan with no NPU (preflight stops)
+    tp = recipe.layout.tp if recipe.layout else recipe.parallel.tp_size
     plan = planlib.Plan(
         recipe=rd, path=RunDir(out).plan, log_dir=RunDir(out).logs, cluster_time_out=L.cluster_time_out,
-        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, p.tp_size, p.pp,
-                                  p.dp),
+        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, tp, p.pp, p.dp),
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
         binding={**binding, "ranks": numa.to_json(ranks, nodes)},
@@ -200,7 +200,7 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     if "parallel.tp" in p.sources:
         say(f"parallel.tp: {p.sources['parallel.tp']}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
-        f"{'sharded over DP' if r.parallel.shard_optimizer else 'replicated'}")
+        f"{'sharded over DP' if r.layout and r.layout.shard_optimizer else 'replicated'}")
     say(f"output: {p.sources['output_dir']}")
     say(f"binding ({p.binding['method']}, allowed CPUs {p.binding['allowed_cpus']} from "
         f"{p.binding['allowed_from']}):")

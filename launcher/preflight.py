@@ -296,8 +296,9 @@ def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
     for tp in (1, 2, 4, 8):
         if tp > c.nproc or heads % tp or c.nproc % tp:
             continue
-        alt = dataclasses.replace(r, parallel=dataclasses.replace(r.parallel, tp=tp, dp=0, shard_optimizer=True,
-                                                                  vocab_parallel=True),
+        alt = dataclasses.replace(r, layout=None,  # decided again for this TP
+                                  parallel=dataclasses.replace(r.parallel, tp=tp, dp=0, shard_optimizer=True,
+                                                               vocab_parallel=True),
                                   train=dataclasses.replace(r.train, micro_batch_size=1, recompute=True,
                                                             compile_layers=False))  # refused with recompute
         est = memory_estimate(alt.resolved(c.world, alt.launch.device), cfg, c.memory_estimator)
@@ -368,7 +369,8 @@ def check_world(c: Context) -> list[Check]:
     except (KeyError, TypeError, ZeroDivisionError, ValueError):
         problems = []  # a config without sizes or of another family: check_model reports it
     out += [Check("layout", "fail", msg, fix) for msg, fix in problems]
-    return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {r.parallel.dp} x PP {r.parallel.pp}")]
+    p = r.layout or r.parallel  # no layout: an NPU plan with no NPU visible (check_devices fails it)
+    return out or [Check("layout", "ok", f"world {c.world} = TP {tp} x DP {p.dp} x PP {p.pp}")]
 
 
 CHECKS = (check_devices, check_versions, check_mindspore, check_shm, check_disk, check_model, check_resume,
@@ -420,8 +422,8 @@ def memory_line(mem: dict, recipe: Recipe) -> str:
     if "total" not in mem:
         return f"memory: no estimate ({mem.get('unavailable')})"
     parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
-    t = recipe.train
+    t, vocab_parallel = recipe.train, recipe.layout is not None and recipe.layout.vocab_parallel
     return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
-            f"(embedding/LM head {'vocab-parallel' if recipe.parallel.vocab_parallel else 'replicated'}, "
+            f"(embedding/LM head {'vocab-parallel' if vocab_parallel else 'replicated'}, "
             f"seq_len {recipe.data.seq_len}, micro batch {t.micro_batch_size}, recompute {str(t.recompute).lower()}, "
             f"loss over chunks of {t.loss_chunk_tokens or 'all'} tokens)")

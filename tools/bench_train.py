@@ -99,11 +99,11 @@ class Ours:
         from jobspec.config import load_recipe
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        rank = init_distributed(1, 1, "CPU")  # one process, as finetune.train starts one
         self.ms = ms
         recipe = load_recipe("tiny-cpu", {"model.dir": str(model_dir), "train.lr": LR, "train.weight_decay": 0.0,
                                           "train.clip_grad": 0.0, "train.compile_layers": jit_layers}
                              ).resolved(1, "cpu")
+        rank = init_distributed(recipe.decided_layout)  # one process, as finetune.train starts one
         self.model, self.params = build_model(recipe, rank, model_dir, ms.float32)  # as the trainer builds it
         self.opt = build_optimizer(self.params, recipe.train, rank, False)
         self.reduction = GradReduction(self.params, self.opt, overlap=False)  # one process: nothing to overlap

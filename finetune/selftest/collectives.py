@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jobspec.layout import Layout
+
 BUDGET_S = 5.0  # per collective, on an NPU
 TOLERANCE = 1e-5  # fp32 sums of a handful of ranks: rounding only
 N = {"Ascend": 1 << 20, "CPU": 1 << 10}  # elements per rank
@@ -34,7 +36,7 @@ def main(out_dir: str, device: str) -> int:
     from finetune import dist
 
     world = dist.launched_world()
-    rank = dist.init_distributed(tp=1, dp=world, device_target=device)
+    rank = dist.init_distributed(Layout(dp=world, device="npu" if device == "Ascend" else "cpu"))
     group, r, n = rank.world_group, rank.rank, N[device]
     native = dist.native_collectives(rank, group)
     total = sum(_data(i, n) for i in range(world))

@@ -40,7 +40,7 @@ def test_save_load_round_trip_and_prune(tmp_path):
     manifest = json.loads((latest / "manifest.json").read_text())
     assert manifest["layout"] == {"world_size": 1, "tp": 1, "dp": 1}
     dst = _params(1)
-    state, optim = load_checkpoint(latest, dst, RankInfo())
+    state, optim = load_checkpoint(latest, dst, RankInfo(), False)
     assert state.step == 30 and state.loader == {"pos": 30}
     assert int(optim["t"].item()) == 30
     for a, b in zip(src, dst):
@@ -64,7 +64,7 @@ def test_layout_mismatch_is_a_clear_error(tmp_path):
     m["layout"]["tp"] = 2
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointMismatch, match="parallel.tp"):
-        load_checkpoint(path, _params(0), RankInfo())
+        load_checkpoint(path, _params(0), RankInfo(), False)
 
 
 def test_shape_mismatch_names_the_parameter_and_leaves_weights_alone(tmp_path):
@@ -75,7 +75,7 @@ def test_shape_mismatch_names_the_parameter_and_leaves_weights_alone(tmp_path):
     dst = _params(1)
     dst[0] = ms.Parameter(ms.Tensor(np.zeros((6, 2), np.float32)), name="a.weight")
     with pytest.raises(ValueError, match=r"a.weight \[3, 2\] vs \[6, 2\].*train.resume=never"):
-        load_checkpoint(path, dst, RankInfo())
+        load_checkpoint(path, dst, RankInfo(), False)
     np.testing.assert_array_equal(dst[1].asnumpy(), _params(1)[1].asnumpy())
 
 
@@ -120,7 +120,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(tmp_path, damage
     newest = _save(root, 20)
     damage(newest / name)
     lines, dst = [], _params(99)
-    path, state, optim = load_latest(root, dst, RankInfo(), log=lines.append)
+    path, state, optim = load_latest(root, dst, RankInfo(), False, log=lines.append)
     assert path.name == "step_00000010" and state.step == 10 and int(optim["t"].item()) == 10
     np.testing.assert_array_equal(dst[0].asnumpy(), _params(10)[0].asnumpy())
     assert len(lines) == 1 and f"skipping {newest}" in lines[0] and str(newest / name) in lines[0]
@@ -131,7 +131,7 @@ def test_an_explicit_damaged_checkpoint_is_an_error_naming_the_file(tmp_path):
     path = _save(tmp_path / "checkpoints", 10)
     _truncate(path / "optim_rank00000.safetensors")
     with pytest.raises(ValueError, match=r"optim_rank00000.safetensors: \d+ bytes, the manifest says \d+ \(truncated"):
-        load_checkpoint(path, _params(1), RankInfo())
+        load_checkpoint(path, _params(1), RankInfo(), False)
 
 
 def test_pruning_counts_only_verified_checkpoints(tmp_path):
@@ -151,7 +151,7 @@ def test_no_usable_checkpoint_says_so(tmp_path):
     for step in (10, 20):
         (_save(root, step) / "manifest.json").unlink()
     lines = []
-    assert load_latest(root, _params(1), RankInfo(), log=lines.append) is None
+    assert load_latest(root, _params(1), RankInfo(), False, log=lines.append) is None
     assert len(lines) == 3 and all("no manifest.json (deleted" in line for line in lines[:2])
     assert "no usable checkpoint" in lines[2] and "2 without a manifest" in lines[2]
     assert "starting from step 0" in lines[2]
@@ -171,7 +171,7 @@ def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny
     root = tmp_path / "checkpoints"
     _save(root, 10, identity=ident_a)
     with pytest.raises(CheckpointMismatch) as e:
-        load_latest(root, _params(1), RankInfo(), identity=ident_b)
+        load_latest(root, _params(1), RankInfo(), False, identity=ident_b)
     msg = str(e.value)
     assert ident_a["model"] in msg and ident_b["model"] in msg and str(a) in msg
     assert "another directory (OUTPUT_DIR=" in msg and "train.resume=never" in msg
@@ -180,7 +180,7 @@ def test_another_model_or_data_is_refused_naming_both_and_the_fix(tmp_path, tiny
     assert run_identity(a, cache) == ident_a  # the same data moved, touched or re-prepared
     (cache / "manifest.json").write_text(json.dumps({**manifest, "num_tokens": 100}))
     with pytest.raises(CheckpointMismatch, match="token cache is"):
-        load_latest(root, _params(1), RankInfo(), identity=run_identity(a, cache))
+        load_latest(root, _params(1), RankInfo(), False, identity=run_identity(a, cache))
 
 
 def test_a_full_disk_stops_before_writing_and_leaves_older_checkpoints(tmp_path):
@@ -233,7 +233,7 @@ def test_unhealthy_and_manifestless_checkpoints_are_passed_over_with_the_reason(
     save(30, 0, keep=3)
     (root / "step_00000030" / "manifest.json").unlink()
     said = []
-    found = load_latest(root, _params(1), RankInfo(), log=said.append)
+    found = load_latest(root, _params(1), RankInfo(), False, log=said.append)
     assert found, said
     path, state, _ = found
     assert path.name == "step_00000010" and state.skipped_steps == 5
@@ -257,4 +257,4 @@ def test_a_base_model_edited_in_the_middle_is_another_model(tmp_path, tiny_hf_di
     _save(root, 10, identity=before)
     with pytest.raises(CheckpointMismatch, match=f"base model is .*\\({model}\\).*\\({model}, same directory, "
                                                  "other contents\\)"):
-        load_latest(root, _params(1), RankInfo(), identity=after)
+        load_latest(root, _params(1), RankInfo(), False, identity=after)

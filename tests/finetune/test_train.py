@@ -154,10 +154,11 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
     from finetune.progress import Reporter
     from finetune.train import StopFlag, train_loop
     from finetune.trainer import setup
+    from jobspec.layout import Layout
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
                                   "train.grad_accum": "2", "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32)
     assert trainer.opt.gate.on_device is False  # CPU's default
     trainer.opt.gate.on_device = on_device
     trainer.model.loss_fn.host_gemm = False  # CPU's head matmuls read host memory, which waits for no device
@@ -177,16 +178,17 @@ def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(t
     with what it means, instead of hours of flat loss."""
     import mindspore as ms
 
-    from finetune import optim
     from finetune.dist import init_distributed
+    from finetune.optim import update
     from finetune.progress import Reporter
     from finetune.train import StopFlag, train_loop
     from finetune.trainer import setup
+    from jobspec.layout import Layout
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
                                   "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
-    monkeypatch.setattr(optim, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32)
+    monkeypatch.setattr(update, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
     with pytest.raises(RuntimeError, match=r"applied 2 step\(s\) up to step 2 but no master weight changed"):
         train_loop(trainer, Reporter(trainer), StopFlag())
 
@@ -276,3 +278,15 @@ def test_too_little_data_for_a_global_batch_gives_the_numbers_and_the_fix(tmp_pa
                                  "train.grad_accum": "3"}))
     assert ("1 samples make 1 packed sequences, a global batch takes 6 (train.micro_batch_size 2 x "
             "train.grad_accum 3 x dp 1); lower train.micro_batch_size or train.grad_accum") in str(e.value)
+
+
+def test_a_worker_runs_the_plans_layout_or_refuses_it_before_any_work(tmp_path, monkeypatch):
+    """The plan's layout is checked against the world the worker was started in (here one process, no
+    msrun), never decided again: a plan made for 2 workers stops naming both worlds and the fix."""
+    from jobspec.config import ConfigError
+
+    monkeypatch.delenv("MS_ROLE", raising=False)
+    plan = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "out")}).resolved(2, "cpu")
+    with pytest.raises(ConfigError, match=r"made for 2 worker\(s\) on cpu .*this job has 1 on cpu.*launcher plan"):
+        run(plan)
+    assert not (tmp_path / "out").exists()  # nothing was started

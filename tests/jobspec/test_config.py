@@ -9,13 +9,13 @@ import pytest
 from jobspec.config import (
     RECIPES_DIR,
     ConfigError,
-    ParallelConfig,
     Recipe,
     load_plan,
     load_recipe,
     resolve_recipe_path,
     to_dict,
 )
+from jobspec.layout import world_problems
 
 
 def problems_of(**overrides) -> list[str]:
@@ -33,7 +33,7 @@ def test_every_shipped_recipe_loads_and_names_itself(path):
 
 def test_the_dataclass_defaults_are_the_defaults():
     r = load_recipe(raw={})
-    assert r == Recipe()
+    assert r == Recipe() and r.layout is None  # decided by Recipe.resolved
     assert (r.train.grad_accum, r.parallel.tp, r.parallel.dp, r.parallel.shard_optimizer) == (
         Recipe().train.grad_accum, 1, 0, None)
 
@@ -92,22 +92,43 @@ def test_an_unknown_recipe_name_lists_the_shipped_ones():
 
 @pytest.mark.parametrize("tp,dp,world,expect", [(2, 0, 8, 4), (1, 0, 4, 4), (2, 2, 4, 2)])
 def test_resolved_derives_dp_and_the_sharded_optimizer(tp, dp, world, expect):
-    r = load_recipe("tiny-cpu", {"parallel.tp": str(tp), "parallel.dp": str(dp)}).resolved(world, "cpu")
-    assert r.parallel.dp == expect
-    assert r.parallel.shard_optimizer is (expect > 1)
-    assert r.parallel.overlap_grad_reduce is (expect > 1)
-    assert r.parallel.vocab_parallel is (tp > 1)
+    asked = load_recipe("tiny-cpu", {"parallel.tp": str(tp), "parallel.dp": str(dp), "train.grad_accum": "3"})
+    r = asked.resolved(world, "cpu")
+    lay = r.decided_layout
+    assert (lay.tp, lay.dp, lay.world, lay.device, lay.device_target) == (tp, expect, world, "cpu", "CPU")
+    assert lay.shard_optimizer is (expect > 1)
+    assert lay.overlap_grad_reduce is (expect > 1)
+    assert lay.vocab_parallel is (tp > 1)
+    assert (lay.global_batch, lay.seq_len) == (r.train.micro_batch_size * 3 * expect, r.data.seq_len)
     assert r.launch.device == "cpu"
+    assert r.parallel == asked.parallel  # the request stays as asked; the decision is the layout's
 
 
-def test_resolved_on_a_resolved_recipe_changes_nothing():
+def test_resolved_decides_the_layout_once_and_then_only_checks_it():
     r = load_recipe("tiny-cpu", {"parallel.tp": "2"}).resolved(4, "cpu")
     assert r.resolved(4, "cpu") == r
+    # a plan's layout is kept as written, never decided again from the parallel section
+    kept = dataclasses.replace(r, layout=dataclasses.replace(r.decided_layout, shard_optimizer=False))
+    assert kept.resolved(4, "cpu").decided_layout.shard_optimizer is False
+    with pytest.raises(ConfigError, match=r"made for 4 worker\(s\) on cpu .*this job has 2 on cpu"):
+        r.resolved(2, "cpu")
+    with pytest.raises(ConfigError, match="this job has 4 on npu"):
+        r.resolved(4, "npu")
+    with pytest.raises(ValueError, match="not resolved"):
+        _ = load_recipe("tiny-cpu").decided_layout
+
+
+def test_a_recipe_cannot_set_the_layout_only_the_parallel_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"layout: decided by the launcher .*parallel.shard_optimizer=false"):
+        load_recipe("tiny-cpu", {"layout.dp": "2"})
+    (tmp_path / "r.yaml").write_text("layout:\n  shard_optimizer: true\n")
+    with pytest.raises(ConfigError, match="layout: decided by the launcher"):
+        load_recipe(str(tmp_path / "r.yaml"))
 
 
 @pytest.mark.parametrize("tp,dp,world,key,fix", [(3, 0, 4, "parallel.tp", "2"), (2, 3, 4, "parallel.dp", "2")])
 def test_a_layout_that_does_not_fit_the_world_names_a_value_that_does(tp, dp, world, key, fix):
-    problems = ParallelConfig(tp=tp, dp=dp).world_problems(world)
+    problems = world_problems(tp, dp, 1, world)
     assert [(p.key, p.example) for p in problems] == [(key, fix)]
 
 

@@ -103,7 +103,7 @@ def test_a_layout_that_does_not_fit_the_world_is_refused_at_plan_time(atlas, tmp
 
 
 def test_the_plan_holds_every_derived_value(tmp_path, capsys):
-    """dp, shard_optimizer, precision and device are written resolved; the worker only checks them."""
+    """The layout (dp, shard_optimizer ...), precision and device are written resolved; the worker only checks them."""
     (tmp_path / "dev").mkdir()
     rc, plan, out = run_main(["plan", "--json", "NPROC_PER_NODE=2", f"OUTPUT_DIR={tmp_path}/o",
                               "train.precision=auto"], capsys, env={}, dev_dir=tmp_path / "dev", root=tmp_path,
@@ -112,11 +112,12 @@ def test_the_plan_holds_every_derived_value(tmp_path, capsys):
     saved = json.loads(out.out)  # --json: the JSON alone
     assert saved == json.loads((tmp_path / "o/plan.json").read_text())
     r = saved["recipe"]
-    assert (r["parallel"]["dp"], r["parallel"]["shard_optimizer"], r["train"]["precision"], r["launch"]["device"]) \
+    assert (r["layout"]["dp"], r["layout"]["shard_optimizer"], r["train"]["precision"], r["launch"]["device"]) \
         == (2, True, "fp32", "cpu")
+    assert (r["parallel"]["dp"], r["parallel"]["shard_optimizer"]) == (0, None)  # as asked
     recipe = load_recipe(raw=r)
     assert recipe.resolved(2, "cpu") == recipe  # resolving a resolved recipe changes nothing
-    with pytest.raises(ValueError, match="!= world 3"):
+    with pytest.raises(ValueError, match="made for 2 worker.*this job has 3"):
         recipe.resolved(3, "cpu")
 
 

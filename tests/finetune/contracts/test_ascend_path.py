@@ -193,8 +193,7 @@ def test_a_skipped_step_calls_the_optimizer_kernel_within_its_contract(twins, sh
     must stay in (0, 1) (betas of 1 were passed once), and weights and moments stay bit for bit as
     they were."""
     ms = __import__("mindspore")
-    from finetune.optim import AdamW
-    from finetune.parallel.zero import ShardedAdamW
+    from finetune.optim import AdamW, ShardedAdamW
     from jobspec.config import TrainConfig
 
     model = _hd16_model(ASCEND, "float16")
@@ -287,12 +286,12 @@ def test_an_update_that_reaches_no_weight_stops_the_run(twins, monkeypatch, shar
     fails at the first check after an applied step, saying what it means; a working one passes."""
     ms = __import__("mindspore")
     from finetune import optim
-    from finetune.parallel.zero import ShardedAdamW
+    from finetune.optim import ShardedAdamW, update
     from jobspec.config import TrainConfig
 
     def run(kernel):
         if kernel is not None:
-            monkeypatch.setattr(optim, "adamw_update", kernel)
+            monkeypatch.setattr(update, "adamw_update", kernel)
         model = _hd16_model(ASCEND, "float16")
         params = model.trainable_params()
         _, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(*(ms.Tensor(x) for x in _packed_batch()))

@@ -5,7 +5,7 @@ Sources beyond those of ``finetune.selftest.twins``:
 
 - ``MS-ADAMWD``: MindSpore 2.10 ``ops.AdamWeightDecay`` docstring and ``__mindspore_signature__``
   (``mindspore/ops/auto_generate/gen_ops_prim.py``); its "Outputs" are the updated var, m, v.
-- ``FT-OPT``: the optimizer kernel ``finetune.optim.adamw_update`` (its docstring; issue 18 section 1.3):
+- ``FT-OPT``: the optimizer kernel ``finetune.optim.update.adamw_update`` (its docstring; issue 18 section 1.3):
   fp32 inputs, fp32 scalar hyper-parameters, results returned as new tensors, no input written.
 - ``MS-COMM``: MindSpore 2.10 ``mint.distributed.reduce_scatter_tensor`` docstring
   (``mindspore/mint/distributed/distributed.py``): the native reduce-scatter of the sharded
@@ -17,7 +17,7 @@ Sources beyond those of ``finetune.selftest.twins``:
   "hook(grad) -> New output gradient, but can not return None or not set return value".
 
 ``install(monkeypatch.setattr)`` puts every twin in place (the fused ops on ``mindspore.ops`` and the optimizer
-kernel ``finetune.optim.adamw_update``); the model's fused path (``RankInfo(device_target="Ascend")``) then
+kernel ``finetune.optim.update.adamw_update``); the model's fused path (``RankInfo(device_target="Ascend")``) then
 runs on CPU.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ CONTRACTS: dict[tuple[str, str], Rule] = {
     ("AdamWeightDecay", "shape"): Rule("m, v and gradient have var's shape", "MS-ADAMWD Inputs"),
     ("AdamWeightDecay", "scalars"): Rule("lr, beta1, beta2, epsilon, decay are float32 scalars; epsilon > 0, "
                                          "beta1/beta2 in (0, 1), decay >= 0", "MS-ADAMWD Inputs, Raises"),
-    # finetune.optim.adamw_update, the optimizer kernel
+    # finetune.optim.update.adamw_update, the optimizer kernel
     ("adamw_update", "dtype"): Rule("w, m, v and the gradient are float32", "FT-OPT"),
     ("adamw_update", "shape"): Rule("m, v and the gradient have w's shape", "FT-OPT"),
     ("adamw_update", "scalars"): Rule("lr, beta1, beta2, eps, decay_factor and wd are float32 0-d tensors; eps > 0, "
@@ -114,7 +114,7 @@ def adam_weight_decay_twin(calls: dict[str, int]):
 
 
 def adamw_update_twin(calls: dict[str, int]):
-    """A strict stand-in for ``finetune.optim.adamw_update``: checks the call, computes the reference in
+    """A strict stand-in for ``finetune.optim.update.adamw_update``: checks the call, computes the reference in
     float64 and returns new tensors, writing none of its inputs."""
 
     def adamw_update(w, m, v, g, k, wd):
@@ -138,9 +138,9 @@ def install(patch=setattr) -> dict[str, int]:
     in tests, plain ``setattr`` in a worker process); returns the call count of each op."""
     calls = install_fused(patch)
     patch(ops, "AdamWeightDecay", adam_weight_decay_twin(calls))
-    from finetune import optim
+    from finetune.optim import update
 
-    patch(optim, "adamw_update", adamw_update_twin(calls))
+    patch(update, "adamw_update", adamw_update_twin(calls))
     return calls
 
 

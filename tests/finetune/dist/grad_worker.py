@@ -25,14 +25,14 @@ import mindspore as ms  # noqa: E402  (sys.path set above)
 import numpy as np  # noqa: E402  (sys.path set above)
 from mindspore.communication import get_group_size, get_rank  # noqa: E402  (sys.path set above)
 from mindspore.mint import distributed  # noqa: E402  (sys.path set above)
+from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402  (sys.path set above)
 
 from finetune.dist import init_distributed, launched_world  # noqa: E402  (sys.path set above)
-from finetune.optim import AdamW  # noqa: E402  (sys.path set above)
+from finetune.optim import AdamW, ShardedAdamW  # noqa: E402  (sys.path set above)
 from finetune.parallel.overlap import GradReduction  # noqa: E402  (sys.path set above)
-from finetune.parallel.zero import ShardedAdamW  # noqa: E402  (sys.path set above)
 from finetune.train import accumulate  # noqa: E402  (sys.path set above)
+from jobspec.layout import Layout  # noqa: E402  (sys.path set above)
 from tests.finetune.contracts import twins  # noqa: E402  (sys.path set above)
-from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402  (sys.path set above)
 
 MICRO = 8
 
@@ -68,7 +68,7 @@ def raw_grads(grad_fn, batches: list[dict]) -> list[list[np.ndarray]]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rank = init_distributed(tp=1, dp=launched_world(), device_target="CPU")
+    rank = init_distributed(Layout(dp=launched_world()))
     model, params = fp16_toy()
     grad_fn = ms.value_and_grad(lambda x, y, pos, seg, scale: model(x, y) * scale, None, params)
     batches = micro_batches(rank.dp_rank)

@@ -12,9 +12,8 @@ import pytest
 import grad_worker
 import harness
 from finetune.dist import RankInfo
-from finetune.optim import AdamW
+from finetune.optim import AdamW, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from finetune.parallel.zero import ShardedAdamW
 from finetune.train import accumulate
 from toy_worker import CFG
 

@@ -1,21 +1,25 @@
 """Layout checks and group membership (pure Python, no workers)."""
 import pytest
 
-from jobspec.config import ParallelConfig
 from finetune.dist import check_world, dp_group_ranks, group_name, init_distributed, tp_group_ranks
+from jobspec.layout import Layout, decide, world_problems
+
+
+def _decide(tp: int, dp: int, world: int, overlap: bool = True) -> Layout:
+    return decide(tp, dp, 1, None, overlap, True, 1, 1, 8, world, "cpu")
 
 
 def test_the_layout_is_derived_once_and_the_worker_only_checks():
-    assert ParallelConfig(tp=2).for_world(8).dp == 4
-    assert ParallelConfig(tp=2, dp=2).for_world(4).dp == 2
+    assert _decide(2, 0, 8).dp == 4
+    assert _decide(2, 2, 4).dp == 2
     # the gradient reduction overlaps the backward only where there is a DP reduction
-    assert [ParallelConfig(tp=2).for_world(w).overlap_grad_reduce for w in (2, 4)] == [False, True]
-    assert ParallelConfig(overlap_grad_reduce=False).for_world(4).overlap_grad_reduce is False
-    assert "TP=2 x DP=4 x PP=1 = 8 != world 4" in ParallelConfig(tp=2, dp=4).world_problems(4)[0].message
-    assert "TP x PP = 3 does not divide the 4 worker(s)" in ParallelConfig(tp=3).world_problems(4)[0].message
-    check_world(8, 2, 4)
-    with pytest.raises(ValueError, match=r"parallel.tp=2 x parallel.dp=4 = 8 but the job has 4 worker.*plan"):
-        check_world(4, 2, 4)
+    assert [_decide(2, 0, w).overlap_grad_reduce for w in (2, 4)] == [False, True]
+    assert _decide(1, 0, 4, overlap=False).overlap_grad_reduce is False
+    assert "TP=2 x DP=4 x PP=1 = 8 != world 4" in world_problems(2, 4, 1, 4)[0].message
+    assert "TP x PP = 3 does not divide the 4 worker(s)" in world_problems(3, 0, 1, 4)[0].message
+    check_world(8, Layout(tp=2, dp=4))
+    with pytest.raises(ValueError, match=r"made for 8 worker\(s\) on cpu \(TP 2 x DP 4 x PP 1\), this job has 4.*plan"):
+        check_world(4, Layout(tp=2, dp=4))
 
 
 def test_tp_groups_are_contiguous_and_dp_groups_share_the_tp_rank():
@@ -29,7 +33,7 @@ def test_tp_groups_are_contiguous_and_dp_groups_share_the_tp_rank():
 
 def test_single_process_needs_no_collectives_and_refuses_a_split(monkeypatch):
     monkeypatch.delenv("MS_ROLE", raising=False)
-    rank = init_distributed(1, 1, "CPU")
+    rank = init_distributed(Layout())
     assert (rank.world_size, rank.tp, rank.dp, rank.dp_group, rank.is_main) == (1, 1, 1, None, True)
-    with pytest.raises(ValueError, match="parallel.tp=2"):
-        init_distributed(2, 1, "CPU")
+    with pytest.raises(ValueError, match="made for 2 worker"):
+        init_distributed(Layout(tp=2))

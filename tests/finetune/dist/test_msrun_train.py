@@ -4,6 +4,7 @@ Same data, seed and global batch (4 sequences: micro batch 2 x grad_accum 2/dp x
 layout; compared: the per-step losses in metrics.jsonl (rel 1e-4, 5 steps) and the exported
 Hugging Face weights. One module-scoped one-process run is the reference for all.
 """
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,8 +23,9 @@ GLOBAL_SEQS = 4
 LR = 5e-3
 
 
-def _plan(tmp: Path, name: str, tp: int, dp: int, **extra: str) -> Path:
-    """Write <tmp>/<name>/plan.json; the model and token cache are shared by every run."""
+def _plan(tmp: Path, name: str, tp: int, dp: int, layout: dict | None = None, **extra: str) -> Path:
+    """Write <tmp>/<name>/plan.json; the model and token cache are shared by every run. ``layout``: the
+    recipe resolved for world tp x dp as the launcher writes it, with these fields of its layout changed."""
     over = {"output_dir": str(tmp / name), "model.dir": str(tmp / "base-model"), "data.cache_dir": str(tmp / "cache"),
             "data.seq_len": "64", "data.max_samples": "48", "train.micro_batch_size": "2",
             "train.grad_accum": str(GLOBAL_SEQS // 2 // dp), "train.max_steps": str(STEPS), "train.log_every": "1",
@@ -31,7 +33,11 @@ def _plan(tmp: Path, name: str, tp: int, dp: int, **extra: str) -> Path:
             "parallel.dp": str(dp), "export.dtype": "fp32", **extra}
     (tmp / name).mkdir(parents=True, exist_ok=True)
     plan = tmp / name / "plan.json"
-    plan.write_text(json.dumps({"recipe": to_dict(load_recipe("tiny-cpu", over))}))
+    recipe = load_recipe("tiny-cpu", over)
+    if layout is not None:
+        recipe = recipe.resolved(tp * dp, "cpu")
+        recipe = dataclasses.replace(recipe, layout=dataclasses.replace(recipe.decided_layout, **layout))
+    plan.write_text(json.dumps({"recipe": to_dict(recipe)}))
     return plan
 
 
@@ -40,10 +46,11 @@ def _msrun(tmp: Path, name: str, workers: int, nodes: int = 1, **kw) -> Path:
     return tmp / name
 
 
-def _run_once(tmp: Path, name: str, tp: int, dp: int, workers: int, nodes: int = 1, **extra: str) -> Path:
+def _run_once(tmp: Path, name: str, tp: int, dp: int, workers: int, nodes: int = 1, layout: dict | None = None,
+              **extra: str) -> Path:
     """Plan and run a complete job unless this module already ran it."""
     if not (tmp / name / "hf").is_dir():
-        _plan(tmp, name, tp, dp, **extra)
+        _plan(tmp, name, tp, dp, layout, **extra)
         _msrun(tmp, name, workers, nodes)
     return tmp / name
 
@@ -106,7 +113,12 @@ def tmp(module_tmp) -> Path:
 
 def test_dp2_sharded_and_unsharded_equal_one_process(tmp):
     _assert_same_run(_run_once(tmp, "dp2", 1, 2, 2), tmp / "one")  # shard_optimizer unset: on (dp > 1)
-    _assert_same_run(_run_once(tmp, "dp2-full", 1, 2, 2, **{"parallel.shard_optimizer": "false"}), tmp / "one")
+    # the plan's layout is what the workers use: its parallel section leaves shard_optimizer unset (on with
+    # dp 2), the layout the launcher decided says off, and off it is
+    full_run = _run_once(tmp, "dp2-full", 1, 2, 2, layout={"shard_optimizer": False})
+    plan = json.loads((full_run / "plan.json").read_text())["recipe"]
+    assert plan["parallel"]["shard_optimizer"] is None and plan["layout"]["shard_optimizer"] is False
+    _assert_same_run(full_run, tmp / "one")
     sharded, full = _optim_bytes(tmp / "dp2"), _optim_bytes(tmp / "dp2-full")
     assert len(sharded) == 2 and len(full) == 1  # unsharded state is stored once (DP replicas equal)
     for b in sharded:

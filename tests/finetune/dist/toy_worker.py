@@ -20,10 +20,11 @@ import mindspore as ms  # noqa: E402  (sys.path set above)
 import numpy as np  # noqa: E402  (sys.path set above)
 from mindspore import nn, ops  # noqa: E402  (sys.path set above)
 
-from jobspec.config import TrainConfig  # noqa: E402
 from finetune.dist import init_distributed, launched_world  # noqa: E402
+from finetune.optim import ShardedAdamW  # noqa: E402
 from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp  # noqa: E402
-from finetune.parallel.zero import ShardedAdamW  # noqa: E402
+from jobspec.config import TrainConfig  # noqa: E402
+from jobspec.layout import Layout  # noqa: E402
 
 VOCAB, HID, CLASSES, GLOBAL_BATCH = 50, 16, 7, 8
 CFG = TrainConfig(lr=5e-2, clip_grad=0.5, weight_decay=0.1)
@@ -68,14 +69,18 @@ class RefAdamW:
             p.set_data(ms.Tensor(w.astype(np.float32)))
         return norm, True
 
-    def state_nbytes(self):
-        return sum(x.nbytes for x in self.m + self.v)  # fp32 params are their own master
+    master: list = []  # fp32 params are their own master
+
+
+def state_nbytes(opt: ShardedAdamW | RefAdamW) -> int:
+    """Bytes of optimizer state held by this rank (moments, plus masters for low-precision params)."""
+    return sum(int(t.nbytes) for t in opt.master + opt.m + opt.v)
 
 
 def main() -> None:
     out, shard = Path(sys.argv[1]), sys.argv[2] == "1"
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    rank = init_distributed(tp=1, dp=launched_world(), device_target="CPU")
+    rank = init_distributed(Layout(dp=launched_world()))
     model = Toy()
     params = list(model.trainable_params())
     opt = ShardedAdamW(params, CFG, rank, bucket_bytes=256) if shard else RefAdamW(params)  # several buckets
@@ -101,7 +106,7 @@ def main() -> None:
         norms.append(norm)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank.rank}.json").write_text(json.dumps(
-        {"losses": losses, "norms": norms, "gnorms": gnorms, "state_bytes": opt.state_nbytes(), "dp": rank.dp,
+        {"losses": losses, "norms": norms, "gnorms": gnorms, "state_bytes": state_nbytes(opt), "dp": rank.dp,
          "collectives": "allreduce-fallback" if fallback else "default"}))
     np.savez(out / f"weights{rank.rank}.npz", **{p.name: p.asnumpy() for p in params})
 

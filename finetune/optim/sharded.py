@@ -1,6 +1,6 @@
 """Sharded AdamW (ZeRO-1 style): each DP rank keeps fp32 master weights and Adam moments for 1/dp.
 
-As in ``optim.AdamW``, fp32 parameters are their own master: when every parameter is fp32 no
+As in ``AdamW``, fp32 parameters are their own master: when every parameter is fp32 no
 master shard is stored (the chunk is read from the parameters, identical on all DP ranks), so the
 state is exactly the moments' 8 bytes per element / dp; bf16/fp16 parameters add a 4-byte master.
 
@@ -13,8 +13,8 @@ One step: per bucket, flatten the local gradients in fp32, reduce-scatter (SUM, 
 the DP group to get this rank's chunk, unscale, take the global norm over all chunks (and TP
 slices), skip on a non-finite norm, clip, AdamW-update the chunk, then all-gather the updated
 chunks and write them back into the parameters. The math per element is that of
-``finetune.optim.AdamW`` (torch AdamW: decoupled decay, bias corrections, no decay on 1-D params),
-with the same kernel (``optim.adamw_update``, returning new tensors).
+``AdamW`` (``optim/adamw.py``; torch AdamW: decoupled decay, bias corrections, no decay on 1-D params),
+with the same kernel (``optim/update.py`` ``adamw_update``, returning new tensors).
 Where the backend lacks ReduceScatter/AllGather on the DP group (CPU), AllReduce-based
 equivalents give the same numbers; the choice is logged once.
 """
@@ -36,7 +36,7 @@ from finetune.dist import (
     native_collectives,
     reduce_scatter_sum_async,
 )
-from finetune.optim import BiasCorrection, StepGate, write_param
+from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
 from jobspec.config import TrainConfig
@@ -198,10 +198,6 @@ class ShardedAdamW:
         return self.master if self.keep_master else [self._own_chunk(k) for k in range(len(self.buckets))]
 
     # ---------------------------------------------------------------- state
-    def state_nbytes(self) -> int:
-        """Bytes of optimizer state held by this rank (moments, plus masters for low-precision params)."""
-        return sum(int(t.nbytes) for t in self.master + self.m + self.v)
-
     def _meta(self) -> np.ndarray:
         return np.array([self.rank.dp, self.rank.dp_rank, sum(self.sizes), len(self.buckets)], np.int64)
 

@@ -1,0 +1,160 @@
+"""The pieces AdamW and ShardedAdamW share: the learning-rate schedule, the update kernel, torch's
+bias corrections, and the step gate (unscale, global-norm clip, skip on a non-finite norm).
+
+On Ascend all of it on the device (the step reads nothing on the host: the norm and whether the
+step was applied are device scalars, read at the training loop's sync points); on CPU the skip and
+clip decisions read the norm (``StepGate``).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, cast
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from finetune.dist import RankInfo
+from jobspec.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine or constant."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def unscale_and_clip(grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
+                     ) -> tuple[list, ms.Tensor, ms.Tensor]:
+    """On the device, nothing read: (the gradients unscaled, clipped to ``max_norm`` as torch clips
+    (0: no clipping) and zeroed when their norm is not finite; the unscaled norm; whether it is
+    finite). ``norm`` is the norm of ``grads`` as given, scaled by ``grad_scale`` when that is set."""
+    if grad_scale is not None:
+        norm = norm / grad_scale
+    ok = ops.isfinite(norm)
+    coef = ops.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0) if max_norm > 0 else None
+    if grad_scale is not None:
+        coef = 1.0 / grad_scale if coef is None else coef / grad_scale
+    return [ops.where(ok, g if coef is None else g * coef, 0.0) for g in grads], norm, ok
+
+
+class KernelScalars(NamedTuple):
+    """Scalars of ``adamw_update`` for one step (fp32 device scalars)."""
+
+    lr: ms.Tensor
+    beta1: ms.Tensor
+    beta2: ms.Tensor
+    eps: ms.Tensor
+    decay_factor: ms.Tensor  # weight decay ``wd`` enters the kernel as ``wd * decay_factor``
+
+
+def adamw_update(w: ms.Tensor, m: ms.Tensor, v: ms.Tensor, g: ms.Tensor, k: KernelScalars, wd: ms.Tensor
+                 ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
+    """The optimizer kernel: one AdamW step of the fp32 ``w`` as NEW tensors (w', m', v'); writes none
+    of its inputs, so the caller keeps what it returns (docs/ascend-contracts.md, "optimizer kernel").
+
+    m' = b1 m + (1 - b1) g;  v' = b2 v + (1 - b2) g^2;  w' = w (1 - lr' wd) - lr' m' / (sqrt(v') + eps'),
+    torch's AdamW step (decay first) with the bias corrections folded into lr', eps' and wd
+    (BiasCorrection), from documented ops (``lerp``, ``addcmul``, ...: eight passes) that return
+    their results in PyNative on every backend (not ``addcdiv``: MindSpore 2.10's CPU kernel gives NaN
+    for value 0, a skipped step's lr', with a zero numerator). ``ops.AdamWeightDecay`` (one pass on CPU, about
+    5x faster there) is not used: it works by writing its inputs in place, which MindSpore documents
+    for no non-Parameter tensor in PyNative (on the CPU its returned tensors are zeros), and on Ascend
+    it lowers to a non-aclnn kernel; ``mint.optim.AdamW``'s ``ops.auto_generate.AdamW`` is Ascend-only
+    and also writes in place.
+    """
+    m = ops.lerp(m, g, 1.0 - k.beta1)
+    v = ops.addcmul(v * k.beta2, g, g, 1.0 - k.beta2)
+    return w * (1.0 - k.lr * wd) - k.lr * (m / (ops.sqrt(v) + k.eps)), m, v
+
+
+class BiasCorrection:
+    """The count of applied steps (a device int32) and torch AdamW's bias corrections folded into
+    the kernel's arguments, looked up on the device by that count, so a skipped step needs no host read.
+
+    The kernel computes ``w -= lr' * (m / (sqrt(v) + eps') + wd' * w)`` without bias correction.
+    With lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2) that is torch's AdamW.
+    Row t of the table: (sqrt(bc2)/bc1, eps*sqrt(bc2), bc1/sqrt(bc2)) of step t, in float64 made fp32.
+    A skipped step gets lr' 0 (on the device gate the kernel then leaves the weights as they were and
+    ``StepGate.update`` keeps the old moments; on the host gate no kernel runs; see StepGate).
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.applied = ms.Tensor(0, ms.int32)
+        self.steps = 0  # steps taken or skipped: an upper bound of ``applied`` (sizes the table)
+        self.table = ms.Tensor(np.zeros((0, 3), np.float32))
+        self.betas = cast(tuple[ms.Tensor, ms.Tensor], tuple(ms.Tensor(b, ms.float32) for b in cfg.betas))  # a pair
+
+    def _rows(self, n: int) -> np.ndarray:
+        b1, b2 = self.cfg.betas
+        t = np.maximum(np.arange(n, dtype=np.float64), 1.0)  # row 0 (nothing applied yet) repeats row 1
+        bc1, bc2 = 1.0 - b1 ** t, np.sqrt(1.0 - b2 ** t)
+        return np.stack([bc2 / bc1, self.cfg.eps * bc2, bc1 / bc2], axis=1).astype(np.float32)
+
+    def step(self, lr: float, ok: ms.Tensor) -> KernelScalars:
+        """Count this step when ``ok``; the kernel's arguments for it."""
+        self.applied = self.applied + ok.astype(ms.int32)
+        self.steps += 1
+        if self.table.shape[0] <= self.steps:  # grown by doubling: a host-to-device copy, now and then
+            self.table = ms.Tensor(self._rows(2 * self.steps + 2))
+        row = ops.gather(self.table, self.applied, 0)
+        return KernelScalars(ops.where(ok, row[0] * lr, 0.0), *self.betas, row[1], row[2])
+
+    def count(self) -> np.ndarray:
+        """The applied steps, for a checkpoint (a host read)."""
+        return np.array(int(self.applied.asnumpy()), dtype=np.int64)
+
+    def restore(self, t) -> None:
+        self.steps = int(np.asarray(t).item())
+        self.applied = ms.Tensor(self.steps, ms.int32)
+
+
+class StepGate:
+    """Where the step decides whether it is applied (its gradient norm is finite) and clips.
+
+    On the device (Ascend): nothing is read; the gradients are unscaled, clipped and, on a
+    non-finite norm, zeroed with ``ops.where``, and the kernel runs with lr' 0, its new moments
+    dropped for the old ones, so the launch queue never waits for the host. On the host (CPU,
+    where kernels run synchronously and a read costs nothing): the norm is read once and a
+    non-finite step calls no kernel at all. Both give the same numbers (tests/finetune/test_optim.py).
+    """
+
+    def __init__(self, rank: RankInfo):
+        self.on_device = rank.device_target != "CPU"
+
+    def gradients(self, grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
+                  ) -> tuple[list | None, ms.Tensor, ms.Tensor]:
+        """(the gradients to apply, or None for a step skipped on the host; the unscaled norm;
+        whether it is finite, a device bool)."""
+        if self.on_device:
+            return unscale_and_clip(grads, norm, max_norm, grad_scale)
+        if grad_scale is not None:
+            norm = norm / grad_scale
+        ok = ops.isfinite(norm)
+        value = float(norm.asnumpy())  # the step's one host read
+        if not math.isfinite(value):
+            return None, norm, ok
+        coef = max_norm / (norm + 1e-6) if 0 < max_norm < value else None  # as unscale_and_clip computes it
+        if grad_scale is not None:
+            coef = 1.0 / grad_scale if coef is None else coef / grad_scale
+        return (grads if coef is None else [g * coef for g in grads]), norm, ok
+
+    def update(self, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
+               ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
+        """One ``adamw_update`` of ``w``: the new (w, m, v) to keep (on the device gate the old moments
+        when the step is skipped; ``w`` is then unchanged: lr' 0, zeroed gradients)."""
+        w_new, m_new, v_new = adamw_update(w, m, v, g, k, wd)
+        if self.on_device:
+            return w_new, ops.where(ok, m_new, m), ops.where(ok, v_new, v)
+        return w_new, m_new, v_new
+
+
+def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
+    """Copy ``value`` into the storage of ``p`` (``ops.assign``: the documented in-place write to a Parameter)."""
+    ops.assign(p, value if value.dtype == p.dtype else value.astype(p.dtype))

@@ -1,0 +1,78 @@
+"""The job's resolved layout: how the world splits and what follows from it, decided once.
+
+Like torchtitan's ``ParallelDims``: :func:`decide` (called only by ``Recipe.resolved``) turns the
+recipe's ``parallel`` request and the world into one frozen :class:`Layout`; the launcher writes it
+into plan.json (``recipe.layout``) and every reader (memory estimate, launcher, workers, optimizer,
+checkpoint) takes it from there, never re-deciding. Pure Python (no MindSpore).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jobspec.recipe_parse import Problem
+
+Device = Literal["npu", "cpu"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """world = tp x dp x pp; the defaults are one CPU process."""
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    shard_optimizer: bool = False  # the AdamW state split over DP (ZeRO-1); only with dp > 1
+    overlap_grad_reduce: bool = False  # DP reduction started by the backward; only with dp > 1
+    vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows; only with tp > 1
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    seq_len: int = 1024
+    device: Device = "cpu"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over the whole job (micro batch x grad accum x dp)."""
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    @property
+    def device_target(self) -> Literal["Ascend", "CPU"]:
+        """MindSpore's name of the device."""
+        return "Ascend" if self.device == "npu" else "CPU"
+
+    def world_problem(self, world: int, device: str) -> str | None:
+        """Why this layout is not the one for ``world`` workers on ``device`` (a plan made for another job)."""
+        if world == self.world and device == self.device:
+            return None
+        return (f"the plan was made for {self.world} worker(s) on {self.device} (TP {self.tp} x DP {self.dp} x PP "
+                f"{self.pp}), this job has {world} on {device}; make the plan again for this job "
+                "(python -m launcher plan)")
+
+
+def world_problems(tp: int, dp: int, pp: int, world: int) -> list[Problem]:
+    """Why the ``parallel`` request cannot run on ``world`` workers (nodes x workers per node), each with the fix."""
+    if world % (tp * pp):
+        fit = max(d for d in range(1, world + 1) if world % d == 0 and d <= tp)
+        return [Problem("parallel.tp", f"TP x PP = {tp * pp} does not divide the {world} worker(s) of this job "
+                        "(nodes x workers per node)", str(fit), repr(tp))]
+    if dp and tp * dp * pp != world:
+        return [Problem("parallel.dp", f"TP={tp} x DP={dp} x PP={pp} = {tp * dp * pp} != world {world} "
+                        "(nodes x workers per node); DP=0 derives it", str(world // (tp * pp)), repr(dp))]
+    return []
+
+
+def decide(tp: int, dp: int, pp: int, shard_optimizer: bool | None, overlap_grad_reduce: bool,
+           vocab_parallel: bool, micro_batch_size: int, grad_accum: int, seq_len: int, world: int,
+           device: Device) -> Layout:
+    """The layout of a ``parallel`` request on ``world`` workers: dp 0 -> world / (tp x pp), an unset
+    shard_optimizer -> on when dp > 1, overlap only with dp > 1, vocab-parallel only with tp > 1.
+    The request is checked against the world first (:func:`world_problems`)."""
+    dp = dp or world // (tp * pp)
+    shard = shard_optimizer if shard_optimizer is not None else dp > 1
+    return Layout(tp=tp, dp=dp, pp=pp, shard_optimizer=shard and dp > 1,
+                  overlap_grad_reduce=overlap_grad_reduce and dp > 1, vocab_parallel=vocab_parallel and tp > 1,
+                  micro_batch_size=micro_batch_size, grad_accum=grad_accum, seq_len=seq_len, device=device)
