@@ -165,9 +165,9 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
              f"{tc.micro_batch_size * tc.grad_accum * rank.dp} x {recipe.data.seq_len} tokens")
     trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
     if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
-        from finetune.lora_io import adapter_identity
+        from finetune.lora_io import lora_identity
 
-        trainer.identity["method"] = adapter_identity(recipe.lora)
+        trainer.identity.update(lora_identity(recipe.lora))
     if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
         trainer.restore(None if tc.resume == "auto" else Path(tc.resume))
     return trainer

@@ -85,3 +85,32 @@ def test_generate_with_the_adapter_answers_as_the_merged_model(lora_run, tmp_pat
     assert capsys.readouterr().out == with_adapter
     assert main(["--model-dir", str(lora_run / "base-model"), "--adapter", str(tmp_path), *common]) == 2
     assert "adapter_config.json" in capsys.readouterr().err
+
+
+def test_export_of_a_checkpoint_equals_the_run_s_final_export(lora_run, tmp_path, capsys, ms_cpu):
+    """``export --checkpoint`` of a LoRA checkpoint: adapter/ and merged hf/ tensor-equal to the run's final
+    export of the same step; the merged model loads and gives the same logits; --no-merge: adapter/ only."""
+    from finetune.export import main
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+
+    base = str(lora_run / "base-model")
+    args = ["--checkpoint", "latest", "--output-dir", str(lora_run), "--model-dir", base, "--dtype", "fp32"]
+    assert main([*args, "--out", str(tmp_path / "e")]) == 0
+    assert "adapter" in capsys.readouterr().out
+    for d, f in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        ours, run_s = load_file(str(tmp_path / "e" / d / f)), load_file(str(lora_run / d / f))
+        assert ours.keys() == run_s.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], run_s[k], err_msg=k)
+    assert json.loads((tmp_path / "e" / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
+    ids = np.arange(3, 40, dtype=np.int32).reshape(1, -1)
+    logits = []
+    for d in (tmp_path / "e" / "hf", lora_run / "hf"):
+        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(d)))
+        load_weights(model, d)
+        logits.append(model.logits(ms_cpu.Tensor(ids)).asnumpy())
+    np.testing.assert_array_equal(logits[0], logits[1])
+    assert main([*args, "--checkpoint", "step_3", "--out", str(tmp_path / "a"), "--no-merge"]) == 0
+    assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file() and not (tmp_path / "a" / "hf").exists()
