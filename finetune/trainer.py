@@ -76,6 +76,9 @@ class Trainer:
 
     def scaled_loss(self, input_ids, labels, position_ids, segment_ids, scale):
         """The summed token loss times ``scale`` (loss scale / label tokens of the global batch)."""
+        masks = getattr(self.model, "lora_masks", None)  # LoRA dropout: masks keyed by step and micro-batch
+        if masks is not None:
+            masks.advance(self.step)
         return self.model(input_ids, labels, position_ids, segment_ids) * scale
 
     def save(self, finished: bool = False) -> Path:

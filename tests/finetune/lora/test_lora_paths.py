@@ -144,3 +144,31 @@ def test_fp16_lora_scales_the_loss_and_skips_a_non_finite_step(tmp_path, capsys)
     assert json.loads((out / "hf" / "config.json").read_text())["torch_dtype"] == "float16"
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert max(np.abs(a).max() for k, a in adapter.items() if ".lora_B." in k) > 0  # the good steps applied
+
+
+def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
+    """lora.dropout > 0: the same (step, micro-batch) gives the same masks, another micro-batch other ones;
+    a recomputed layer draws its forward's masks again, so its gradients equal the plain path's."""
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.lora import apply_lora
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from jobspec.lora_config import LoraConfig
+
+    ms = ms_cpu
+    batch, _ = _batch(ms)
+    runs = []
+    for recompute in (False, True):
+        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)), recompute=recompute)
+        load_weights(model, BASE)
+        params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.3), seed=0)
+        golden_init(ms, params)
+        model.set_train(True)
+        model.lora_masks.advance(5)
+        runs.append(_loss_grads(ms, model, params, batch))
+        model.lora_masks.advance(5)  # the next micro-batch of step 5
+        runs.append(_loss_grads(ms, model, params, batch))
+    (l0, g0), (l1, _), (l2, g2), (l3, _) = runs
+    assert l0 != l1 and l0 == pytest.approx(l2, rel=1e-6) and l1 == pytest.approx(l3, rel=1e-6)
+    assert l0 != pytest.approx(float(np.load(G)["loss"]) * _batch(ms)[1], rel=1e-4)  # the masks act
+    for a, b in zip(g0, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)

@@ -13,7 +13,7 @@ from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.tiny import ensure_tiny_model
 
-# dropout 0: its masks come from MindSpore's global RNG, which a checkpoint does not restore (docs/lora.md)
+# dropout 0 here (the goldens' setting); test_resume_is_exact_with_dropout runs 0.05
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
         "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "lora.dropout": "0"}
 
@@ -114,3 +114,24 @@ def test_export_of_a_checkpoint_equals_the_run_s_final_export(lora_run, tmp_path
     np.testing.assert_array_equal(logits[0], logits[1])
     assert main([*args, "--checkpoint", "step_3", "--out", str(tmp_path / "a"), "--no-merge"]) == 0
     assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file() and not (tmp_path / "a" / "hf").exists()
+
+
+@pytest.mark.slow  # two short training runs (~2 min here)
+def test_resume_is_exact_with_dropout(lora_run, tmp_path):
+    """lora.dropout 0.05: the masks are a function of (seed, step, micro-batch, layer, module, rank)
+    (lora.MaskKey), so a run resumed from step 3 draws the masks of the uninterrupted run: equal losses
+    and adapters. The masks act: the losses differ from the dropout-0 run's."""
+    drop = {"lora.dropout": "0.05", "export.merge": "false", "export.check_prompts": ""}
+    whole = tmp_path / "whole"
+    assert run(_recipe(whole, **drop)) == 0
+    assert _losses(whole) != _losses(lora_run)
+    out = tmp_path / "resumed"
+    shutil.copytree(whole, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000006")
+    shutil.rmtree(out / "adapter")
+    assert run(_recipe(out, **drop)) == 0
+    assert _losses(out) == _losses(whole)
+    a = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
