@@ -22,7 +22,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.ops.operations.math_ops import Bernoulli
 
 from finetune.dist import RankInfo
-from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, linear
+from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, RowParallelLinear, linear
 from finetune.reshard import cut
 from jobspec.lora_config import TARGETS, LoraConfig, module_path
 from jobspec.qwen2_layout import TPSlice
@@ -105,9 +105,9 @@ def _param(full: np.ndarray, part: TPSlice | None) -> Parameter:
     return p
 
 
-def targeted(model, cfg: LoraConfig) -> list[tuple[str, object]]:
+def targeted(model, cfg: LoraConfig) -> list[tuple[str, ColumnParallelLinear | RowParallelLinear]]:
     """(module path, linear layer) of every layer the config targets, in model order."""
-    out = []
+    out: list[tuple[str, ColumnParallelLinear | RowParallelLinear]] = []
     for n, layer in enumerate(model.model.layers):
         for name in TARGETS:
             path = module_path(n, name)

@@ -74,12 +74,12 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray], cfg: Lora
     with atomic_dir(out_dir, "lora-adapter") as tmp:
         _write_shard(tmp / ADAPTER_FILE, {PEFT_PREFIX + n: _convert(a, dtype) for n, a in tensors.items()}, st_dtype)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, str(base_dir)), indent=2, sort_keys=True) + "\n")
-        for f in TOKENIZER_FILES:
-            if (Path(base_dir) / f).is_file():
-                shutil.copyfile(Path(base_dir) / f, tmp / f)
+        for name in TOKENIZER_FILES:
+            if (Path(base_dir) / name).is_file():
+                shutil.copyfile(Path(base_dir) / name, tmp / name)
         tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
     return Path(out_dir)
 
 
