@@ -135,3 +135,33 @@ def test_resume_is_exact_with_dropout(lora_run, tmp_path):
     b = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_export_gathers_a_tp2_lora_checkpoint(lora_run, tmp_path):
+    """A LoRA checkpoint written under TP 2 (the step-6 adapters cut as a TP-2 run holds them: B of a
+    column-parallel layer by rows, A of a row-parallel one by columns) exports to the run's adapter/ and hf/."""
+    from safetensors.numpy import save_file
+
+    from finetune.lora_io import export_lora_checkpoint
+
+    src, ckpt = lora_run / "checkpoints" / "step_00000006", tmp_path / "step_00000006"
+    shutil.copytree(src, ckpt)
+    full = load_file(str(src / "model_rank00000.safetensors"))
+    ranks: list[dict[str, np.ndarray]] = [{}, {}]
+    for name, a in full.items():
+        row = ".o_proj." in name or ".down_proj." in name
+        axis = (1 if row else None) if ".lora_A." in name else (None if row else 0)
+        for t in range(2):
+            ranks[t][name] = a if axis is None else np.ascontiguousarray(np.split(a, 2, axis)[t])
+    for t in range(2):
+        save_file(ranks[t], str(ckpt / f"model_rank{t:05d}.safetensors"))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["layout"] = {"world_size": 2, "tp": 2, "dp": 1}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    identity = json.loads((ckpt / "trainer_state.json").read_text())["identity"]
+    export_lora_checkpoint(ckpt, identity, lora_run / "base-model", tmp_path / "e", "fp32", 10**9, True)
+    for d, f in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        ours, run_s = load_file(str(tmp_path / "e" / d / f)), load_file(str(lora_run / d / f))
+        assert ours.keys() == run_s.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], run_s[k], err_msg=k)
