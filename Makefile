@@ -73,10 +73,12 @@ bench-data: $(STAMP)
 
 ## Our training step vs transformers + torch eager (docs/speed.md); TORCH_PYTHON: an interpreter with both.
 TORCH_PYTHON ?= $(CURDIR)/$(PY)
-## BENCH_ARGS e.g. "--rounds 6 --json bench.json" or "--paths ours-opbyop"; a method switch goes beside --paths.
+## BENCH_ARGS e.g. "--rounds 6 --json bench.json" or "--paths ours-opbyop"; METHOD=lora: our LoRA step against
+## our full step and transformers + peft (TORCH_PYTHON then needs peft too).
+METHOD ?= full
 .PHONY: bench-train profile-step
 bench-train: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" $(BENCH_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" --method "$(METHOD)" $(BENCH_ARGS)
 
 ## Per-phase and per-op times of one step, ours against torch at the bench shape (docs/speed.md).
 profile-step: $(STAMP)

@@ -4,10 +4,13 @@
 
 The checkpoint may come from any TP x DP layout (its slices are gathered by ``finetune/reshard.py``);
 ``config.json``, ``generation_config.json`` and the tokenizer come from the base model directory.
+A LoRA run's checkpoint (adapters only) gives what the run's final export gives: ``<out>/adapter`` in
+peft's format and, unless ``--no-merge``, the merged model ``<out>/hf`` (finetune/lora_io.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -19,8 +22,9 @@ if __package__ in (None, ""):  # started as a script
 from finetune.checkpoint import MANIFEST, verify  # noqa: E402
 from finetune.dist import BUCKET_BYTES  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
+from finetune.lora_io import export_lora_checkpoint  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
-from jobspec.checkpoints import checkpoint_root, unhealthy, usable
+from jobspec.checkpoints import STATE, checkpoint_root, unhealthy, usable  # noqa: E402
 from jobspec.config import parse_size  # noqa: E402
 from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from jobspec.qwen2_layout import full_shapes  # noqa: E402
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="default: <output-dir>/hf-step_N")
     ap.add_argument("--dtype", default="bf16", choices=list(EXPORT_DTYPES))
     ap.add_argument("--shard-size", default="2GB", help="largest safetensors file (e.g. 2GB, 500MB)")
+    ap.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
+                    help="a LoRA checkpoint: also write base + adapter merged to <out>/hf (<out>/adapter always)")
     args = ap.parse_args(argv)
     try:
         shard_size = parse_size(args.shard_size)
@@ -91,11 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise ValueError(f"--checkpoint {args.checkpoint}: {problem}; export an older checkpoint "
                              f"(--checkpoint step_N)")
-        export_checkpoint(ckpt, args.model_dir, out, args.dtype, shard_size)
+        identity = json.loads((ckpt / STATE).read_text()).get("identity", {})
+        if "method" in identity:  # train.method=lora: the checkpoint holds the adapters only
+            remove_stale_temps(out)
+            export_lora_checkpoint(ckpt, identity, args.model_dir, out, args.dtype, shard_size, args.merge)
+        else:
+            export_checkpoint(ckpt, args.model_dir, out, args.dtype, shard_size)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[export] {ckpt} -> {out} ({args.dtype})")
+    lora = "method" in identity
+    print(f"[export] {ckpt} -> " + (f"{out / 'adapter'}" + (f" and {out / 'hf'}" if args.merge else "") if lora
+                                    else f"{out}") + f" ({args.dtype})")
     return 0
 
 

@@ -18,28 +18,65 @@ import zlib
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, nn
+from mindspore import Parameter, nn, ops
+from mindspore.ops.operations.math_ops import Bernoulli
 
 from finetune.dist import RankInfo
-from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, linear
+from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, RowParallelLinear, linear
 from finetune.reshard import cut
 from jobspec.lora_config import TARGETS, LoraConfig, module_path
 from jobspec.qwen2_layout import TPSlice
 
 
+class MaskKey:
+    """Where the dropout masks are drawn: ``(train.seed, step, micro-batch)``, set before each micro-batch's
+    forward (``advance``, called by Trainer.scaled_loss). Each adapter adds its module path and rank
+    (:meth:`of`), so a mask is a function of (seed, step, micro-batch, layer, module, rank) alone: a resumed
+    run draws the masks of the uninterrupted one, and a recomputed layer draws its forward's again."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.step, self.micro = seed, -1, 0
+
+    def advance(self, step: int) -> None:
+        """The next micro-batch's forward: the first of ``step``, or the one after the last."""
+        self.micro = self.micro + 1 if step == self.step else 0
+        self.step = step
+
+    def of(self, module: str, rank: str) -> int:
+        """The 31-bit seed of one adapter's mask now."""
+        return zlib.crc32(f"{self.seed}/{self.step}/{self.micro}/{module}/{rank}".encode()) & 0x7FFFFFFF
+
+
+def keyed_mask(x, keep: float, key: int, ascend: bool):
+    """A {0, 1} mask like ``x`` (1 with probability ``keep``) drawn from ``key`` alone: the Bernoulli
+    primitive seeded with it (CPU, GPU), or on Ascend BernoulliExt with a generator seeded with it (not run
+    on this project's CPU tests)."""
+    if ascend:
+        from mindspore import mint
+
+        g = ms.Generator()
+        g.manual_seed(key)
+        return mint.bernoulli(ops.full_like(x, keep), generator=g)
+    return Bernoulli(key)(x, ms.Tensor([keep], ms.float32))  # a new primitive: its cache would keep every seed
+
+
 class LoraAdapter(nn.Cell):
     """``scale * B @ A @ dropout(x)`` for one linear layer (``column``: the layer splits its output)."""
 
-    def __init__(self, a: Parameter, b: Parameter, scale: float, dropout: float, column: bool, base, rank: RankInfo):
+    def __init__(self, a: Parameter, b: Parameter, scale: float, dropout: float, column: bool, base, rank: RankInfo,
+                 masks: MaskKey, module: str):
         super().__init__()
         self.lora_A, self.lora_B, self.scale, self.dtype = a, b, scale, base.dtype
-        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else None
+        self.dropout, self.masks, self.module, self.ascend = dropout, masks, module, rank.device_target == "Ascend"
+        # x is whole and the same on every TP rank of a column-parallel layer: the same mask there
+        self.rank_key = f"dp{rank.dp_rank}" + ("" if column or rank.tp == 1 else f"tp{rank.tp_rank}")
         self.comm = (CopyToTP if column else ReduceFromTP)(rank) if rank.tp > 1 else None
         self.share = getattr(base, "share", None)  # KV heads copied on several TP ranks: B summed like W
 
     def construct(self, x):
-        if self.dropout is not None:
-            x = self.dropout(x)
+        if self.dropout > 0 and self.training:
+            keep = 1.0 - self.dropout
+            x = x * keyed_mask(x, keep, self.masks.of(self.module, self.rank_key), self.ascend) * (1.0 / keep)
         h = linear(x, self.lora_A, None, self.dtype)
         if self.comm is not None:
             h = self.comm(h)
@@ -68,9 +105,9 @@ def _param(full: np.ndarray, part: TPSlice | None) -> Parameter:
     return p
 
 
-def targeted(model, cfg: LoraConfig) -> list[tuple[str, object]]:
+def targeted(model, cfg: LoraConfig) -> list[tuple[str, ColumnParallelLinear | RowParallelLinear]]:
     """(module path, linear layer) of every layer the config targets, in model order."""
-    out = []
+    out: list[tuple[str, ColumnParallelLinear | RowParallelLinear]] = []
     for n, layer in enumerate(model.model.layers):
         for name in TARGETS:
             path = module_path(n, name)
@@ -84,6 +121,7 @@ def apply_lora(model, cfg: LoraConfig, seed: int) -> list[Parameter]:
     ``modules_to_save`` weights) for the optimizer."""
     for p in model.get_parameters():
         p.requires_grad = False
+    model.lora_masks = MaskKey(seed)
     for path, lin in targeted(model, cfg):
         column = isinstance(lin, ColumnParallelLinear)
         out, fan_in = lin.weight.hf_shape
@@ -91,14 +129,24 @@ def apply_lora(model, cfg: LoraConfig, seed: int) -> list[Parameter]:
         part = lin.weight.tp_slice
         pa = _param(a, None if column else part)
         pb = _param(b, part if column else None)
-        lin.adapter = LoraAdapter(pa, pb, cfg.scale, cfg.dropout, column, lin, model.rank)
+        lin.adapter = LoraAdapter(pa, pb, cfg.scale, cfg.dropout, column, lin, model.rank, model.lora_masks, path)
         pa.name, pb.name = f"{path}.lora_A.weight", f"{path}.lora_B.weight"  # attaching renamed them
     saved = {"embed_tokens": "model.embed_tokens.weight",
              "lm_head": "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"}
     state, full = model.hf_state(), [saved[m] for m in dict.fromkeys(cfg.modules_to_save)]
     for name in full:
         state[name].requires_grad = True
+    _renew_recompute(model)
     return adapters(model) + [state[name] for name in dict.fromkeys(full)]
+
+
+def _renew_recompute(model) -> None:
+    """A recomputed layer differentiates the parameters that were trainable when ``recompute()`` was called
+    (MindSpore's recompute cell takes ``trainable_params()`` then): before the adapters existed, so they got
+    zero gradients and the frozen base got some. Called again, it takes the adapters only."""
+    for layer in model.model.layers:
+        if getattr(layer, "_recompute_cell", None) is not None:
+            layer.recompute()
 
 
 def adapters(model) -> list[Parameter]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +23,15 @@ from finetune.hf_io import (
     _write_shard,
     gather_full,
     gather_slice,
+    load_hf_config,
+    read_tensor,
+    weight_files,
     write_hf_dir,
 )
 from jobspec.fsutil import atomic_dir
+from jobspec.hf_files import read_header
 from jobspec.lora_config import TARGETS, LoraConfig
+from jobspec.qwen2_layout import full_shapes
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -33,6 +40,12 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 def adapter_identity(cfg: LoraConfig) -> str:
     """What a checkpoint's adapters are (compared on resume): rank, targets, saved modules."""
     return f"lora r={cfg.r} targets={','.join(cfg.target_modules)} save={','.join(cfg.modules_to_save)}"
+
+
+def lora_identity(cfg: LoraConfig) -> dict:
+    """What a LoRA run adds to its checkpoints' identity: ``method`` (compared on resume) and the whole
+    ``lora`` section (read back by ``export --checkpoint``, see :func:`export_lora_checkpoint`)."""
+    return {"method": adapter_identity(cfg), "lora": asdict(cfg)}
 
 
 def peft_config(cfg: LoraConfig, base_model: str) -> dict:
@@ -61,30 +74,37 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray], cfg: Lora
     with atomic_dir(out_dir, "lora-adapter") as tmp:
         _write_shard(tmp / ADAPTER_FILE, {PEFT_PREFIX + n: _convert(a, dtype) for n, a in tensors.items()}, st_dtype)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, str(base_dir)), indent=2, sort_keys=True) + "\n")
-        for f in TOKENIZER_FILES:
-            if (Path(base_dir) / f).is_file():
-                shutil.copyfile(Path(base_dir) / f, tmp / f)
+        for name in TOKENIZER_FILES:
+            if (Path(base_dir) / name).is_file():
+                shutil.copyfile(Path(base_dir) / name, tmp / name)
         tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
     return Path(out_dir)
 
 
-def merged_weights(model, tensors: dict[str, np.ndarray], cfg: LoraConfig, rank: RankInfo):
-    """``fetch(name)`` of the full merged weights: base (gathered) + scale * B @ A, or a saved module."""
-    state = model.hf_state()
+def merge_fetch(base: Callable[[str], np.ndarray], tensors: dict[str, np.ndarray], scale: float
+                ) -> Callable[[str], np.ndarray]:
+    """``fetch(name)`` of the full merged weights: ``base(name)`` + scale * B @ A, or a saved module."""
 
     def fetch(name: str) -> np.ndarray:
         if name in tensors:  # modules_to_save
             return tensors[name]
-        w = gather_full(model, name, state[name], rank)
+        w = base(name)
         a = tensors.get(name.removesuffix(".weight") + ".lora_A.weight")
         if a is None:
             return w
         b = tensors[name.removesuffix(".weight") + ".lora_B.weight"]
-        return (w.astype(np.float64) + cfg.scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+        return (w.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
 
     return fetch
+
+
+def merged_weights(model, tensors: dict[str, np.ndarray], cfg: LoraConfig, rank: RankInfo
+                   ) -> Callable[[str], np.ndarray]:
+    """:func:`merge_fetch` over the model's own base weights (gathered over TP: collective)."""
+    state = model.hf_state()
+    return merge_fetch(lambda name: gather_full(model, name, state[name], rank), tensors, cfg.scale)
 
 
 def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, out: str | Path, dtype: str,
@@ -100,11 +120,42 @@ def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, out:
                      merged_weights(model, tensors, cfg, rank), dtype, shard_size_bytes)
 
 
+def export_lora_checkpoint(checkpoint: Path, identity: dict, model_dir: str | Path, out: str | Path, dtype: str,
+                           shard_size_bytes: int, merge: bool) -> Path:
+    """What the run's final export writes (:func:`export_lora`), from a LoRA checkpoint of any TP x DP
+    layout and the base model on disk (numpy only, one process): ``out/adapter`` and, with ``merge``,
+    ``out/hf``. ``identity``: the checkpoint's (its ``lora`` section, see :func:`lora_identity`)."""
+    from finetune.dist import BUCKET_BYTES
+    from finetune.reshard import SavedState, rank_file
+
+    if "lora" not in identity:
+        raise ValueError(f"{checkpoint}: a LoRA checkpoint without its lora settings (written by an older version); "
+                         "export the run's final adapter/ instead, or train again")
+    cfg = LoraConfig(**identity["lora"])
+    shapes = full_shapes(load_hf_config(model_dir))
+    names = list(read_header(rank_file(checkpoint, "model", 0))[0])
+    full = {n: shapes.get(n) or adapter_shape(n, shapes, cfg.r) for n in names}
+    saved = SavedState(checkpoint, names, full, BUCKET_BYTES)
+    tensors = {n: saved.weights(n) for n in names}
+    write_adapter(Path(out) / "adapter", tensors, cfg, model_dir)
+    if merge:
+        files = weight_files(model_dir)
+        write_hf_dir(Path(out) / "hf", model_dir, shapes, merge_fetch(lambda n: read_tensor(files[n], n), tensors,
+                                                                      cfg.scale), dtype, shard_size_bytes)
+    return Path(out)
+
+
+def adapter_shape(name: str, shapes: dict[str, tuple[int, ...]], r: int) -> tuple[int, ...]:
+    """The full shape of adapter ``name``: A ``[r, in]``, B ``[out, r]`` of its layer's weight."""
+    layer, kind = name.rsplit(".lora_", 1)
+    if layer + ".weight" not in shapes or kind not in ("A.weight", "B.weight"):
+        raise ValueError(f"{name}: not a LoRA adapter of this model's layers")
+    out, fan_in = shapes[layer + ".weight"]
+    return (r, fan_in) if kind == "A.weight" else (out, r)
+
+
 def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
     """A peft LoRA directory: (its config, our name -> fp32 tensor)."""
-    from finetune.hf_io import read_tensor
-    from jobspec.hf_files import read_header
-
     d = Path(adapter_dir)
     if not (d / ADAPTER_CONFIG).is_file() or not (d / ADAPTER_FILE).is_file():
         raise ValueError(f"{d}: no {ADAPTER_CONFIG} and {ADAPTER_FILE}; give a LoRA adapter directory in peft's "

@@ -73,6 +73,9 @@ class Trainer:
 
     def scaled_loss(self, input_ids, labels, position_ids, segment_ids, scale):
         """The summed token loss times ``scale`` (loss scale / label tokens of the global batch)."""
+        masks = getattr(self.model, "lora_masks", None)  # LoRA dropout: masks keyed by step and micro-batch
+        if masks is not None:
+            masks.advance(self.step)
         return self.model(input_ids, labels, position_ids, segment_ids) * scale
 
     def save(self, finished: bool = False) -> Path:
@@ -163,9 +166,9 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
              f"{layout.global_batch} x {layout.seq_len} tokens")
     trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
     if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
-        from finetune.lora_io import adapter_identity
+        from finetune.lora_io import lora_identity
 
-        trainer.identity["method"] = adapter_identity(recipe.lora)
+        trainer.identity.update(lora_identity(recipe.lora))
     if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
         trainer.restore(None if tc.resume == "auto" else Path(tc.resume))
     return trainer

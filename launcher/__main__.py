@@ -370,7 +370,7 @@ def cmd_export(job: Job, args: argparse.Namespace, host: Host) -> int:
     r = job.recipe  # the tool's own options come last and win (--dtype fp32)
     return subprocess.call([sys.executable, str(TOOLS["export"]), "--output-dir", r.output_dir, "--model-dir",
                             resolved_model_dir(r), "--dtype", r.export.dtype, "--shard-size", r.export.shard_size,
-                            *args.rest], env=job.env)
+                            "--merge" if r.export.merge else "--no-merge", *args.rest], env=job.env)
 
 
 GENERATE = REPO_ROOT / "finetune" / "generate.py"

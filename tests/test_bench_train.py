@@ -88,3 +88,30 @@ def test_cpu_info_reads_model_and_vector_flags(tmp_path):
 def test_an_unknown_path_is_refused_before_any_work(capsys):
     assert _load("bench_train").main(["--paths", "ours-opbyop,ours-fast"], loadavg=lambda: 0.0) == 2
     assert "unknown --paths ours-fast; e.g. --paths ours-opbyop,ours-compiled" in capsys.readouterr().err
+
+
+def test_the_lora_method_steps_only_the_adapters_and_compares_with_the_full_step(ms_cpu, tmp_path, capsys):
+    """--method lora: our LoRA step trains the adapters alone on the same model and batch; its ratio to our full
+    step of each round (``ratio_to_full``) and to peft; no torch ratio for the full path (torch runs peft)."""
+    from jobspec.tiny import ensure_tiny_model
+
+    bench = _load("bench_train")
+    ensure_tiny_model(tmp_path / "model", {"tie_word_embeddings": False})
+    vocab = json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"]
+    ids = np.random.default_rng(0).integers(0, vocab, (2, 16)).astype(np.int32)
+    batch = {"ids": ids, "labels": ids.copy(), "pos": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+             "seg": np.ones_like(ids)}
+    lora = bench.Ours(tmp_path / "model", batch, jit_layers=False, method="lora")
+    assert len(lora.params) == 2 * 7 * 2 and all(".lora_" in p.name for p in lora.params)
+    first = lora.step()[1]
+    assert np.isfinite(first) and lora.step()[1] != first
+    times = {"ours-lora": [1.0, 1.0], "ours-opbyop": [2.0, 3.0], "torch": [2.0, 2.0, 1.0, 1.0]}
+    after = {"ours-lora": [2.0, 2.0], "ours-opbyop": [1.0, 1.0]}
+    r = bench.summarize(times, after, 10, "", "lora")
+    assert r["ours-lora"]["ratio_to_full"]["median"] == 2.5 and r["ours-lora"]["ratio_to_torch"]["median"] == 2.0
+    assert "ratio_to_torch" not in r["ours-opbyop"]
+    assert "ratio_to_full" not in bench.summarize(times, after, 10, "NOT VALID", "lora")["ours-lora"]
+    assert bench.peft_kwargs()["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]
+    assert bench.main(["--method", "lora", "--paths", "ours-lora,ours-compiled"], loadavg=lambda: 0.0) == 2
+    assert "compiled layers do not take adapters" in capsys.readouterr().err

@@ -3,6 +3,7 @@
     make bench-train                       # Qwen2 hidden 512, 4 layers, FFN 1408, vocab 151936, untied
     python tools/bench_train.py --rounds 4 --torch-python /path/to/venv/bin/python --json out.json
     python tools/bench_train.py --paths ours-opbyop --breakdown   # one path, split into phases
+    make bench-train METHOD=lora           # LoRA: ours against our full fine-tuning and transformers + peft
 
 Both load the same seeded weights (fp32) and train on the same micro-batch (4 x 256 tokens, every
 token labelled) with AdamW. Steps are interleaved over ``--rounds`` rounds: ours op by op, torch,
@@ -10,6 +11,10 @@ ours with compiled layers (``train.compile_layers``), torch; torch in its own pr
 (``--torch-python``). Prints per path the median over rounds of the tokens/s ratio to torch with
 its min/max, the CPU model and flags, cores and load average; when the 1-minute load average exceeds
 the core count before or during the run no ratio is reported (NOT VALID). A tool, not a test.
+
+``--method lora``: our LoRA step (``train.method=lora``, the ``lora`` defaults: r 8, alpha 16, dropout 0.05,
+all seven linear layers) and our full step, each followed by a transformers + peft step with the same
+LoRA config; per round the ratio of LoRA to the full step of that round (``ratio_to_full``) and to peft.
 """
 from __future__ import annotations
 
@@ -40,14 +45,19 @@ import json, sys, time
 import numpy as np
 import torch, transformers
 
-model_dir, batch_file = sys.argv[1], sys.argv[2]
+model_dir, batch_file, method = sys.argv[1], sys.argv[2], sys.argv[4]
 b = np.load(batch_file)
 ids, labels = torch.from_numpy(b["ids"].astype(np.int64)), torch.from_numpy(b["labels"].astype(np.int64))
 model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+info = {}
+if method == "lora":
+    import peft
+    model = peft.get_peft_model(model, peft.LoraConfig(**json.loads(sys.argv[5])))
+    info["peft"] = peft.__version__
 model.train()
-opt = torch.optim.AdamW(model.parameters(), lr=float(sys.argv[3]), weight_decay=0.0)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=float(sys.argv[3]), weight_decay=0.0)
 print(json.dumps({"ready": True, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "transformers": transformers.__version__}), flush=True)
+                  "transformers": transformers.__version__, **info}), flush=True)
 for line in sys.stdin:
     t = time.perf_counter()
     loss = model(input_ids=ids, labels=labels).loss
@@ -88,9 +98,9 @@ def write_inputs(tmp: Path, batch: int, seq: int) -> dict[str, np.ndarray]:
 class Ours:
     """Our trainer's step: the model and optimizer as ``finetune.trainer`` builds them (training mode,
     ``train.compile_layers`` from its path in ``PATHS``), value_and_grad of the scaled loss (train.accumulate)
-    and the AdamW step."""
+    and the AdamW step; ``method``: train.method (lora: the recipe's ``lora`` defaults)."""
 
-    def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool):
+    def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool, method: str = "full"):
         import mindspore as ms
 
         from finetune.dist import init_distributed
@@ -101,7 +111,8 @@ class Ours:
         ms.set_context(mode=ms.PYNATIVE_MODE)
         self.ms = ms
         recipe = load_recipe("tiny-cpu", {"model.dir": str(model_dir), "train.lr": LR, "train.weight_decay": 0.0,
-                                          "train.clip_grad": 0.0, "train.compile_layers": jit_layers}
+                                          "train.clip_grad": 0.0, "train.compile_layers": jit_layers,
+                                          "train.method": method}
                              ).resolved(1, "cpu")
         rank = init_distributed(recipe.decided_layout)  # one process, as finetune.train starts one
         self.model, self.params = build_model(recipe, rank, model_dir, ms.float32)  # as the trainer builds it
@@ -139,11 +150,13 @@ class Ours:
 
 
 class Torch:
-    """transformers + torch eager in its own process, one step per request."""
+    """transformers + torch eager in its own process, one step per request (``method`` lora: peft's
+    LoRA with our recipe's ``lora`` defaults)."""
 
-    def __init__(self, python: str, model_dir: Path, batch_file: Path, script: Path):
+    def __init__(self, python: str, model_dir: Path, batch_file: Path, script: Path, method: str = "full"):
         script.write_text(TORCH_WORKER)
-        self.proc = subprocess.Popen([python, str(script), str(model_dir), str(batch_file), str(LR)],
+        self.proc = subprocess.Popen([python, str(script), str(model_dir), str(batch_file), str(LR), method,
+                                      json.dumps(peft_kwargs())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = json.loads(self.proc.stdout.readline())
 
@@ -158,25 +171,40 @@ class Torch:
         self.proc.wait(timeout=60)
 
 
-def torch_available(python: str) -> str:
-    """'' when ``python`` imports torch and transformers, else why not."""
-    r = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True, text=True)
+def peft_kwargs() -> dict[str, object]:
+    """peft.LoraConfig arguments equal to our recipe's ``lora`` defaults."""
+    from jobspec.lora_config import LoraConfig
+
+    c = LoraConfig()
+    return {"r": c.r, "lora_alpha": c.alpha, "lora_dropout": c.dropout, "target_modules": list(c.target_modules),
+            "bias": c.bias, "use_rslora": c.use_rslora, "task_type": "CAUSAL_LM"}
+
+
+def torch_available(python: str, method: str = "full") -> str:
+    """'' when ``python`` imports torch and transformers (and peft for LoRA), else why not."""
+    r = subprocess.run([python, "-c", "import torch, transformers" + (", peft" if method == "lora" else "")],
+                       capture_output=True, text=True)
     return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
-PATHS = {"ours-opbyop": False, "ours-compiled": True}  # our paths -> train.compile_layers
+# our paths -> (train.compile_layers, train.method)
+PATHS = {"ours-opbyop": (False, "full"), "ours-compiled": (True, "full"), "ours-lora": (False, "lora")}
+DEFAULT_PATHS = {"full": "ours-opbyop,ours-compiled", "lora": "ours-lora,ours-opbyop"}
 
 
 def summarize(times: dict[str, list[float]], after: dict[str, list[float]], tokens: int,
-              invalid: str) -> dict[str, object]:
-    """Per path the median tokens/s; per our path also the median ratio to torch over rounds and its
-    min/max, each round's step against the torch step run right after it (``after[path]``); no ratio
-    when ``invalid``."""
+              invalid: str, method: str = "full") -> dict[str, object]:
+    """Per path the median tokens/s; per our path of the torch side's ``method`` also the median ratio to
+    torch over rounds and its min/max, each round's step against the torch step run right after it
+    (``after[path]``); with LoRA and the full path timed, LoRA's ratio to the full step of each round
+    (``ratio_to_full``); no ratio when ``invalid``."""
     out: dict[str, object] = {"valid": not invalid, "why_invalid": invalid}
     for name, secs in times.items():
         entry: dict[str, object] = {"tokens_per_s_median": tokens / float(np.median(secs))}
-        if after.get(name) and not invalid:
+        if after.get(name) and not invalid and PATHS[name][1] == method:
             entry["ratio_to_torch"] = ratio_stats(secs, after[name])
+        if name == "ours-lora" and times.get("ours-opbyop") and not invalid:
+            entry["ratio_to_full"] = ratio_stats(secs, times["ours-opbyop"])
         out[name] = entry
     return out
 
@@ -187,14 +215,22 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers")
-    ap.add_argument("--paths", default=",".join(PATHS), help=f"our paths to time, of {', '.join(PATHS)}")
+    ap.add_argument("--method", default="full", choices=list(DEFAULT_PATHS),
+                    help="lora: our LoRA step against our full step and transformers + peft")
+    ap.add_argument("--paths", default=None, help=f"our paths to time, of {', '.join(PATHS)} (default: "
+                    + "; ".join(f"{m}: {p}" for m, p in DEFAULT_PATHS.items()) + ")")
     ap.add_argument("--breakdown", action="store_true", help="also time our forward, backward and optimizer")
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
-    paths = [p for p in args.paths.split(",") if p]
+    paths = [p for p in (args.paths or DEFAULT_PATHS[args.method]).split(",") if p]
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
-        print(f"bench_train: unknown --paths {','.join(unknown)}; e.g. --paths {','.join(PATHS)}", file=sys.stderr)
+        print(f"bench_train: unknown --paths {','.join(unknown)}; e.g. --paths {DEFAULT_PATHS[args.method]}",
+              file=sys.stderr)
+        return 2
+    if args.method == "lora" and "ours-compiled" in paths:
+        print("bench_train: --paths ours-compiled with --method lora: compiled layers do not take adapters "
+              "(train.compile_layers); e.g. --paths ours-lora,ours-opbyop", file=sys.stderr)
         return 2
     tokens = args.batch * args.seq
     cpu = cpu_info()
@@ -203,21 +239,23 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         tmp_path = Path(tmp)
         batch = write_inputs(tmp_path, args.batch, args.seq)
-        why = torch_available(args.torch_python)
+        why = torch_available(args.torch_python, args.method)
         torch = None if why else Torch(args.torch_python, tmp_path / "model", tmp_path / "batch.npz",
-                                       tmp_path / "torch_worker.py")
-        runners = {p: Ours(tmp_path / "model", batch, PATHS[p]) for p in paths}
+                                       tmp_path / "torch_worker.py", args.method)
+        runners = {p: Ours(tmp_path / "model", batch, *PATHS[p]) for p in paths}
         runners["torch"] = torch
         print(f"model: hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, FFN "
               f"{SHAPE['intermediate_size']}, vocab {SHAPE['vocab_size']}, untied; micro-batch {args.batch} x "
-              f"{args.seq}; fp32; AdamW")
+              f"{args.seq}; fp32; AdamW" + (f"; LoRA {peft_kwargs()}" if args.method == "lora" else ""))
         print(f"cpu: {cpu['model']}; avx512f {cpu['avx512f']}, avx2 {cpu['avx2']}; {cpu['cores']} cores; "
               f"load average {watch.samples[0]:.2f}")
         if torch is None:
-            print(f"torch part skipped: {args.torch_python} cannot import torch + transformers ({why}); "
+            print(f"torch part skipped: {args.torch_python} cannot import torch + transformers"
+                  f"{' + peft' if args.method == 'lora' else ''} ({why}); "
                   "pass --torch-python")
         else:
-            print(f"torch {torch.info['torch']} + transformers {torch.info['transformers']} eager, "
+            print(f"torch {torch.info['torch']} + transformers {torch.info['transformers']}"
+                  + (f" + peft {torch.info['peft']}" if "peft" in torch.info else "") + " eager, "
                   f"{torch.info['threads']} threads")
         steps: list[tuple[str, float]] = []
         for r, name in interleave(paths, args.rounds + 1):  # round 0 warms up
@@ -230,17 +268,20 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
                 steps.append((name, s))
         if torch is not None:
             torch.close()
-        result = summarize(*by_path(steps), tokens, watch.invalid())
+        result = summarize(*by_path(steps), tokens, watch.invalid(), args.method)
         for name in paths:
-            ratio = result[name].get("ratio_to_torch")
             line = f"{name:14s} {result[name]['tokens_per_s_median']:8.1f} tokens/s (median of {args.rounds})"
-            if ratio:
-                line += (f"; ratio to torch median {ratio['median']:.2f} "
-                         f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})")
+            for key, what in (("ratio_to_torch", "peft" if args.method == "lora" else "torch"),
+                              ("ratio_to_full", "our full step")):
+                ratio = result[name].get(key)
+                if ratio:
+                    line += (f"; ratio to {what} median {ratio['median']:.2f} "
+                             f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})")
             print(line)
         if watch.invalid():
             print(f"{watch.invalid()}: no ratio reported; rerun on an idle machine")
-        result.update(cpu=cpu, load_samples=watch.samples, rounds=args.rounds, tokens_per_step=tokens)
+        result.update(cpu=cpu, load_samples=watch.samples, rounds=args.rounds, tokens_per_step=tokens,
+                      method=args.method)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         if args.breakdown:

@@ -93,7 +93,7 @@ class ColumnParallelLinear(nn.Cell):
         self.bias = Parameter(initializer("zeros", (out,), ms.float32), name="bias") if has_bias else None
         self.copy = CopyToTP(rank) if rank.tp > 1 else None
         self.share = SumOverReplicas(rank, replicas) if replicas and rank.tp > replicas else None
-        self.adapter = None  # a LoRA adapter (finetune/lora.py) adds its output; it takes x before CopyToTP
+        self.adapter: nn.Cell | None = None  # a LoRA adapter (finetune/lora.py) adds its output, from x before CopyToTP
 
     def construct(self, x):
         y = self._base(self.copy(x) if self.copy is not None else x)
@@ -117,7 +117,7 @@ class RowParallelLinear(nn.Cell):
         self.weight = Parameter(initializer(Normal(0.02), (out_features, local_in), ms.float32), name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if has_bias else None
         self.reduce = ReduceFromTP(rank) if rank.tp > 1 else None
-        self.adapter = None  # a LoRA adapter (finetune/lora.py) adds its output
+        self.adapter: nn.Cell | None = None  # a LoRA adapter (finetune/lora.py) adds its output
 
     def construct(self, x):
         y = linear(x, self.weight, None, self.dtype)

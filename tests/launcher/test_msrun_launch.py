@@ -339,4 +339,4 @@ def test_render_and_generate_get_their_own_arguments(tmp_path, capsys, monkeypat
     assert lm.main(["export", "--checkpoint", "step_4", "--dtype", "bf16"], lm.Host(**host)) == 0
     assert seen["generate"][1:] == [str(lm.TOOLS["export"]), "--output-dir", str(tmp_path),
                                     "--model-dir", str(tmp_path / "base-model"), "--dtype", "fp32", "--shard-size",
-                                    "2GB", "--checkpoint", "step_4", "--dtype", "bf16"]
+                                    "2GB", "--merge", "--checkpoint", "step_4", "--dtype", "bf16"]

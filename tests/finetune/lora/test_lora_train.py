@@ -13,7 +13,7 @@ from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.tiny import ensure_tiny_model
 
-# dropout 0: its masks come from MindSpore's global RNG, which a checkpoint does not restore (docs/lora.md)
+# dropout 0 here (the goldens' setting); test_resume_is_exact_with_dropout runs 0.05
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
         "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "lora.dropout": "0"}
 
@@ -85,3 +85,83 @@ def test_generate_with_the_adapter_answers_as_the_merged_model(lora_run, tmp_pat
     assert capsys.readouterr().out == with_adapter
     assert main(["--model-dir", str(lora_run / "base-model"), "--adapter", str(tmp_path), *common]) == 2
     assert "adapter_config.json" in capsys.readouterr().err
+
+
+def test_export_of_a_checkpoint_equals_the_run_s_final_export(lora_run, tmp_path, capsys, ms_cpu):
+    """``export --checkpoint`` of a LoRA checkpoint: adapter/ and merged hf/ tensor-equal to the run's final
+    export of the same step; the merged model loads and gives the same logits; --no-merge: adapter/ only."""
+    from finetune.export import main
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+
+    base = str(lora_run / "base-model")
+    args = ["--checkpoint", "latest", "--output-dir", str(lora_run), "--model-dir", base, "--dtype", "fp32"]
+    assert main([*args, "--out", str(tmp_path / "e")]) == 0
+    assert "adapter" in capsys.readouterr().out
+    for d, f in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        ours, run_s = load_file(str(tmp_path / "e" / d / f)), load_file(str(lora_run / d / f))
+        assert ours.keys() == run_s.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], run_s[k], err_msg=k)
+    assert json.loads((tmp_path / "e" / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
+    ids = np.arange(3, 40, dtype=np.int32).reshape(1, -1)
+    logits = []
+    for d in (tmp_path / "e" / "hf", lora_run / "hf"):
+        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(d)))
+        load_weights(model, d)
+        logits.append(model.logits(ms_cpu.Tensor(ids)).asnumpy())
+    np.testing.assert_array_equal(logits[0], logits[1])
+    assert main([*args, "--checkpoint", "step_3", "--out", str(tmp_path / "a"), "--no-merge"]) == 0
+    assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file() and not (tmp_path / "a" / "hf").exists()
+
+
+@pytest.mark.slow  # two short training runs (~2 min here)
+def test_resume_is_exact_with_dropout(lora_run, tmp_path):
+    """lora.dropout 0.05: the masks are a function of (seed, step, micro-batch, layer, module, rank)
+    (lora.MaskKey), so a run resumed from step 3 draws the masks of the uninterrupted run: equal losses
+    and adapters. The masks act: the losses differ from the dropout-0 run's."""
+    drop = {"lora.dropout": "0.05", "export.merge": "false", "export.check_prompts": ""}
+    whole = tmp_path / "whole"
+    assert run(_recipe(whole, **drop)) == 0
+    assert _losses(whole) != _losses(lora_run)
+    out = tmp_path / "resumed"
+    shutil.copytree(whole, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000006")
+    shutil.rmtree(out / "adapter")
+    assert run(_recipe(out, **drop)) == 0
+    assert _losses(out) == _losses(whole)
+    a = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_export_gathers_a_tp2_lora_checkpoint(lora_run, tmp_path):
+    """A LoRA checkpoint written under TP 2 (the step-6 adapters cut as a TP-2 run holds them: B of a
+    column-parallel layer by rows, A of a row-parallel one by columns) exports to the run's adapter/ and hf/."""
+    from safetensors.numpy import save_file
+
+    from finetune.lora_io import export_lora_checkpoint
+
+    src, ckpt = lora_run / "checkpoints" / "step_00000006", tmp_path / "step_00000006"
+    shutil.copytree(src, ckpt)
+    full = load_file(str(src / "model_rank00000.safetensors"))
+    ranks: list[dict[str, np.ndarray]] = [{}, {}]
+    for name, a in full.items():
+        row = ".o_proj." in name or ".down_proj." in name
+        axis = (1 if row else None) if ".lora_A." in name else (None if row else 0)
+        for t in range(2):
+            ranks[t][name] = a if axis is None else np.ascontiguousarray(np.split(a, 2, axis)[t])
+    for t in range(2):
+        save_file(ranks[t], str(ckpt / f"model_rank{t:05d}.safetensors"))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["layout"] = {"world_size": 2, "tp": 2, "dp": 1}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    identity = json.loads((ckpt / "trainer_state.json").read_text())["identity"]
+    export_lora_checkpoint(ckpt, identity, lora_run / "base-model", tmp_path / "e", "fp32", 10**9, True)
+    for d, f in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        ours, run_s = load_file(str(tmp_path / "e" / d / f)), load_file(str(lora_run / d / f))
+        assert ours.keys() == run_s.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], run_s[k], err_msg=k)
