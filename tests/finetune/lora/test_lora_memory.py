@@ -30,7 +30,7 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path):
     from finetune.dist import RankInfo
     from finetune.trainer import setup
 
-    recipe = load_recipe("tiny-cpu-lora", {"output_dir": str(tmp_path), **RUN})
+    recipe = load_recipe("tiny-cpu-lora", {"output_dir": str(tmp_path), **RUN}).resolved(1, "cpu")
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     t = setup(recipe, RankInfo(), ms_cpu.float32)
     names = [p.name for p in t.opt.params]
