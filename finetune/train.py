@@ -69,8 +69,8 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
     raise ValueError("a step needs at least one micro-batch")
 
 
-def run(recipe: Recipe) -> int:
-    """Fine-tune as the recipe says; returns the process exit code."""
+def run(recipe: Recipe, model_hash: str = "") -> int:
+    """Fine-tune as the recipe says (``model_hash``: the plan's, see trainer.setup); the process exit code."""
     device = device_target(recipe.launch.device)
     # the plan's recipe is resolved already: this only checks it against the world msrun started
     recipe = recipe.resolved(launched_world(), "npu" if device == "Ascend" else "cpu")
@@ -80,7 +80,7 @@ def run(recipe: Recipe) -> int:
     head = ("vocab-parallel" if recipe.parallel.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {device}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, embedding/LM head "
              f"{head}), compute dtype {dtype}, output {recipe.output_dir}")
-    trainer = setup(recipe, rank, dtype)
+    trainer = setup(recipe, rank, dtype, model_hash)
     reporter = Reporter(trainer)
     code = train_loop(trainer, reporter, StopFlag())
     return finish(trainer, reporter) if code == 0 else code
