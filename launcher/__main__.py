@@ -318,7 +318,7 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     try:
         ensure_model(job.recipe)
         if not scheduler:  # each node: its own disk, or one shared by all
-            job.plan.model_hash = rundir_prep.tidy_run_dir(job.recipe, log)
+            rundir_prep.tidy_run_dir(job.recipe, job.plan, log)
         if not scheduler and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
             rc = prepare_data(job.recipe)
             if rc:

@@ -53,12 +53,14 @@ def test_node_local_output_dirs_are_tidied_and_hashed_by_each_node(tmp_path, rea
     jobs = [_job(tmp_path, out, n, "train.resume=never") for n, out in enumerate(outs)]
     stale = [_leftovers(out) for out in outs]
     for job in jobs:
-        job.plan.model_hash = tidy_run_dir(job.recipe, print)
+        tidy_run_dir(job.recipe, job.plan, print)
     text = capsys.readouterr().out
     for out, s in zip(outs, stale):  # node 1 too (the main rank of node 0 cannot reach node 1's disk)
         assert not s.exists() and f"removed {s}" in text
         assert not (out / "checkpoints").exists() and len(list(out.glob("checkpoints.old-*"))) == 1
     assert jobs[0].plan.model_hash and jobs[0].plan.model_hash == jobs[1].plan.model_hash
+    # moved aside once: a restart of this job resumes its own checkpoints instead of moving them too
+    assert all(job.plan.recipe["train"]["resume"] == "auto" for job in jobs)
     assert len(reads) == 2  # once per node: each its own model copy and cache
 
 
@@ -70,7 +72,7 @@ def test_two_nodes_sharing_one_output_dir_race_without_error_or_double_work(tmp_
 
     def tidy(job):
         try:
-            job.plan.model_hash = tidy_run_dir(job.recipe, print)
+            tidy_run_dir(job.recipe, job.plan, print)
         except Exception as e:  # noqa: BLE001  (the assertion names it)
             errors.append(e)
 
@@ -85,7 +87,7 @@ def test_two_nodes_sharing_one_output_dir_race_without_error_or_double_work(tmp_
     assert not (out / "checkpoints").exists() and not stale.exists()
     assert capsys.readouterr().out.count("earlier checkpoints moved to") == 1
     assert jobs[0].plan.model_hash == jobs[1].plan.model_hash != ""
-    tidy_run_dir(jobs[1].recipe, print)  # a later rerun of one node: nothing to move, nothing re-read
+    tidy_run_dir(jobs[1].recipe, jobs[1].plan, print)  # a later rerun of one node: nothing to move, nothing re-read
     assert len(list(out.glob("checkpoints.old-*"))) == 1 and len(reads) <= 2
 
 
