@@ -39,7 +39,8 @@ def _sha256(path: Path, limit: int | None = None) -> str:
 def run_identity(model_dir: str | Path, cache_dir: str | Path, model: str | None = None,
                  hashes: Path | None = None) -> dict[str, Any]:
     """The base model (:func:`model_hash`; ``model``: already computed, the plan's) and the token cache (its
-    manifest) a run trains; stored in each checkpoint and compared on resume."""
+    manifest) a run trains; stored in each checkpoint and compared on resume. The rank calls it once its token
+    cache is ready (on a shared storage node 0 alone prepares it: the launchers cannot read it before msrun)."""
     try:
         manifest = json.loads((Path(cache_dir) / "manifest.json").read_text())
     except (OSError, ValueError):
