@@ -69,8 +69,8 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
     raise ValueError("a step needs at least one micro-batch")
 
 
-def run(recipe: Recipe) -> int:
-    """Fine-tune as the recipe says; returns the process exit code."""
+def run(recipe: Recipe, model_hash: str = "") -> int:
+    """Fine-tune as the recipe says (``model_hash``: the plan's, see trainer.setup); the process exit code."""
     # the plan's recipe comes resolved: this checks its layout against the world msrun started (a recipe
     # without a plan, e.g. a test's, is resolved here for that world on its launch.device)
     device = recipe.layout.device if recipe.layout else launch_device(recipe.launch.device)
@@ -82,7 +82,7 @@ def run(recipe: Recipe) -> int:
     head = ("vocab-parallel" if layout.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {layout.device_target}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, "
              f"embedding/LM head {head}), compute dtype {dtype}, output {recipe.output_dir}")
-    trainer = setup(recipe, rank, dtype)
+    trainer = setup(recipe, rank, dtype, model_hash)
     reporter = Reporter(trainer)
     code = train_loop(trainer, reporter, StopFlag())
     return finish(trainer, reporter) if code == 0 else code

@@ -25,6 +25,7 @@ from jobspec.data.batching import BatchLoader
 from jobspec.data.cache import cache_dir_for
 from jobspec.fsutil import remove_stale_temps
 from jobspec.rerun import changed_settings, run_settings
+from jobspec.rundir import RunDir
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -126,15 +127,16 @@ class Trainer:
         return found[0] if found else None
 
 
-def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
-    """Model, optimizer, loss scaler and data for this rank, resumed when a checkpoint says so."""
+def setup(recipe: Recipe, rank: RankInfo, dtype, model_hash: str = "") -> Trainer:
+    """Model, optimizer, loss scaler and data for this rank, resumed when a checkpoint says so; ``model_hash``:
+    the base model's identity from the plan (jobspec.checkpoints.model_hash)."""
     tc = recipe.train
     model_dir = Path(resolved_model_dir(recipe))
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    if rank.is_main:  # a kill during an earlier export, save or prepare left these (pids are this host's)
+    if not model_hash and rank.is_main:  # started without the launcher, which does this once per node
         out = Path(recipe.output_dir)
         remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=rank.log)
         if tc.resume == "never":
@@ -164,7 +166,9 @@ def setup(recipe: Recipe, rank: RankInfo, dtype) -> Trainer:
     rank.log(f"[train] {n_params / 1e6:.2f} M parameters on this rank, {total_steps} steps "
              f"({loader.steps_per_epoch} per epoch), global batch "
              f"{layout.global_batch} x {layout.seq_len} tokens")
-    trainer.identity = run_identity(model_dir, cache_dir_for(recipe))
+    # the launcher hashed the base model once per node (model_hash); a worker started without it hashes here
+    trainer.identity = run_identity(model_dir, cache_dir_for(recipe), model_hash or None,
+                                    RunDir(recipe.output_dir).hashes)
     if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
         from finetune.lora_io import lora_identity
 

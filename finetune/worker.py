@@ -2,13 +2,15 @@
 
     python finetune/worker.py --config <plan.json | recipe.json>
 
-Reads only its config (the resolved recipe, under "recipe" in plan.json) and the rank environment.
-Dies with its parent (msrun or the launcher); a training rank records its start and end in
-``<output_dir>/logs/ranks/`` (jobspec/lifecycle.py).
+Reads only its config (the resolved recipe, under "recipe" in plan.json, and the plan's "model_hash")
+and the rank environment. Dies with its parent (msrun or the launcher); a training rank records its
+start and end in ``<output_dir>/logs/ranks/`` (jobspec/lifecycle.py). Started without the launcher on
+a finished run, it says so and exits 0 as the launcher does (jobspec/rerun.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +20,8 @@ if __package__ in (None, ""):  # started as a script by msrun
 
 from finetune.affinity import apply_binding  # noqa: E402
 from jobspec.config import ConfigError, load_plan  # noqa: E402  (sys.path set above)
-from jobspec.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
+from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, log_dir, run_rank  # noqa: E402
+from jobspec.rerun import rerun_answer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,12 +35,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    answer = None if LAUNCHER_PID_ENV in os.environ else rerun_answer(recipe, "worker")  # by hand: as the launcher
+    if answer is not None:
+        return answer
+    model_hash = plan_model_hash(args.config)
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        return _train(recipe)
-    return run_rank(log_dir(recipe.output_dir), int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe))
+        return _train(recipe, model_hash)
+    return run_rank(log_dir(recipe.output_dir), int(os.environ.get("RANK_ID", "0")),
+                    lambda: _train(recipe, model_hash))
 
 
-def _train(recipe) -> int:
+def plan_model_hash(config: str) -> str:
+    """The base model's identity the launcher hashed into plan.json ("": none, e.g. an older plan or a recipe)."""
+    try:
+        raw = json.loads(Path(config).read_text())
+    except (OSError, ValueError):
+        return ""
+    value = raw.get("model_hash") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _train(recipe, model_hash: str) -> int:
     from jobspec.native import mindspore_mismatch
 
     mismatch = mindspore_mismatch()  # an x86-64 wheel on an aarch64 host fails in import, unexplained
@@ -46,7 +64,7 @@ def _train(recipe) -> int:
         return 2
     from finetune.train import run  # imports mindspore
 
-    return run(recipe)
+    return run(recipe, model_hash)
 
 
 if __name__ == "__main__":

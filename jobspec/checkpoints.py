@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,19 +36,61 @@ def _sha256(path: Path, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
-def run_identity(model_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
-    """The base model (config.json + the sha256 of every weight file's whole content: an edit anywhere
-    counts) and the token cache (its manifest) a run trains; stored in each checkpoint and compared on
-    resume. Read right after the weights were loaded, the files come from the page cache."""
-    model_dir, h = Path(model_dir), hashlib.sha256()
-    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{_sha256(f)}".encode())
+def run_identity(model_dir: str | Path, cache_dir: str | Path, model: str | None = None,
+                 hashes: Path | None = None) -> dict[str, Any]:
+    """The base model (:func:`model_hash`; ``model``: already computed, the plan's) and the token cache (its
+    manifest) a run trains; stored in each checkpoint and compared on resume. The rank calls it once its token
+    cache is ready (on a shared storage node 0 alone prepares it: the launchers cannot read it before msrun)."""
     try:
         manifest = json.loads((Path(cache_dir) / "manifest.json").read_text())
     except (OSError, ValueError):
         manifest = None
-    return {"model": h.hexdigest()[:16], "data": data_id(manifest), "model_dir": str(model_dir)}
+    return {"model": model or model_hash(model_dir, hashes), "data": data_id(manifest), "model_dir": str(model_dir)}
+
+
+def model_hash(model_dir: str | Path, hashes: Path | None = None, log: Callable[[str], None] | None = None) -> str:
+    """config.json and the sha256 of every weight file's whole content (an edit anywhere counts). ``hashes``:
+    a JSON cache of file hashes keyed by (path, size, mtime_ns), so that a rerun reads no unchanged file again;
+    ``log`` says when more than 1 GiB is read."""
+    model_dir, h = Path(model_dir), hashlib.sha256()
+    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
+    try:
+        known = json.loads(hashes.read_text()) if hashes else {}
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    keys = {f: _file_key(f) for f in sorted(model_dir.glob("*.safetensors"))}
+    todo = [f for f, k in keys.items() if not isinstance(known.get(k), str)]
+    size = sum(f.stat().st_size for f in todo)
+    if log and size >= 1 << 30:
+        log(f"hashing the {len(todo)} weight file(s) of {model_dir} ({size / (1 << 30):.1f} GiB) to identify the "
+            f"run, once{f' (remembered in {hashes})' if hashes else ''}")
+    digests = {k: known[k] for f, k in keys.items() if f not in todo}
+    keep = dict(digests)
+    for f in todo:
+        digests[keys[f]] = _sha256(f)
+        if _file_key(f) == keys[f]:  # not written while it was read
+            keep[keys[f]] = digests[keys[f]]
+    for f, k in keys.items():
+        h.update(f"{f.name}:{digests[k]}".encode())
+    if hashes and todo:
+        _write_json(hashes, keep)
+    return h.hexdigest()[:16]
+
+
+def _file_key(f: Path) -> str:
+    st = f.stat()
+    return f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Replace ``path`` atomically (readers and a racing writer see one whole file); a failure is harmless."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def data_id(m: dict[str, Any] | None) -> str:
@@ -76,7 +119,7 @@ def archive_checkpoints(output_dir: str | Path, log: Callable[[str], None] = pri
         root.rename(dest)
     except FileNotFoundError:  # another process of this node moved it first
         return None
-    log(f"[train] train.resume=never: the earlier checkpoints moved to {dest} (delete it when no longer needed)")
+    log(f"[checkpoint] train.resume=never: the earlier checkpoints moved to {dest} (delete it when no longer needed)")
     return dest
 
 

@@ -15,12 +15,20 @@ import json
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 MARKER = ".ascend-finetune.json"  # written into every directory atomic_dir publishes
-_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")
+# .<name>.tmp-<host>-<pid> (older: .<name>.tmp-<pid>): the host, so that a node sharing the storage never takes
+# another node's live process for a dead one of its own
+_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(?:(?P<host>[A-Za-z0-9_-]+)-)?(?P<pid>\d+)$")
+
+
+def _me() -> str:
+    """This process's tag in temporary names: ``<host>-<pid>`` (the host name's other characters as ``_``)."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', socket.gethostname())}-{os.getpid()}"
 
 
 class ForeignDirectory(ValueError):
@@ -28,9 +36,9 @@ class ForeignDirectory(ValueError):
 
 
 def temp_sibling(final: Path) -> Path:
-    """Create and return an empty ``.<name>.tmp-<pid>`` directory beside ``final``."""
+    """Create and return an empty ``.<name>.tmp-<host>-<pid>`` directory beside ``final``."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    tmp = final.parent / f".{final.name}.tmp-{_me()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o755)
     return tmp
@@ -55,7 +63,7 @@ def publish(tmp: Path, final: Path, owned: bool = False) -> None:
         check_replaceable(final)
     for p in [tmp, *tmp.rglob("*")]:  # one rule for everything published: readable by a non-root reader
         p.chmod(0o755 if p.is_dir() else 0o644)
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    old = final.parent / f".{final.name}.old-{_me()}"
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
@@ -101,16 +109,22 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(*parents: Path | str, log: Callable[[str], None] = print) -> list[Path]:
-    """Remove the ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` directories of dead processes under
-    ``parents`` (left by a kill during an export, save or prepare), saying so; the removed paths."""
+    """Remove the ``.<name>.tmp-<host>-<pid>`` / ``.<name>.old-<host>-<pid>`` directories of this host's dead
+    processes under ``parents`` (left by a kill during an export, save or prepare), saying so; the removed paths.
+    Another host's are left to that host: safe when nodes share the storage, each node cleans its own."""
     removed = []
+    me = _me().rsplit("-", 1)[0]
     for parent in map(Path, parents):
         for p in sorted(parent.glob(".*")) if parent.is_dir() else []:
             m = _TEMP.match(p.name)
-            if (m and p.is_dir() and not p.is_symlink() and int(m.group(1)) != os.getpid()
-                    and not pid_alive(int(m.group(1)))):
-                shutil.rmtree(p, ignore_errors=True)
+            if not m or m["host"] not in (None, me) or not p.is_dir() or p.is_symlink():
+                continue
+            pid = int(m["pid"])
+            if pid == os.getpid() or pid_alive(pid):
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():  # another process of this node may have removed it first
                 removed.append(p)
-                log(f"[cleanup] removed {p}: a temporary directory of process {m.group(1)}, which is gone "
+                log(f"[cleanup] removed {p}: a temporary directory of process {pid}, which is gone "
                     "(killed during a write)")
     return removed

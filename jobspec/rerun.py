@@ -11,6 +11,7 @@ Other data is refused by ``jobspec/data/runcheck.py``. Pure Python: the launcher
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,4 +66,18 @@ def finished_already(recipe: Recipe) -> str | None:
     if state.get("finished") and all(saved.get(k) == now[k] for k in LENGTH_KEYS):
         return (f"already finished at step {state['step']} ({Path(recipe.output_dir) / 'hf'}); nothing to do "
                 "(raise train.max_steps or train.epochs to train on from there)")
+    return None
+
+
+def rerun_answer(recipe: Recipe, who: str) -> int | None:
+    """:func:`finished_already` said on the console as ``[who]``: 0 when the run is finished with these settings,
+    2 when a training setting changed; None when there is work."""
+    try:
+        done = finished_already(recipe)
+    except RunSettingsChanged as e:
+        print(f"[{who}] {e}", file=sys.stderr)
+        return 2
+    if done:
+        print(f"[{who}] {done}", flush=True)
+        return 0
     return None

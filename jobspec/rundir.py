@@ -32,6 +32,8 @@ ENTRIES = (
     ("profile", "profile/", "the profiler's trace of `train.profile_steps`"),
     ("lock", ".lock", "one job per `OUTPUT_DIR`: a running job's pid, host and start time; emptied, not removed, when "
                       "it ends (node N > 0: `.lock.nodeN`)"),
+    ("hashes", ".model-hashes.json", "the sha256 of each base model weight file by path, size and mtime (the run's "
+                                     "model identity): a rerun reads only files changed since"),
 )
 
 
@@ -61,6 +63,7 @@ class RunDir:
     logs = property(lambda self: self._at("logs"))
     profile = property(lambda self: self._at("profile"))
     lock = property(lambda self: self._at("lock"))
+    hashes = property(lambda self: self._at("hashes"))
 
     def npu_log(self, node_rank: int = 0) -> Path:
         return self._at("npu_log") if node_rank == 0 else self.root / f"npu-node{node_rank}.jsonl"

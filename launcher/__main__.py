@@ -36,8 +36,9 @@ from pathlib import Path
 
 from jobspec.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from jobspec.memory import auto_tp
+from jobspec.rerun import rerun_answer
 from jobspec.rundir import RunDir
-from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, settings
+from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import plan as planlib
@@ -305,18 +306,9 @@ def cmd_selftest(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    # --- rerun semantics (jobspec/rerun.py): before any work
-    from jobspec.rerun import RunSettingsChanged, finished_already
-
-    try:
-        done = finished_already(job.recipe)
-    except RunSettingsChanged as e:
-        print(f"[launcher] {e}", file=sys.stderr)
-        return 2
-    if done:
-        log(done)
-        return 0
-    # ---
+    answer = rerun_answer(job.recipe, "launcher")  # before any work: nothing to do, or other settings
+    if answer is not None:
+        return answer
     if not pin_master(job, host):
         return 1
     # writes nothing but selftest.json: a refused run leaves OUTPUT_DIR otherwise as it was
@@ -333,6 +325,8 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         return 1
     try:
         ensure_model(job.recipe)
+        if not scheduler:  # each node: its own disk, or one shared by all
+            rundir_prep.tidy_run_dir(job.recipe, job.plan, log)
         if not scheduler and not (job.recipe.data.shared_storage and job.recipe.launch.node_rank > 0):
             rc = prepare_data(job.recipe)
             if rc:

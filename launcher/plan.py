@@ -1,10 +1,10 @@
 """The launcher's plan: every decision of one node's job as a typed record, written to plan.json.
 
 The JSON keeps its keys (``recipe``, ``topology``, ``role``, ``ranks``, ``binding``, ``memory``,
-``msrun_argv``, ``worker_env``, ``sources``); the workers read only ``recipe``. The command that
-starts the job is built here from the plan, in one place (:attr:`Plan.argv`): the worker alone for
-world size 1, else msrun, whose ``--local_worker_num`` is 0 on an AscendJob Scheduler pod
-(``role == "scheduler"``, launcher/ascendjob.py).
+``msrun_argv``, ``worker_env``, ``sources``, ``model_hash``); the workers read only ``recipe`` and
+``model_hash``. The command that starts the job is built here from the plan, in one place
+(:attr:`Plan.argv`): the worker alone for world size 1, else msrun, whose ``--local_worker_num`` is 0
+on an AscendJob Scheduler pod (``role == "scheduler"``, launcher/ascendjob.py).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class Plan:
     memory: dict[str, Any] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     sources: dict[str, Any] = field(default_factory=dict)
+    model_hash: str = ""  # the base model's identity, hashed once per node (the workers' run identity)
 
     @property
     def argv(self) -> list[str]:

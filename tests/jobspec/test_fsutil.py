@@ -89,3 +89,19 @@ def test_everything_published_is_0755_and_0644_whatever_the_umask(tmp_path):
         os.umask(old_umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
     assert modes == {"out": 0o755, "sub": 0o755, "w.safetensors": 0o644, MARKER: 0o644}
+
+
+def test_a_node_removes_only_its_own_hosts_stale_temps(tmp_path):
+    """issue 19.13 on shared storage: another node's process ids mean nothing here; its temps are left to it."""
+    from jobspec.fsutil import _me, temp_sibling
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = _me().rsplit("-", 1)[0]
+    mine, other = tmp_path / f".hf.tmp-{host}-{dead.pid}", tmp_path / f".hf.tmp-other-node-7-{dead.pid}"
+    for d in (mine, other):
+        d.mkdir()
+    assert temp_sibling(tmp_path / "x").name == f".x.tmp-{host}-{os.getpid()}"
+    said = []
+    assert remove_stale_temps(tmp_path, log=said.append) == [mine]
+    assert other.exists() and (tmp_path / ".x.tmp-" f"{host}-{os.getpid()}").exists()  # live: this process's

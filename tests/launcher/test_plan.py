@@ -23,7 +23,7 @@ def test_the_msrun_command_follows_the_plan(tmp_path):
     assert argv[argv.index("--master_addr") + 1] == "10.0.0.1" == j["recipe"]["launch"]["master_addr"]
     assert j["topology"]["master_host"] == "node-0"
     assert set(j) == {"recipe", "topology", "role", "ranks", "binding", "memory", "msrun_argv", "worker_env",
-                      "sources"}
+                      "sources", "model_hash"}
 
 
 def test_world_one_starts_the_worker_alone_and_a_scheduler_no_workers(tmp_path):

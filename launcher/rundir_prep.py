@@ -1,0 +1,35 @@
+"""The run directory before a node's workers start: each node's housekeeping.
+
+Run by the launcher on every node (node-local OUTPUT_DIRs each get theirs; on a shared one the
+nodes may race, which is safe: see :func:`tidy_run_dir`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from jobspec.checkpoints import archive_checkpoints, checkpoint_root, model_hash
+from jobspec.config import Recipe, resolved_model_dir
+from jobspec.data.cache import cache_dir_for
+from jobspec.fsutil import remove_stale_temps
+from jobspec.rundir import RunDir
+from launcher.plan import Plan
+
+
+def tidy_run_dir(recipe: Recipe, plan: Plan, log: Callable[[str], None]) -> None:
+    """This node's housekeeping before its workers start, its results put into ``plan``.
+
+    The temporary directories of this host's dead processes are removed (another host's are left to it);
+    train.resume=never's checkpoints are moved aside by one rename (a node racing on shared storage finds
+    nothing left to move), after which the workers resume only this job's own checkpoints (a restart
+    continues, never starts over); the base model is hashed once per node for the run identity
+    (``plan.model_hash``, none without a config.json: the worker says what is missing), remembered in
+    OUTPUT_DIR so that a rerun reads only changed files; no rank reads the weights again for it."""
+    out = Path(recipe.output_dir)
+    remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=print)
+    if recipe.train.resume == "never":
+        archive_checkpoints(out, print)
+        plan.recipe["train"]["resume"] = "auto"
+    model_dir = Path(resolved_model_dir(recipe))
+    if (model_dir / "config.json").is_file():
+        plan.model_hash = model_hash(model_dir, RunDir(out).hashes, log)

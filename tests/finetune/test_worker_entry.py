@@ -1,0 +1,82 @@
+"""The worker entry (finetune/worker.py) started without the launcher, and the run identity it takes
+from the plan (the launcher hashed the base model once per node)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from finetune import worker
+from jobspec import checkpoints
+from jobspec.checkpoints import STATE
+from jobspec.config import REPO_ROOT, load_recipe, resolved_model_dir, to_dict
+from jobspec.lifecycle import LAUNCHER_PID_ENV
+from jobspec.rerun import run_settings
+from jobspec.rundir import MANIFEST
+
+
+def _finished_plan(out, model_hash="", **over):
+    """plan.json of a run whose final checkpoint (step 80) is in ``out``; ``over``: the plan's settings."""
+    ckpt = out / "checkpoints" / "step_00000080"
+    ckpt.mkdir(parents=True)
+    trained = load_recipe("tiny-cpu", {"output_dir": str(out)})
+    (ckpt / STATE).write_text(json.dumps({"step": 80, "settings": run_settings(trained), "finished": True}))
+    (ckpt / MANIFEST).write_text(json.dumps({"step": 80, "files": {}}))
+    plan = out / "plan.json"
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(out), **over})
+    plan.write_text(json.dumps({"recipe": to_dict(recipe), "model_hash": model_hash}, default=str))
+    return plan
+
+
+def _worker(plan):
+    env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}
+    return subprocess.run([sys.executable, str(REPO_ROOT / "finetune" / "worker.py"), "--config", str(plan)],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_worker_started_by_hand_on_a_finished_run_has_nothing_to_do(tmp_path):
+    p = _worker(_finished_plan(tmp_path / "run"))
+    assert p.returncode == 0, p.stderr
+    assert f"already finished at step 80 ({tmp_path / 'run' / 'hf'}); nothing to do" in p.stdout
+    assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+def test_a_worker_started_by_hand_with_other_settings_is_refused_in_one_message(tmp_path):
+    p = _worker(_finished_plan(tmp_path / "run", **{"train.lr": "1e-5"}))
+    assert p.returncode == 2 and "train.lr was" in p.stderr and "train.resume=never" in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_under_the_launcher_the_worker_trains_with_the_plans_model_hash(tmp_path, monkeypatch):
+    """The launcher already decided (a restart after a crash in the final export must export): no shortcut."""
+    plan = _finished_plan(tmp_path / "run", model_hash="0123456789abcdef")
+    started = []
+    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getpid()))
+    for name in ("die_with_parent", "apply_binding"):
+        monkeypatch.setattr(worker, name, lambda: None)
+    monkeypatch.setattr(worker, "run_rank", lambda logs, rank, fn: fn())
+    monkeypatch.setattr(worker, "_train", lambda recipe, model_hash: started.append(model_hash) or 0)
+    assert worker.main(["--config", str(plan)]) == 0 and started == ["0123456789abcdef"]
+    plan.write_text(json.dumps(json.loads(plan.read_text())["recipe"]))  # a recipe JSON: no hash, "" (computed)
+    assert worker.main(["--config", str(plan)]) == 0 and started[1:] == [""]
+
+
+def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, monkeypatch):
+    import mindspore as ms
+
+    from finetune.dist import init_distributed
+    from finetune.trainer import setup
+    from jobspec.tiny import ensure_tiny_model
+
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.max_samples": "64", "data.seq_len": "128",
+                                      "train.micro_batch_size": "2"}).resolved(1, "cpu")
+    ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
+    rank = init_distributed(1, 1, "CPU")
+    reads = []
+    real = checkpoints._sha256
+    monkeypatch.setattr(checkpoints, "_sha256", lambda path, limit=None: (reads.append(path), real(path))[1])
+    assert setup(recipe, rank, ms.float32, "0123456789abcdef").identity["model"] == "0123456789abcdef"
+    assert reads == []  # the weights were loaded, not read a second time for the identity
+    computed = setup(recipe, rank, ms.float32).identity["model"]  # an older plan: hashed here, remembered
+    assert len(reads) == 1 and computed == checkpoints.model_hash(resolved_model_dir(recipe))
