@@ -72,7 +72,7 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.max_samples": "64", "data.seq_len": "128",
                                       "train.micro_batch_size": "2"}).resolved(1, "cpu")
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
-    rank = init_distributed(1, 1, "CPU")
+    rank = init_distributed(recipe.decided_layout)
     reads = []
     real = checkpoints._sha256
     monkeypatch.setattr(checkpoints, "_sha256", lambda path, limit=None: (reads.append(path), real(path))[1])
