@@ -114,6 +114,9 @@ def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
 # ---------------------------------------------------------------------------- choosing the layout
 
 NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with (the rest: runtime, HCCL)
+# What the layout choice plans with: 90% of the usable memory, a margin for the allocator's fragmentation
+# and the estimate's error (not yet compared with a 910B's measured peak); an explicit parallel.tp may use all.
+PLANNED_BYTES = NPU_USABLE_BYTES * 9 // 10
 TP_CANDIDATES = (1, 2, 4, 8)
 
 
@@ -159,7 +162,7 @@ FULL_FT = TrainShape()
 
 
 def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
-              shape: TrainShape = FULL_FT, usable: int = NPU_USABLE_BYTES) -> LayoutChoice:
+              shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES) -> LayoutChoice:
     """The smallest TP that divides the heads and KV heads (``tp_problems``), stays inside a node,
     divides ``world`` and makes the estimate of ``shape`` fit ``usable`` bytes per device."""
     from jobspec.qwen2_layout import tp_problems
@@ -172,12 +175,12 @@ def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: i
         if est.total <= usable:
             why = f"TP {tp}: " + ("; ".join(refused) if refused else f"fits ({est.total / 2**30:.1f} GiB per NPU)")
             return LayoutChoice(tp, world // tp, est, why)
-        refused.append(f"TP {tp} needs {est.total / 2**30:.1f} GiB per NPU > {usable / 2**30:.0f} usable")
+        refused.append(f"TP {tp} needs {est.total / 2**30:.1f} GiB per NPU > {usable / 2**30:.0f} planned")
     return LayoutChoice(None, 0, None, "; ".join(refused) or f"no TP up to {npus_per_node} divides the heads")
 
 
 def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8, shape: TrainShape = FULL_FT,
-                   usable: int = NPU_USABLE_BYTES, max_world: int = 256) -> tuple[int, LayoutChoice]:
+                   usable: int = PLANNED_BYTES, max_world: int = 256) -> tuple[int, LayoutChoice]:
     """The fewest devices (1, 2, 4, then whole nodes doubling) with a layout that fits; (0, the last
     refusal) when none up to ``max_world`` (32 nodes) does: ZeRO-1 shards only the optimizer state
     over DP, so the replicated bf16 weights and fp32 gradients of a TP 8 slice set a floor."""
@@ -191,7 +194,7 @@ def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8,
 
 
 def no_fit_advice(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
-                  shape: TrainShape = FULL_FT, usable: int = NPU_USABLE_BYTES) -> str:
+                  shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES) -> str:
     """Why no layout of ``world`` devices fits and what would: the smallest world, a shorter sequence, LoRA."""
     def fits(w: int, s: int) -> bool:
         return choose_tp(cfg, w, seq_len=s, npus_per_node=npus_per_node, shape=shape, usable=usable).tp is not None

@@ -117,16 +117,17 @@ def test_tp_is_the_smallest_that_fits_and_says_why():
 
     q7, q32 = SIZES["Qwen2.5-7B"], SIZES["Qwen2.5-32B"]
     c = choose_tp(q7, 4, seq_len=4096)
-    assert (c.tp, c.dp) == (2, 2) and c.why == "TP 2: TP 1 needs 68.9 GiB per NPU > 60 usable"
-    for world, gib in ((8, 58.2), (16, 52.9)):  # the optimizer sharded over 8 or 16: TP 1 fits
-        c = choose_tp(q7, world, seq_len=4096)
-        assert (c.tp, c.dp) == (1, world) and c.why == f"TP 1: fits ({gib} GiB per NPU)"
+    assert (c.tp, c.dp) == (2, 2) and c.why == "TP 2: TP 1 needs 68.9 GiB per NPU > 54 planned"
+    c = choose_tp(q7, 8, seq_len=4096)  # 58.2 GiB fits the 60 usable, not the 54 planned: the field guide's TP 2
+    assert (c.tp, c.dp) == (2, 4) and c.why == "TP 2: TP 1 needs 58.2 GiB per NPU > 54 planned"
+    c = choose_tp(q7, 16, seq_len=4096)  # the optimizer sharded over 16: TP 1 fits
+    assert (c.tp, c.dp) == (1, 16) and c.why == "TP 1: fits (52.9 GiB per NPU)"
     assert choose_tp(q32, 8, seq_len=4096).tp is None
     c = choose_tp(q32, 16, seq_len=4096)
-    assert (c.tp, c.dp) == (8, 2) and "TP 4 needs 73.5 GiB per NPU > 60 usable" in c.why
+    assert (c.tp, c.dp) == (8, 2) and "TP 4 needs 73.5 GiB per NPU > 54 planned" in c.why
     assert choose_tp(q32, 16, seq_len=4096, npus_per_node=4).tp is None  # TP stays inside a node
     assert choose_tp(SIZES["Qwen3-32B"], 16, seq_len=4096).tp == 8
-    assert choose_tp(SIZES["Qwen3-8B"], 8, seq_len=4096).why == "TP 2: TP 1 needs 62.4 GiB per NPU > 60 usable"
+    assert choose_tp(SIZES["Qwen3-8B"], 8, seq_len=4096).why == "TP 2: TP 1 needs 62.4 GiB per NPU > 54 planned"
 
 
 def test_a_layout_that_fits_nowhere_names_the_smallest_world_a_shorter_sequence_or_more_than_zero1():
@@ -139,7 +140,7 @@ def test_a_layout_that_fits_nowhere_names_the_smallest_world_a_shorter_sequence_
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 2, seq_len=4096)
     assert "TP 2 needs" in msg and "4 NPUs (1 node(s))" in msg
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 4, seq_len=131072)  # activations: a shorter sequence fits
-    assert "8 NPUs (1 node(s))" in msg and "data.seq_len=65536" in msg
+    assert "16 NPUs (2 node(s))" in msg and "data.seq_len=65536" in msg
     msg = no_fit_advice(SIZES["Qwen2.5-72B"], 16, seq_len=4096)
     assert "more than ZeRO-1 on up to 256 NPUs" in msg and "node(s)" not in msg
 

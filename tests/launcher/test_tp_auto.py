@@ -33,11 +33,11 @@ def plan(atlas: Path, recipe: str, size: str | None, npus: int, capsys: pytest.C
 
 
 @pytest.mark.parametrize("size,npus,tp,why", [
-    ("Qwen2.5-7B", 4, 2, "auto -> TP 2: TP 1 needs 68.9 GiB per NPU > 60 usable"),
-    ("Qwen2.5-7B", 8, 1, "auto -> TP 1: fits (58.2 GiB per NPU)"),  # the optimizer sharded over 8
+    ("Qwen2.5-7B", 4, 2, "auto -> TP 2: TP 1 needs 68.9 GiB per NPU > 54 planned"),
+    ("Qwen2.5-7B", 8, 2, "auto -> TP 2: TP 1 needs 58.2 GiB per NPU > 54 planned"),  # the field guide's layout
     ("Qwen2.5-7B", 16, 1, "auto -> TP 1: fits (52.9 GiB per NPU)"),
-    ("Qwen2.5-32B", 16, 8, "auto -> TP 8: TP 1 needs 213.1 GiB per NPU > 60 usable; TP 2 needs 120.1 GiB per NPU "
-                           "> 60 usable; TP 4 needs 73.5 GiB per NPU > 60 usable"),
+    ("Qwen2.5-32B", 16, 8, "auto -> TP 8: TP 1 needs 213.1 GiB per NPU > 54 planned; TP 2 needs 120.1 GiB per NPU "
+                           "> 54 planned; TP 4 needs 73.5 GiB per NPU > 54 planned"),
 ])
 def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsys, size, npus, tp, why):
     rc, p, out, _ = plan(atlas, "qwen-full", size, npus, capsys)
