@@ -2,9 +2,9 @@
 
     python finetune/worker.py --config <plan.json | recipe.json>
 
-Reads only its config (the resolved recipe, under "recipe" in plan.json) and the rank environment.
-Dies with its parent (msrun or the launcher); a training rank records its start and end in
-``<output_dir>/logs/ranks/`` (jobspec/lifecycle.py).
+Reads only its config (the resolved recipe and the run directory's paths, ``recipe`` and ``run_dir`` in
+plan.json) and the rank environment. Dies with its parent (msrun or the launcher); a training rank
+records its start and end in the run's ``logs/ranks/`` (jobspec/lifecycle.py).
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.affinity import apply_binding  # noqa: E402
-from jobspec.config import ConfigError, load_plan  # noqa: E402  (sys.path set above)
-from jobspec.lifecycle import die_with_parent, log_dir, run_rank  # noqa: E402
+from jobspec.config import ConfigError, Recipe, load_run  # noqa: E402  (sys.path set above)
+from jobspec.lifecycle import die_with_parent, run_rank  # noqa: E402
+from jobspec.rundir import RunDir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,16 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe JSON")
     args = ap.parse_args(argv)
     try:
-        recipe = load_plan(args.config)
+        recipe, run_dir = load_run(args.config)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        return _train(recipe)
-    return run_rank(log_dir(recipe.output_dir), int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe))
+        return _train(recipe, run_dir)
+    return run_rank(run_dir.logs, int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe, run_dir))
 
 
-def _train(recipe) -> int:
+def _train(recipe: Recipe, run_dir: RunDir) -> int:
     from jobspec.native import mindspore_mismatch
 
     mismatch = mindspore_mismatch()  # an x86-64 wheel on an aarch64 host fails in import, unexplained
@@ -46,7 +47,7 @@ def _train(recipe) -> int:
         return 2
     from finetune.train import run  # imports mindspore
 
-    return run(recipe)
+    return run(recipe, run_dir)
 
 
 if __name__ == "__main__":

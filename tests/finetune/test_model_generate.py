@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from finetune.generate import Sampling, chat_prompt, generate, main, next_token
+from jobspec.rundir import RunDir
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "tokenizer"
@@ -184,7 +185,7 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
     hf = export_hf(model, src, tmp_path / "out" / "hf", dtype="fp32")
     recipe = Recipe(output_dir=str(tmp_path / "out"), export=ExportConfig(check_max_new_tokens=3))
     capsys.readouterr()
-    out = sample_check(model, hf, recipe, RankInfo())
+    out = sample_check(model, hf, recipe, RankInfo(), RunDir(recipe.output_dir).samples)
     said = capsys.readouterr().out.splitlines()  # issue 19.8: the check says what it does before it starts
     assert said[0].startswith("[train] inference check: answering 5 prompts of ") and "5/5 answered" in said[1]
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
@@ -195,4 +196,4 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
                  "--output", str(tmp_path / "gen.jsonl"), "--max-new-tokens", "3",
                  "--seed", str(recipe.train.seed)]) == 0
     assert [json.loads(x) for x in (tmp_path / "gen.jsonl").read_text(encoding="utf-8").splitlines()] == rows
-    assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo()) is None
+    assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo(), tmp_path / "s") is None

@@ -8,6 +8,7 @@ from safetensors.numpy import load_file
 
 from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
@@ -157,7 +158,7 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
                                   "train.grad_accum": "2", "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32, RunDir(tmp_path))
     assert trainer.opt.gate.on_device is False  # CPU's default
     trainer.opt.gate.on_device = on_device
     trainer.model.loss_fn.host_gemm = False  # CPU's head matmuls read host memory, which waits for no device
@@ -185,7 +186,7 @@ def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(t
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
                                   "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(1, 1, "CPU"), ms.float32, RunDir(tmp_path))
     monkeypatch.setattr(optim, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
     with pytest.raises(RuntimeError, match=r"applied 2 step\(s\) up to step 2 but no master weight changed"):
         train_loop(trainer, Reporter(trainer), StopFlag())
