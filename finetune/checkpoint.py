@@ -32,7 +32,7 @@ from jobspec.checkpoints import (
     ways_out,
 )
 from jobspec.fsutil import publish
-from jobspec.rundir import MANIFEST, step_name
+from jobspec.rundir import MANIFEST, step_dirs, step_name
 
 SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the checkpoint itself
 
@@ -215,7 +215,7 @@ def load_latest(root: Path, model_params: list, rank: RankInfo, shard: bool, ide
         if problem or rank.is_main:
             log(f"[checkpoint] skipping {path}: {problem or 'another rank could not verify or load its files'}; "
                 "trying the previous checkpoint")
-    others = sorted(p.name for p in root.glob("step_*") if p not in candidates)
+    others = [p.name for p in step_dirs(root) if p not in candidates]
     if rank.is_main and (candidates or others):
         log(f"[checkpoint] no usable checkpoint in {root} ({len(candidates)} damaged, {len(others)} without a "
             f"manifest or unhealthy: {', '.join(others[:5])}): starting from step 0")

@@ -28,7 +28,7 @@ from jobspec.checkpoints import STATE, checkpoint_root, unhealthy, usable  # noq
 from jobspec.config import parse_size  # noqa: E402
 from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from jobspec.qwen2_layout import full_shapes  # noqa: E402
-from jobspec.rundir import RunDir, is_complete, step_name  # noqa: E402
+from jobspec.rundir import RunDir, is_complete, step_dirs, step_name  # noqa: E402
 
 
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:
@@ -45,7 +45,7 @@ def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:
     if path is not None and unhealthy(path):
         print(f"[export] warning: {unhealthy(path)}", file=sys.stderr)
     if path is None or not is_complete(path):
-        done = sorted(p.name for p in root.glob("step_*") if is_complete(p))
+        done = [p.name for p in step_dirs(root) if is_complete(p)]
         raise ValueError(f"--checkpoint {name}: no complete checkpoint {path or ''} (one with {MANIFEST}); "
                          f"saved in {root}: {', '.join(done) or 'none'}")
     return path

@@ -30,7 +30,6 @@ from jobspec.config import DataConfig  # noqa: E402  (sys.path set above)
 from jobspec.data.formats import Sample  # noqa: E402  (sys.path set above)
 from jobspec.data.template import QWEN25, chat_format, render  # noqa: E402  (sys.path set above)
 from jobspec.recipe_parse import Problem  # noqa: E402  (sys.path set above)
-from jobspec.rundir import RunDir  # noqa: E402  (sys.path set above)
 
 if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors before loading MindSpore
     from tokenizers import Tokenizer
@@ -241,12 +240,12 @@ def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None, fmt
         print(f"assistant> {reply}", flush=True)
 
 
-def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
+def sample_check(model, config_dir: Path, recipe, rank, out: Path) -> Path | None:
     """The post-training inference check: answer ``export.check_prompts`` with the trained model
     (in memory, every rank in step: the TP groups compute the same logits and draw the same tokens
     from ``config_dir``'s generation_config.json), with its tokenizer (the base model's, which the export
     copies: every node has it, whether or not the export is on shared storage); rank 0 writes
-    ``<output_dir>/samples.jsonl``. Returns its path on rank 0; None when off or without prompts."""
+    ``out`` (the run's ``samples.jsonl``). Returns its path on rank 0; None when off or without prompts."""
     from tokenizers import Tokenizer
 
     from jobspec.data.files import resolve_path
@@ -270,7 +269,6 @@ def sample_check(model, config_dir: Path, recipe, rank) -> Path | None:
                    progress=lambda done: rank.log(f"[train] inference check: {done}"))
     if not rank.is_main:
         return None
-    out = RunDir(recipe.output_dir).samples
     out.write_text("".join(json.dumps({**c["record"], "response": t}, ensure_ascii=False) + "\n"
                            for c, t in zip(convs, texts)), encoding="utf-8")
     rank.log(f"[train] inference check: {len(texts)} answers from the fine-tuned model in {out}")

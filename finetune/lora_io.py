@@ -32,6 +32,7 @@ from jobspec.fsutil import atomic_dir
 from jobspec.hf_files import read_header
 from jobspec.lora_config import TARGETS, LoraConfig
 from jobspec.qwen2_layout import full_shapes
+from jobspec.rundir import RunDir
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -107,16 +108,16 @@ def merged_weights(model, tensors: dict[str, np.ndarray], cfg: LoraConfig, rank:
     return merge_fetch(lambda name: gather_full(model, name, state[name], rank), tensors, cfg.scale)
 
 
-def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, out: str | Path, dtype: str,
+def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, run: RunDir, dtype: str,
                 shard_size_bytes: int, merge: bool, rank: RankInfo) -> None:
-    """``out/adapter`` (peft, fp32) and, with ``merge``, the merged model as ``out/hf`` in ``dtype``.
+    """``run.adapter`` (peft, fp32) and, with ``merge``, the merged model as ``run.hf`` in ``dtype``.
     Every rank calls it; only the main rank writes."""
     tensors = adapter_tensors(model, params, rank)
     if rank.is_main:
-        write_adapter(Path(out) / "adapter", tensors, cfg, base_dir)
+        write_adapter(run.adapter, tensors, cfg, base_dir)
     if merge:
         full = model.hf_shapes()
-        write_hf_dir(Path(out) / "hf" if rank.is_main else None, base_dir, {n: full[n] for n in model.hf_state()},
+        write_hf_dir(run.hf if rank.is_main else None, base_dir, {n: full[n] for n in model.hf_state()},
                      merged_weights(model, tensors, cfg, rank), dtype, shard_size_bytes)
 
 

@@ -137,15 +137,15 @@ OFFLINE_ANALYSIS = "python -c \"from mindspore.profiler.profiler import analyse;
 class StepProfiler:
     """``train.profile_steps: [start, end]`` on rank 0: MindSpore's profiler on Ascend, cProfile on CPU.
 
-    Steps are 1-based and inclusive; output goes to ``<output_dir>/profile``. On Ascend the trace is
+    Steps are 1-based and inclusive; output goes to ``out`` (the run's ``profile/``). On Ascend the trace is
     only collected (``mindspore.profiler.profile`` starts itself; ``tensorboard_trace_handler`` with
     ``analyse_flag=False``): the analysis runs offline afterwards (:data:`OFFLINE_ANALYSIS`), so rank 0
     never analyses while the other ranks wait in a collective (HCCL_EXEC_TIMEOUT).
     """
 
-    def __init__(self, steps: list[int], rank: RankInfo, out_dir: Path):
+    def __init__(self, steps: list[int], rank: RankInfo, out: Path):
         self.first, self.last = (steps[0], steps[1]) if steps and rank.is_main else (0, -1)
-        self.rank, self.dir = rank, out_dir / "profile"
+        self.rank, self.dir = rank, out
         self._prof: Any = None  # mindspore.profiler.profile (untyped) or cProfile.Profile
 
     def before(self, step: int) -> None:

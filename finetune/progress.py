@@ -13,7 +13,6 @@ from finetune.report import ReportWriter, run_title
 from finetune.trainer import Trainer, batch_tensors
 from jobspec.data.template import IGNORE
 from jobspec.memory import memory_estimate
-from jobspec.rundir import RunDir
 
 
 class Reporter:
@@ -30,8 +29,8 @@ class Reporter:
         self.memory_checked = False
         self.metrics = self.report = None
         if rank.is_main:
-            self.metrics = MetricsWriter(RunDir(t.out).metrics, t.step)
-            self.report = ReportWriter(t.out, run_title(recipe, rank.tp, rank.dp, recipe.parallel.pp),
+            self.metrics = MetricsWriter(t.run.metrics, t.step)
+            self.report = ReportWriter(t.run, run_title(recipe, rank.tp, rank.dp, recipe.parallel.pp),
                                        recipe.train.tensorboard, t.step)
 
     def step_record(self, t: Trainer, loss: float, lr: float, grad_norm: float, loss_scale: float) -> dict:
@@ -66,7 +65,7 @@ class Reporter:
         """Rank 0: flush TensorBoard, write summary.json and loss.png; the summary."""
         if self.report is None:
             return None
-        return self.report.close(read_metrics(RunDir(t.out).metrics), t.tokens_seen, t.elapsed_s(),
+        return self.report.close(read_metrics(t.run.metrics), t.tokens_seen, t.elapsed_s(),
                                  last_checkpoint=checkpoint, export_path=export_path)
 
 

@@ -72,11 +72,10 @@ def summary(records: list[dict], tokens: int, wall_s: float, last_checkpoint: st
     }
 
 
-def summarize(records: list[dict], out_dir: Path, tokens: int, wall_s: float, title: str = "training run",
+def summarize(records: list[dict], run: RunDir, tokens: int, wall_s: float, title: str = "training run",
               **extra) -> dict:
     """Write summary.json and loss.png; return the summary (``extra``: see :func:`summary`)."""
     s = summary(records, tokens, wall_s, **extra)
-    run = RunDir(out_dir)
     run.summary.write_text(json.dumps(s, indent=1))
     if records:
         plot(records, run.loss_plot, title)
@@ -128,19 +127,19 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 class ReportWriter:
     """What the loop calls on rank 0: :meth:`write` per logged record, :meth:`close` once at the end.
 
-    TensorBoard event files go to ``<out_dir>/tensorboard`` unless ``tensorboard`` is False
+    TensorBoard event files go to ``run.tensorboard`` unless ``tensorboard`` is False
     (``train.tensorboard``). On resume, events past ``resume_step`` from the earlier run are purged.
     """
 
-    def __init__(self, out_dir: Path, title: str, tensorboard: bool = True, resume_step: int = 0):
-        self.out_dir, self.title = out_dir, title
+    def __init__(self, run: RunDir, title: str, tensorboard: bool = True, resume_step: int = 0):
+        self.run, self.title = run, title
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             # the event file is named by the second it was opened: a writer opened in the same second
             # as the last one would truncate its file; the nanosecond suffix keeps both, in order
-            self.tb = SummaryWriter(str(RunDir(out_dir).tensorboard), flush_secs=30,
+            self.tb = SummaryWriter(str(run.tensorboard), flush_secs=30,
                                    filename_suffix=f".{time.time_ns()}",
                                     purge_step=resume_step + 1 if resume_step else None)
 
@@ -154,4 +153,4 @@ class ReportWriter:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
-        return summarize(records, self.out_dir, tokens, wall_s, self.title, **extra)
+        return summarize(records, self.run, tokens, wall_s, self.title, **extra)

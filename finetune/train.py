@@ -26,7 +26,7 @@ from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
 from finetune.trainer import Trainer, batch_tensors, setup
 from jobspec.config import Recipe
-from jobspec.rundir import RunDir
+from jobspec.rundir import RunDir, run_dir_of
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
@@ -69,8 +69,9 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
     raise ValueError("a step needs at least one micro-batch")
 
 
-def run(recipe: Recipe, model_hash: str = "") -> int:
-    """Fine-tune as the recipe says (``model_hash``: the plan's, see trainer.setup); the process exit code."""
+def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> int:
+    """Fine-tune as the recipe says into ``run_dir`` (plan.json's; None: the recipe's own, ``run_dir_of``;
+    ``model_hash``: the plan's, see trainer.setup); returns the process exit code."""
     # the plan's recipe comes resolved: this checks its layout against the world msrun started (a recipe
     # without a plan, e.g. a test's, is resolved here for that world on its launch.device)
     device = recipe.layout.device if recipe.layout else launch_device(recipe.launch.device)
@@ -82,7 +83,7 @@ def run(recipe: Recipe, model_hash: str = "") -> int:
     head = ("vocab-parallel" if layout.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {layout.device_target}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, "
              f"embedding/LM head {head}), compute dtype {dtype}, output {recipe.output_dir}")
-    trainer = setup(recipe, rank, dtype, model_hash)
+    trainer = setup(recipe, rank, dtype, run_dir or run_dir_of(recipe), model_hash)
     reporter = Reporter(trainer)
     code = train_loop(trainer, reporter, StopFlag())
     return finish(trainer, reporter) if code == 0 else code
@@ -93,7 +94,7 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     tc, rank = t.recipe.train, t.rank
     grad_fn = ms.value_and_grad(t.scaled_loss, None, t.params)
     batches = iter(t.loader)  # positioned at step t.step; pulled only for a step that runs
-    profiler = StepProfiler(tc.profile_steps, rank, t.out)
+    profiler = StepProfiler(tc.profile_steps, rank, t.run.profile)
     timer = reporter.timer
     pending_tokens, skipped = 0, SkippedSteps()
     update_check = UpdateCheck(t.opt, tc.lr)  # fails the run at the first sync point if no weight changed
@@ -173,14 +174,14 @@ def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healt
 
 def finish(t: Trainer, reporter: Reporter) -> int:
     """The end of a complete run: final checkpoint, Hugging Face export, summary; the exit code."""
-    rank, out, recipe = t.rank, t.out, t.recipe
+    rank, run, recipe = t.rank, t.run, t.recipe
     bad = [p.name for p in t.params if not bool(ops.isfinite(p).all())]
     if all_reduce_sum(ms.Tensor(np.array([len(bad)], np.float32)), rank.world_group).asnumpy()[0] > 0:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED
     checkpoint = t.save(finished=True)
-    hf_dir = RunDir(out).hf
+    hf_dir = run.hf
     if recipe.export.enabled:
         from finetune.hf_io import export_hf
         from jobspec.config import parse_size
@@ -189,21 +190,22 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         if recipe.train.method == "lora":  # adapter/ in peft's format; hf/: the merged model (export.merge)
             from finetune.lora_io import export_lora
 
-            export_lora(t.model, t.params, recipe.lora, t.model_dir, out, recipe.export.dtype,
+            export_lora(t.model, t.params, recipe.lora, t.model_dir, run, recipe.export.dtype,
                         parse_size(recipe.export.shard_size), recipe.export.merge, rank)
-            rank.log(f"[train] LoRA adapter written to {out / 'adapter'}"
+            rank.log(f"[train] LoRA adapter written to {run.adapter}"
                      + (f", merged model to {hf_dir}" if recipe.export.merge else ""))
         else:
             export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
             rank.log(f"[train] Hugging Face model written to {hf_dir}")
         from finetune.generate import sample_check
 
-        sample_check(t.model, t.model_dir, recipe, rank)  # collective; tokenizer from the base (every node has it)
+        # collective; tokenizer from the base (every node has it)
+        sample_check(t.model, t.model_dir, recipe, rank, run.samples)
     barrier(rank)
     summary = reporter.close(t, str(checkpoint), str(hf_dir) if recipe.export.enabled else None)
     if summary is not None:
         drop = (1 - summary["last_loss"] / summary["first_loss"]) * 100 if summary["first_loss"] else 0.0
         rank.log(f"[train] done: {summary['steps']} steps, {summary['tokens']:,} tokens, loss "
                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
-                 f"{summary['wall_time_s']:.0f}s; metrics in {RunDir(out).metrics}, curve in {RunDir(out).loss_plot}")
+                 f"{summary['wall_time_s']:.0f}s; metrics in {run.metrics}, curve in {run.loss_plot}")
     return 0

@@ -19,10 +19,9 @@ from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoin
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from jobspec.checkpoints import archive_checkpoints, checkpoint_root, run_identity, usable, ways_out
+from jobspec.checkpoints import archive_checkpoints, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
 from jobspec.data.batching import BatchLoader
-from jobspec.data.cache import cache_dir_for
 from jobspec.fsutil import remove_stale_temps
 from jobspec.rerun import changed_settings, run_settings
 from jobspec.rundir import RunDir
@@ -44,6 +43,7 @@ class Trainer:
     """Everything the loop reads and changes; saved and resumed as one object."""
 
     recipe: Recipe
+    run: RunDir  # every path of the run (plan.json's run_dir)
     rank: RankInfo
     model: Any  # Qwen2ForCausalLM
     model_dir: Path
@@ -63,10 +63,6 @@ class Trainer:
     evals_without_gain: int = 0  # and the evaluations since it
     skipped_steps: int = 0  # steps skipped for non-finite gradients, over this run and those it resumed
     bad_streak: int = 0  # consecutive non-finite steps up to the last sync point (no checkpoint while > 0)
-
-    @property
-    def out(self) -> Path:
-        return Path(self.recipe.output_dir)
 
     def elapsed_s(self) -> float:
         """Training wall time over this run and the runs it resumed."""
@@ -89,7 +85,7 @@ class Trainer:
                              evals_without_gain=self.evals_without_gain, skipped_steps=self.skipped_steps,
                              bad_streak=self.bad_streak, settings=run_settings(self.recipe), finished=finished)
         sharded = self.opt.sharded
-        path = save_checkpoint(checkpoint_root(self.out), state, self.params, self.opt.state_dict(), self.rank,
+        path = save_checkpoint(self.run.checkpoints, state, self.params, self.opt.state_dict(), self.rank,
                                self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
                                owns_optim=sharded or self.rank.dp_rank == 0)
         self.rank.log(f"[train] checkpoint {path}")
@@ -100,7 +96,7 @@ class Trainer:
         optimizer, data position, loss scale, counters."""
         shard = self.opt.sharded
         if path is None:
-            found = load_latest(checkpoint_root(self.out), self.params, self.rank, shard, self.identity, print)
+            found = load_latest(self.run.checkpoints, self.params, self.rank, shard, self.identity, print)
             if found is None:
                 return
             path, state, optim_state = found
@@ -109,7 +105,7 @@ class Trainer:
         changes = changed_settings(state.settings, self.recipe)
         if changes:  # the launcher refuses this before any work; a worker started by hand meets it here
             raise CheckpointMismatch(f"{path} was trained with other settings: {'; '.join(changes)}. "
-                                     f"{ways_out(self.out)}")
+                                     f"{ways_out(self.run.root)}")
         self.opt.load_state_dict(optim_state)
         self.loader.load_state_dict(state.loader)
         self.scaler.load_state_dict(state.scaler)
@@ -123,13 +119,13 @@ class Trainer:
 
     def newest_healthy(self) -> Path | None:
         """The checkpoint a rerun would resume (the newest complete and healthy one), if any."""
-        found = usable(checkpoint_root(self.out), log=lambda _: None)
+        found = usable(self.run.checkpoints, log=lambda _: None)
         return found[0] if found else None
 
 
-def setup(recipe: Recipe, rank: RankInfo, dtype, model_hash: str = "") -> Trainer:
-    """Model, optimizer, loss scaler and data for this rank, resumed when a checkpoint says so; ``model_hash``:
-    the base model's identity from the plan (jobspec.checkpoints.model_hash)."""
+def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = "") -> Trainer:
+    """Model, optimizer, loss scaler and data for this rank in ``run``, resumed when a checkpoint says so;
+    ``model_hash``: the base model's identity from the plan (jobspec.checkpoints.model_hash)."""
     tc = recipe.train
     model_dir = Path(resolved_model_dir(recipe))
     if not (model_dir / "config.json").is_file():
@@ -137,10 +133,9 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, model_hash: str = "") -> Traine
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
     if not model_hash and rank.is_main:  # started without the launcher, which does this once per node
-        out = Path(recipe.output_dir)
-        remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=rank.log)
+        remove_stale_temps(run.root, run.checkpoints, run.data.parent, log=rank.log)
         if tc.resume == "never":
-            archive_checkpoints(out, rank.log)
+            archive_checkpoints(run.root, rank.log)
     loader, val_loader = build_loaders(recipe, rank, model_dir)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:
@@ -156,7 +151,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, model_hash: str = "") -> Traine
     layout = recipe.decided_layout
     opt = build_optimizer(params, tc, rank, layout.shard_optimizer)
     overlap = layout.overlap_grad_reduce
-    trainer = Trainer(recipe, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
+    trainer = Trainer(recipe, run, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
     if rank.dp > 1:
         rank.log(f"[train] DP gradient reduction in {len(opt.bucket_params)} bucket(s), "
@@ -167,8 +162,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, model_hash: str = "") -> Traine
              f"({loader.steps_per_epoch} per epoch), global batch "
              f"{layout.global_batch} x {layout.seq_len} tokens")
     # the launcher hashed the base model once per node (model_hash); a worker started without it hashes here
-    trainer.identity = run_identity(model_dir, cache_dir_for(recipe), model_hash or None,
-                                    RunDir(recipe.output_dir).hashes)
+    trainer.identity = run_identity(model_dir, run.data, model_hash or None, run.hashes)
     if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
         from finetune.lora_io import lora_identity
 

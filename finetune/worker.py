@@ -2,10 +2,11 @@
 
     python finetune/worker.py --config <plan.json | recipe.json>
 
-Reads only its config (the resolved recipe, under "recipe" in plan.json, and the plan's "model_hash")
-and the rank environment. Dies with its parent (msrun or the launcher); a training rank records its
-start and end in ``<output_dir>/logs/ranks/`` (jobspec/lifecycle.py). Started without the launcher on
-a finished run, it says so and exits 0 as the launcher does (jobspec/rerun.py).
+Reads only its config (the resolved recipe, the run directory's paths and the base model's identity:
+``recipe``, ``run_dir`` and ``model_hash`` in plan.json) and the rank environment. Dies with its parent
+(msrun or the launcher); a training rank records its start and end in the run's ``logs/ranks/``
+(jobspec/lifecycle.py). Started without the launcher on a finished run, it says so and exits 0 as the
+launcher does (jobspec/rerun.py).
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.affinity import apply_binding  # noqa: E402
-from jobspec.config import ConfigError, load_plan  # noqa: E402  (sys.path set above)
-from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, log_dir, run_rank  # noqa: E402
+from jobspec.config import ConfigError, Recipe, load_run  # noqa: E402  (sys.path set above)
+from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, run_rank  # noqa: E402
 from jobspec.rerun import rerun_answer  # noqa: E402
+from jobspec.rundir import RunDir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe JSON")
     args = ap.parse_args(argv)
     try:
-        recipe = load_plan(args.config)
+        recipe, run_dir = load_run(args.config)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -40,9 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return answer
     model_hash = plan_model_hash(args.config)
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        return _train(recipe, model_hash)
-    return run_rank(log_dir(recipe.output_dir), int(os.environ.get("RANK_ID", "0")),
-                    lambda: _train(recipe, model_hash))
+        return _train(recipe, run_dir, model_hash)
+    return run_rank(run_dir.logs, int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe, run_dir, model_hash))
 
 
 def plan_model_hash(config: str) -> str:
@@ -55,7 +56,7 @@ def plan_model_hash(config: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _train(recipe, model_hash: str) -> int:
+def _train(recipe: Recipe, run_dir: RunDir, model_hash: str) -> int:
     from jobspec.native import mindspore_mismatch
 
     mismatch = mindspore_mismatch()  # an x86-64 wheel on an aarch64 host fails in import, unexplained
@@ -64,7 +65,7 @@ def _train(recipe, model_hash: str) -> int:
         return 2
     from finetune.train import run  # imports mindspore
 
-    return run(recipe, model_hash)
+    return run(recipe, run_dir, model_hash)
 
 
 if __name__ == "__main__":

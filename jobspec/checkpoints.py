@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobspec.rundir import MANIFEST, RunDir, is_complete
+from jobspec.rundir import MANIFEST, RunDir, is_complete, step_dirs
 
 STATE = "trainer_state.json"
 
@@ -125,7 +125,7 @@ def archive_checkpoints(output_dir: str | Path, log: Callable[[str], None] = pri
 
 def _complete(root: Path) -> list[Path]:
     """Published checkpoints (a manifest present), oldest first."""
-    return sorted(p for p in root.glob("step_*") if is_complete(p))
+    return [p for p in step_dirs(root) if is_complete(p)]
 
 
 def unhealthy(path: Path) -> str | None:
@@ -143,7 +143,7 @@ def usable(root: Path, log: Callable[[str], None] = print) -> list[Path]:
     """The published, healthy checkpoints under ``root``, newest first; a newer step directory passed
     over (no manifest.json, or unhealthy) is named with the reason."""
     out = []
-    for p in sorted((p for p in root.glob("step_*") if p.suffix != ".tmp"), reverse=True):
+    for p in reversed([p for p in step_dirs(root) if p.suffix != ".tmp"]):
         why = f"{p}: no {MANIFEST} (deleted, or its save never finished)" if not is_complete(p) else unhealthy(p)
         if why is None:
             out.append(p)

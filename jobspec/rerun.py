@@ -17,6 +17,7 @@ from typing import Any
 
 from jobspec.checkpoints import STATE, checkpoint_root, usable, ways_out
 from jobspec.config import Recipe
+from jobspec.rundir import run_dir_of
 
 TRAINING_KEYS = ("train.lr", "train.betas", "train.eps", "train.weight_decay", "train.warmup_steps", "train.schedule",
                  "train.min_lr", "train.clip_grad", "train.seed", "data.seq_len", "data.packing",
@@ -64,7 +65,7 @@ def finished_already(recipe: Recipe) -> str | None:
                                  f"{ways_out(recipe.output_dir)}")
     now = run_settings(recipe)
     if state.get("finished") and all(saved.get(k) == now[k] for k in LENGTH_KEYS):
-        return (f"already finished at step {state['step']} ({Path(recipe.output_dir) / 'hf'}); nothing to do "
+        return (f"already finished at step {state['step']} ({run_dir_of(recipe).hf}); nothing to do "
                 "(raise train.max_steps or train.epochs to train on from there)")
     return None
 

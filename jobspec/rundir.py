@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 MANIFEST = "manifest.json"  # a checkpoint's file list, written last: its presence marks a complete checkpoint
 
@@ -22,6 +23,8 @@ ENTRIES = (
                                            "written atomically"),
     ("hf", "hf/", "the fine-tuned model in Hugging Face layout (directories 0755, files 0644: a non-root server "
                   "can read it)"),
+    ("adapter", "adapter/", "with `train.method: lora`: the trained adapter in PEFT's layout (`hf/` then holds the "
+                            "merged model, `export.merge`)"),
     ("samples", "samples.jsonl", "the exported model's answers to the held-out check prompts (`export.check_prompts`)"),
     ("summary", "summary.json", "the run's numbers (see \"Monitoring a run\")"),
     ("loss_plot", "loss.png", "its curves"),
@@ -39,34 +42,51 @@ ENTRIES = (
 
 @dataclass(frozen=True)
 class RunDir:
-    """The paths of the run in ``root``; ``RunDir(output_dir).hf`` etc."""
+    """The paths of the run in ``root``; ``RunDir(output_dir).hf`` etc. ``data``: the token cache
+    (``data.cache_dir``, default ``<root>/data``). The launcher decides it and writes it into plan.json
+    (:meth:`to_json`); the workers read it back (:meth:`from_json`)."""
 
     root: Path
+    data: Path
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, data: str | Path | None = None):
         object.__setattr__(self, "root", Path(root))
+        object.__setattr__(self, "data", Path(data) if data else self._at("data"))
 
     def _at(self, attr: str) -> Path:
         rel = next(p for a, p, _ in ENTRIES if a == attr)
         return self.root / rel.split("/")[0]
 
+    def to_json(self) -> dict[str, str]:
+        """plan.json's ``run_dir``: the root, the token cache, and every other path (for the reader)."""
+        return {"root": str(self.root), "data": str(self.data),
+                **{a: str(self.npu_log() if a == "npu_log" else getattr(self, a))
+                   for a, _, _ in ENTRIES if a not in ("data", "lock")}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, str]) -> RunDir:
+        return cls(d["root"], d["data"])
+
     plan = property(lambda self: self._at("plan"))
     base_model = property(lambda self: self._at("base_model"))
-    data = property(lambda self: self._at("data"))
     metrics = property(lambda self: self._at("metrics"))
     checkpoints = property(lambda self: self._at("checkpoints"))
     hf = property(lambda self: self._at("hf"))
+    adapter = property(lambda self: self._at("adapter"))
     samples = property(lambda self: self._at("samples"))
     summary = property(lambda self: self._at("summary"))
     loss_plot = property(lambda self: self._at("loss_plot"))
     tensorboard = property(lambda self: self._at("tensorboard"))
     logs = property(lambda self: self._at("logs"))
     profile = property(lambda self: self._at("profile"))
-    lock = property(lambda self: self._at("lock"))
     hashes = property(lambda self: self._at("hashes"))
 
     def npu_log(self, node_rank: int = 0) -> Path:
         return self._at("npu_log") if node_rank == 0 else self.root / f"npu-node{node_rank}.jsonl"
+
+    def lock(self, node_rank: int = 0) -> Path:
+        """The job lock of node ``node_rank`` (-1: an AscendJob Scheduler pod's)."""
+        return self._at("lock") if node_rank == 0 else self.root / f".lock.node{node_rank}"
 
     def checkpoint(self, step: int) -> Path:
         return self._at("checkpoints") / step_name(step)
@@ -76,9 +96,32 @@ class RunDir:
         return self.root / f"hf-{checkpoint.name}"
 
 
+class _DataSection(Protocol):
+    @property
+    def cache_dir(self) -> str: ...
+
+
+class _Recipe(Protocol):  # jobspec.config.Recipe, which imports this module
+    @property
+    def output_dir(self) -> str: ...
+    @property
+    def data(self) -> _DataSection: ...
+
+
+def run_dir_of(recipe: _Recipe) -> RunDir:
+    """The one rule from a recipe to its run directory: ``output_dir``, the token cache moved by
+    ``data.cache_dir``. The launcher applies it; the workers read its result from plan.json."""
+    return RunDir(recipe.output_dir, recipe.data.cache_dir or None)
+
+
 def step_name(step: int) -> str:
     """A checkpoint directory's name: ``step_00000030``."""
     return f"step_{step:08d}"
+
+
+def step_dirs(checkpoints: Path) -> list[Path]:
+    """The checkpoint directories under ``checkpoints`` (complete, ``.tmp`` or broken), by name: oldest first."""
+    return sorted(checkpoints.glob("step_*"))
 
 
 def is_complete(checkpoint: Path) -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 from jobspec.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
-from jobspec.rundir import RunDir
+from jobspec.rundir import run_dir_of
 from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
@@ -157,17 +157,18 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl,
                                probe=host.membind_probe)
     nodes = numa.numa_nodes(host.sys_root)
-    out = Path(recipe.output_dir)
+    run = run_dir_of(recipe)  # decided here, read by the workers (plan.json's run_dir)
+    out = run.root
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
     if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     rd = to_dict(recipe)
-    rd["model"]["dir"] = resolved_model_dir(recipe)
+    rd["model"]["dir"], rd["data"]["cache_dir"] = resolved_model_dir(recipe), str(run.data)
     rd["launch"]["nproc_per_node"] = nproc
     L, p = recipe.launch, recipe.layout or recipe.parallel  # no layout: an NPU plan with no NPU (preflight stops)
     tp = recipe.layout.tp if recipe.layout else recipe.parallel.tp_size
     plan = planlib.Plan(
-        recipe=rd, path=RunDir(out).plan, log_dir=RunDir(out).logs, cluster_time_out=L.cluster_time_out,
+        recipe=rd, path=run.plan, run_dir=run, cluster_time_out=L.cluster_time_out,
         topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, tp, p.pp, p.dp),
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
@@ -335,11 +336,11 @@ def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
         launch.write_plan(p.path, p.to_json())
         print_plan(job)
         log(f"plan written to {p.path}; starting {'msrun' if job.world > 1 else 'the worker'}")
-        with npu_monitor.running(job.devices, p.path.parent, t.node_rank,
+        with npu_monitor.running(job.devices, p.run_dir.root, t.node_rank,
                                  job.recipe.launch.npu_monitor_s, host.npu_smi, log):
-            return launch.supervise(host.command or p.argv, job.env, p.log_dir, job.recipe.launch.max_restarts,
-                                    cwd=p.path.parent, log=log,
-                                    tee_to=p.log_dir / "worker_0.log" if job.world == 1 else None,
+            return launch.supervise(host.command or p.argv, job.env, p.run_dir.logs, job.recipe.launch.max_restarts,
+                                    cwd=p.run_dir.root, log=log,
+                                    tee_to=p.run_dir.logs / "worker_0.log" if job.world == 1 else None,
                                     under_msrun=job.world > 1, lock_fd=lock_fd,
                                     ranks=range(t.node_rank * t.nproc_per_node, (t.node_rank + 1) * t.nproc_per_node))
     finally:
@@ -355,7 +356,7 @@ def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
     r = job.recipe  # default: the export; the base model only with --base
     ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
-                                            ["--finetuned", str(RunDir(r.output_dir).hf),
+                                            ["--finetuned", str(run_dir_of(r).hf),
                                              "--base-model", resolved_model_dir(r)])
     return subprocess.call([sys.executable, str(GENERATE), *ours, *args.rest], env=job.env)
 

@@ -16,13 +16,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from jobspec.rundir import RunDir
+
 
 class Locked(Exception):
     """Another live job holds the output directory."""
 
 
 def lock_path(output_dir: Path, node_rank: int = 0, nnodes: int = 1) -> Path:
-    return output_dir / (".lock" if nnodes == 1 or node_rank == 0 else f".lock.node{node_rank}")
+    return RunDir(output_dir).lock(0 if nnodes == 1 else node_rank)
 
 
 def _describe(holder: dict) -> str:

@@ -1,10 +1,11 @@
 """The launcher's plan: every decision of one node's job as a typed record, written to plan.json.
 
 The JSON keeps its keys (``recipe``, ``topology``, ``role``, ``ranks``, ``binding``, ``memory``,
-``msrun_argv``, ``worker_env``, ``sources``, ``model_hash``); the workers read only ``recipe`` and
-``model_hash``. The command that starts the job is built here from the plan, in one place
-(:attr:`Plan.argv`): the worker alone for world size 1, else msrun, whose ``--local_worker_num`` is 0
-on an AscendJob Scheduler pod (``role == "scheduler"``, launcher/ascendjob.py).
+``msrun_argv``, ``worker_env``, ``sources``, ``run_dir``, ``model_hash``); the workers read ``recipe``,
+``run_dir`` (every path of the run, :class:`jobspec.rundir.RunDir`: the launcher decides, the workers read)
+and ``model_hash``. The command that starts the job is built here from the plan, in one place
+(:attr:`Plan.argv`): the worker alone for world size 1, else msrun, whose ``--local_worker_num`` is 0 on an
+AscendJob Scheduler pod (``role == "scheduler"``, launcher/ascendjob.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from jobspec.rundir import RunDir
 from launcher import launch
 
 Role = Literal["worker", "scheduler"]
@@ -37,7 +39,7 @@ class Plan:
     recipe: dict[str, Any]  # the resolved recipe the workers load (jobspec.config.to_dict form)
     topology: Topology
     path: Path  # where plan.json is written (the workers' --config)
-    log_dir: Path
+    run_dir: RunDir  # every path of the run, the token cache's included
     cluster_time_out: int
     role: Role = "worker"
     ranks: list[dict[str, Any]] = field(default_factory=list)
@@ -54,7 +56,7 @@ class Plan:
         if t.world_size == 1 and self.role == "worker":
             return launch.direct_argv(self.path)
         return launch.msrun_argv(t.world_size, t.nproc_per_node, t.master_addr, t.master_port, t.node_rank,
-                                 self.cluster_time_out, self.path, self.log_dir)
+                                 self.cluster_time_out, self.path, self.run_dir.logs)
 
     def pin_master(self, ip: str) -> None:
         """MASTER_ADDR's name resolved: the address goes to msrun and the workers' recipe."""
@@ -63,6 +65,6 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("path", "log_dir", "cluster_time_out")}
-        d["topology"] = dataclasses.asdict(self.topology)
+             if f.name not in ("path", "cluster_time_out")}
+        d["topology"], d["run_dir"] = dataclasses.asdict(self.topology), self.run_dir.to_json()
         return {**d, "msrun_argv": self.argv}

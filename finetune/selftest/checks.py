@@ -8,7 +8,7 @@ at the real shape, the host only what the comparison needs, so a check costs sec
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mindspore as ms
 import numpy as np
@@ -44,15 +44,12 @@ def layouts(device: str) -> list[Layout]:
     """Qwen2.5-7B at TP 1 and 2, S = 4096 packed with three sequences, on Ascend; on CPU the same
     structure scaled down (the twins compute in fp32 on two cores)."""
     if device == "Ascend":
-        full = dict(ends=(1024, 2560, 4096), hidden=3584, heads=28, kv_heads=4, head_dim=128, inter=18944,
-                    vocab=152064)
+        full = Layout("tp1", ends=(1024, 2560, 4096), hidden=3584, heads=28, kv_heads=4, head_dim=128, inter=18944,
+                      vocab=152064)
     else:
-        full = dict(ends=(16, 40, 64), hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=96)
-    out = []
-    for tp in (1, 2):
-        split = {k: full[k] // tp for k in ("heads", "kv_heads", "inter", "vocab")}
-        out.append(Layout(f"tp{tp}", **{**full, **split}))
-    return out
+        full = Layout("tp1", ends=(16, 40, 64), hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=96)
+    return [replace(full, name=f"tp{tp}", heads=full.heads // tp, kv_heads=full.kv_heads // tp,
+                    inter=full.inter // tp, vocab=full.vocab // tp) for tp in (1, 2)]
 
 
 def _rand(rng: np.random.Generator, shape: tuple, dtype, scale: float = 1.0, base: float = 0.0):

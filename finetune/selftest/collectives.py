@@ -39,7 +39,7 @@ def main(out_dir: str, device: str) -> int:
     rank = dist.init_distributed(Layout(dp=world, device="npu" if device == "Ascend" else "cpu"))
     group, r, n = rank.world_group, rank.rank, N[device]
     native = dist.native_collectives(rank, group)
-    total = sum(_data(i, n) for i in range(world))
+    total = np.sum([_data(i, n) for i in range(world)], axis=0)
     mine = _data(r, n)
     chunk = n // world
     rows = []

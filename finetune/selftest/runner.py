@@ -75,9 +75,12 @@ def specs(device: str) -> list[Spec]:
     ]
     for name in checks.matmul_shapes(checks.layouts(device)[0]):
         out.append(Spec(f"matmul_{name}", "reduce", 2.0, "MatMul in the compute dtype", VERSIONS_FIX,
-                        checks.check_matmul(name),
-                        lambda lay, n=name: "x".join(map(str, (lay.tokens,) + checks.matmul_shapes(lay)[n]))))
+                        checks.check_matmul(name), partial(_matmul_shape, name)))
     return out
+
+
+def _matmul_shape(name: str, lay: checks.Layout) -> str:
+    return "x".join(map(str, (lay.tokens,) + checks.matmul_shapes(lay)[name]))
 
 
 def _compare(got: list[np.ndarray], ref: list[np.ndarray]) -> float:

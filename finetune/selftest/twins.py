@@ -28,7 +28,7 @@ prefix, layouts other than TND, interleaved RoPE) are refused as not emulated.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -253,7 +253,7 @@ def swiglu(input, dim=-1):  # noqa: A002  (MindSpore's argument name)
     return (ops.silu(a) * b).astype(input.dtype)
 
 
-FUSED = {"flash_attention_score": flash_attention_score, "rms_norm": rms_norm,
+FUSED: dict[str, Callable[..., Any]] = {"flash_attention_score": flash_attention_score, "rms_norm": rms_norm,
          "rotary_position_embedding": rotary_position_embedding, "swiglu": swiglu}
 
 

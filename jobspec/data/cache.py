@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 from jobspec.config import Recipe
 from jobspec.data.files import Source, resolve_sources
 from jobspec.data.template import TEMPLATE_VERSIONS, chat_format
-from jobspec.rundir import RunDir
+from jobspec.rundir import run_dir_of
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -51,7 +51,7 @@ class CacheInfo:
 
 def cache_dir_for(recipe: Recipe) -> Path:
     """data.cache_dir, or <output_dir>/data."""
-    return Path(recipe.data.cache_dir) if recipe.data.cache_dir else RunDir(recipe.output_dir).data
+    return run_dir_of(recipe).data
 
 
 def file_hash(path: Path) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from finetune.generate import Sampling, chat_prompt, generate, main, next_token
+from jobspec.rundir import RunDir
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "tokenizer"
@@ -65,10 +67,11 @@ def test_greedy_generate_follows_full_logits(ms_cpu, tied, case):
 
 def test_batched_left_padded_rows_equal_each_prompt_alone(tied):
     prompts = [[5, 17, 99, 3, 8, 41], [7, 2], [250, 11, 90, 4]]
-    alone = [generate(tied, [p], set(), GREEDY)[0] for p in prompts]
-    assert generate(tied, prompts, set(), GREEDY, pad_id=0) == alone
+    short = dataclasses.replace(GREEDY, max_new_tokens=5)  # 5 decode steps show it as well as 8, sooner
+    alone = [generate(tied, [p], set(), short)[0] for p in prompts]
+    assert generate(tied, prompts, set(), short, pad_id=0) == alone
     stop = alone[1][2]  # row 1 stops early; the others go on unchanged
-    batched = generate(tied, prompts, {stop}, GREEDY)
+    batched = generate(tied, prompts, {stop}, short)
     assert batched == [a[:a.index(stop)] if stop in a else a for a in alone]
 
 
@@ -184,7 +187,7 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
     hf = export_hf(model, src, tmp_path / "out" / "hf", dtype="fp32")
     recipe = Recipe(output_dir=str(tmp_path / "out"), export=ExportConfig(check_max_new_tokens=3))
     capsys.readouterr()
-    out = sample_check(model, hf, recipe, RankInfo())
+    out = sample_check(model, hf, recipe, RankInfo(), RunDir(recipe.output_dir).samples)
     said = capsys.readouterr().out.splitlines()  # issue 19.8: the check says what it does before it starts
     assert said[0].startswith("[train] inference check: answering 5 prompts of ") and "5/5 answered" in said[1]
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
@@ -195,7 +198,7 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
                  "--output", str(tmp_path / "gen.jsonl"), "--max-new-tokens", "3",
                  "--seed", str(recipe.train.seed)]) == 0
     assert [json.loads(x) for x in (tmp_path / "gen.jsonl").read_text(encoding="utf-8").splitlines()] == rows
-    assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo()) is None
+    assert sample_check(model, hf, Recipe(export=ExportConfig(check_prompts="")), RankInfo(), tmp_path / "s") is None
 
 
 QWEN3_CHATS = [([("user", "Hi")], ""),  # Qwen3 writes no system block for an empty system prompt, Qwen2.5 does

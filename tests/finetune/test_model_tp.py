@@ -109,6 +109,7 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
 
 CHECK_WORKER = TP2_WORKER_HEAD + r'''
 from jobspec.config import ExportConfig, Recipe
+from jobspec.rundir import RunDir
 from finetune.dist import RankInfo
 from finetune.generate import sample_check
 from finetune.hf_io import export_hf, load_hf_config, load_weights
@@ -122,7 +123,7 @@ hf = f"{out}/hf"
 export_hf(model, model_dir, hf, dtype="fp32", rank=rank)
 # as train.py does: tokenizer and generation config from the base model, which every rank has
 # (rank 0 alone writes the export; reading it from rank 1 races with that write)
-sample_check(model, model_dir, Recipe(output_dir=out, export=ExportConfig(check_max_new_tokens=4)), rank)
+sample_check(model, model_dir, Recipe(export=ExportConfig(check_max_new_tokens=4)), rank, RunDir(out).samples)
 '''
 
 
@@ -147,7 +148,7 @@ def test_inference_check_under_tp2_equals_one_process(ms_cpu, tmp_path, tiny_hf_
     assert proc.returncode == 0, proc.stdout[-2000:] + logs
     model, _, _ = load_model(src, "cpu")
     (tmp_path / "one").mkdir()
-    one = sample_check(model, tmp_path / "tp2" / "hf", Recipe(output_dir=str(tmp_path / "one"),
-                                                               export=ExportConfig(check_max_new_tokens=4)), RankInfo())
+    one = sample_check(model, tmp_path / "tp2" / "hf", Recipe(export=ExportConfig(check_max_new_tokens=4)), RankInfo(),
+                       tmp_path / "one" / "samples.jsonl")
     got = (tmp_path / "tp2" / "samples.jsonl").read_text(encoding="utf-8")
     assert got == one.read_text(encoding="utf-8") and len(got.splitlines()) == 5

@@ -86,7 +86,7 @@ def test_ascend_profiler_starts_itself_and_leaves_the_analysis_offline(ms_cpu, m
     fake = types.SimpleNamespace(profile=Profile,
                                  tensorboard_trace_handler=lambda **kw: ("handler", kw))
     monkeypatch.setitem(sys.modules, "mindspore.profiler", fake)
-    p = StepProfiler([2, 3], RankInfo(device_target="Ascend"), tmp_path)
+    p = StepProfiler([2, 3], RankInfo(device_target="Ascend"), tmp_path / "profile")
     for step in (1, 2, 3, 4):
         p.before(step)
         p.after(step)

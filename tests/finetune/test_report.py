@@ -8,6 +8,7 @@ import pytest
 
 from finetune import report
 from jobspec.config import load_recipe
+from jobspec.rundir import RunDir
 
 
 def records(n: int = 8, with_eval: bool = True, with_mfu: bool = True) -> list[dict]:
@@ -100,7 +101,7 @@ def _event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_event_file_reads_back(tmp_path):
     recs = records()
-    w = report.ReportWriter(tmp_path, "t")
+    w = report.ReportWriter(RunDir(tmp_path), "t")
     for r in recs:
         w.write(r)
     s = w.close(recs, tokens=100, wall_s=1.0, export_path=str(tmp_path / "hf"))
@@ -115,11 +116,11 @@ def test_tensorboard_event_file_reads_back(tmp_path):
 
 def test_tensorboard_resume_purges_the_steps_redone(tmp_path):
     recs = records(with_eval=False)
-    w = report.ReportWriter(tmp_path, "t")
+    w = report.ReportWriter(RunDir(tmp_path), "t")
     for r in recs:  # the first run logged steps 1..8, then died; the checkpoint was at step 5
         w.write(r)
     w.close(recs, 1, 1.0)
-    w = report.ReportWriter(tmp_path, "t", resume_step=5)
+    w = report.ReportWriter(RunDir(tmp_path), "t", resume_step=5)
     for r in recs[5:]:
         w.write({**r, "loss": r["loss"] + 100})
     w.close(recs, 1, 1.0)
@@ -131,7 +132,7 @@ def test_tensorboard_resume_purges_the_steps_redone(tmp_path):
 def test_tensorboard_off(tmp_path):
     assert load_recipe("tiny-cpu").train.tensorboard is True
     recipe = load_recipe("tiny-cpu", {"train.tensorboard": "false"})
-    w = report.ReportWriter(tmp_path, "t", tensorboard=recipe.train.tensorboard)
+    w = report.ReportWriter(RunDir(tmp_path), "t", tensorboard=recipe.train.tensorboard)
     w.write(records()[0])
     w.close(records(), 1, 1.0)
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "summary.json").is_file()

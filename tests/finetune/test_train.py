@@ -8,10 +8,13 @@ from safetensors.numpy import load_file
 
 from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 
+# export.check_max_new_tokens 4: the inference check answers every prompt, in a fraction of the default 64 tokens
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
-        "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "train.lr": "5e-3"}
+        "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "train.lr": "5e-3",
+        "export.check_max_new_tokens": "4"}
 
 
 def _recipe(out, **extra):
@@ -128,6 +131,7 @@ def test_a_finished_run_continued_with_more_steps_equals_one_longer_run(tmp_path
     assert _losses(short) == _losses(tmp_path / "long")
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 @pytest.mark.parametrize("log_every, found", [("1", "2 consecutive steps with non-finite gradients, found at step 3"),
                                               ("4", "3 consecutive steps with non-finite gradients, found at step 4")])
 def test_a_diverging_run_stops_nonzero_and_exports_nothing(tmp_path, capsys, log_every, found):
@@ -142,6 +146,7 @@ def test_a_diverging_run_stops_nonzero_and_exports_nothing(tmp_path, capsys, log
     assert not (out / "hf").exists() and not list(out.glob("checkpoints/step_*"))
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 @pytest.mark.parametrize("on_device, want", [(True, [0, 4, 4]), (False, [0, 0, 1, 2, 3, 4, 4])])
 def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_device, want):
     """Issue 12 item 8: no loss copy per micro-batch, no stop all-reduce and no norm read per step
@@ -158,7 +163,7 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
                                   "train.grad_accum": "2", "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32, RunDir(tmp_path))
     assert trainer.opt.gate.on_device is False  # CPU's default
     trainer.opt.gate.on_device = on_device
     trainer.model.loss_fn.host_gemm = False  # CPU's head matmuls read host memory, which waits for no device
@@ -172,6 +177,7 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
     assert reads == want  # the logged step 4 (and each step's norm on the host gate)
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(tmp_path, monkeypatch):
     """Issue 18 section 1.3: an optimizer kernel whose results do not reach the weights (the old
     optimizer under a kernel that does not write its inputs) stops the run at the first sync point
@@ -187,7 +193,7 @@ def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(t
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
                                   "data.val_size": "0"})
-    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32)
+    trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32, RunDir(tmp_path))
     monkeypatch.setattr(update, "adamw_update", lambda w, m, v, g, k, wd: (w, m, v))
     with pytest.raises(RuntimeError, match=r"applied 2 step\(s\) up to step 2 but no master weight changed"):
         train_loop(trainer, Reporter(trainer), StopFlag())
@@ -259,6 +265,7 @@ def test_early_stop_when_the_eval_loss_stops_improving(tmp_path, capsys):
     assert (out / "checkpoints" / "step_00000002").is_dir() and (out / "hf").is_dir()
 
 
+@pytest.mark.slow  # a whole training run or two (make test-fast skips it)
 def test_no_checkpoint_during_a_run_of_bad_steps_and_the_healthy_one_is_kept(tmp_path, capsys):
     """issue 19.11: with save_every below max_bad_steps and keep_checkpoints=1, the checkpoints written while
     the steps were non-finite pruned the last good one; a rerun resumed the blown-up weights."""

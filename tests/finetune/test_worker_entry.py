@@ -13,7 +13,7 @@ from jobspec.checkpoints import STATE
 from jobspec.config import REPO_ROOT, load_recipe, resolved_model_dir, to_dict
 from jobspec.lifecycle import LAUNCHER_PID_ENV
 from jobspec.rerun import run_settings
-from jobspec.rundir import MANIFEST
+from jobspec.rundir import MANIFEST, RunDir
 
 
 def _finished_plan(out, model_hash="", **over):
@@ -56,7 +56,7 @@ def test_under_the_launcher_the_worker_trains_with_the_plans_model_hash(tmp_path
     for name in ("die_with_parent", "apply_binding"):
         monkeypatch.setattr(worker, name, lambda: None)
     monkeypatch.setattr(worker, "run_rank", lambda logs, rank, fn: fn())
-    monkeypatch.setattr(worker, "_train", lambda recipe, model_hash: started.append(model_hash) or 0)
+    monkeypatch.setattr(worker, "_train", lambda recipe, run_dir, model_hash: started.append(model_hash) or 0)
     assert worker.main(["--config", str(plan)]) == 0 and started == ["0123456789abcdef"]
     plan.write_text(json.dumps(json.loads(plan.read_text())["recipe"]))  # a recipe JSON: no hash, "" (computed)
     assert worker.main(["--config", str(plan)]) == 0 and started[1:] == [""]
@@ -76,7 +76,7 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     reads = []
     real = checkpoints._sha256
     monkeypatch.setattr(checkpoints, "_sha256", lambda path, limit=None: (reads.append(path), real(path))[1])
-    assert setup(recipe, rank, ms.float32, "0123456789abcdef").identity["model"] == "0123456789abcdef"
+    assert setup(recipe, rank, ms.float32, RunDir(tmp_path), "0123456789abcdef").identity["model"] == "0123456789abcdef"
     assert reads == []  # the weights were loaded, not read a second time for the identity
-    computed = setup(recipe, rank, ms.float32).identity["model"]  # an older plan: hashed here, remembered
+    computed = setup(recipe, rank, ms.float32, RunDir(tmp_path)).identity["model"]  # an older plan: hashed here
     assert len(reads) == 1 and computed == checkpoints.model_hash(resolved_model_dir(recipe))

@@ -1,10 +1,11 @@
 """issue 22 §2: one RunDir; the README's output table is generated from it."""
+import json
 from pathlib import Path
 
-from jobspec.config import REPO_ROOT, load_recipe, resolved_model_dir
+from jobspec.config import REPO_ROOT, load_recipe, load_run, resolved_model_dir, to_dict
 from jobspec.data.cache import cache_dir_for
 from jobspec.lifecycle import log_dir
-from jobspec.rundir import ENTRIES, RunDir, is_complete, readme_table
+from jobspec.rundir import ENTRIES, RunDir, is_complete, readme_table, run_dir_of
 
 
 def test_the_readme_table_is_the_rundirs():
@@ -14,7 +15,7 @@ def test_the_readme_table_is_the_rundirs():
 def test_every_entry_is_a_path_and_the_project_uses_them(tmp_path):
     run = RunDir(tmp_path)
     for attr, rel, _ in ENTRIES:
-        path = run.npu_log() if attr == "npu_log" else getattr(run, attr)
+        path = getattr(run, attr)() if attr in ("npu_log", "lock") else getattr(run, attr)
         assert path == tmp_path / rel.split("/")[0]
     assert run.checkpoint(30) == tmp_path / "checkpoints" / "step_00000030"
     assert run.export(run.checkpoint(30)) == tmp_path / "hf-step_00000030"
@@ -29,3 +30,27 @@ def test_a_checkpoint_is_complete_with_its_manifest_and_not_as_tmp(tmp_path):
         d.mkdir()
         (d / "manifest.json").write_text("{}")
     assert is_complete(done) and not is_complete(tmp) and not is_complete(tmp_path / "step_00000003")
+
+
+def test_the_node_locks_and_npu_logs_are_per_node(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.lock(2) == tmp_path / ".lock.node2" and run.lock(-1) == tmp_path / ".lock.node-1"
+    assert run.npu_log(1) == tmp_path / "npu-node1.jsonl"
+
+
+def test_data_cache_dir_moves_the_token_cache_and_survives_plan_json(tmp_path):
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "o"), "data.cache_dir": str(tmp_path / "c")})
+    run = run_dir_of(recipe)
+    assert run.data == tmp_path / "c" and run.hf == tmp_path / "o" / "hf"
+    assert RunDir.from_json(json.loads(json.dumps(run.to_json()))) == run
+    assert run.to_json()["checkpoints"] == str(tmp_path / "o" / "checkpoints")
+
+
+def test_a_worker_reads_the_plans_run_dir_not_the_recipes(tmp_path):
+    """The parent decides, the children read: plan.json's run_dir wins over a re-derivation."""
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "o")})
+    decided = RunDir(tmp_path / "o", tmp_path / "shared-cache")
+    (tmp_path / "plan.json").write_text(json.dumps({"recipe": to_dict(recipe), "run_dir": decided.to_json()}))
+    assert load_run(tmp_path / "plan.json") == (recipe, decided)
+    (tmp_path / "recipe.json").write_text(json.dumps(to_dict(recipe)))  # a worker started by hand
+    assert load_run(tmp_path / "recipe.json") == (recipe, RunDir(tmp_path / "o"))

@@ -10,6 +10,7 @@ from launcher_fakes import make_sys
 
 import launcher.__main__ as lm
 from jobspec.config import REPO_ROOT
+from jobspec.rundir import RunDir
 
 
 def cpu_host(tmp_path, env=None, **kw) -> lm.Host:
@@ -71,6 +72,9 @@ def test_relative_output_resolves_against_the_current_directory_and_the_plan_say
     plan = json.loads(capsys.readouterr().out)
     assert rc == 0 and plan["recipe"]["output_dir"] == str(here / "output")
     assert (here / "output" / "plan.json").is_file()
+    # the run's paths are decided here, for the workers to read (issue 22 §2); the recipe names the same cache
+    assert RunDir.from_json(plan["run_dir"]) == RunDir(here / "output")
+    assert plan["recipe"]["data"]["cache_dir"] == plan["run_dir"]["data"] == str(here / "output" / "data")
     why = plan["sources"]["output_dir"]
     assert why.startswith(f"{here / 'output'}: output_dir='./output' from the recipe tiny-cpu") and str(here) in why
     rc = lm.main(["plan", "--json", "OUTPUT_DIR=rel/o"], cpu_host(tmp_path, cwd=here))

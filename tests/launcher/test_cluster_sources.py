@@ -9,6 +9,7 @@ import sys
 import pytest
 from msrun_helpers import free_port
 
+from jobspec.rundir import RunDir
 from launcher import ascendjob, cluster, launch
 from launcher.plan import Plan, Topology
 
@@ -141,7 +142,7 @@ def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
                MS_SCHED_PORT=str(free_port()))
     clus = cluster.detect(env, me=ME)
     worker = Plan({"launch": {}, "train": {}}, Topology(2, 0, 8, 16, clus.master_addr, clus.master_port, 2, 1, 8),
-                  tmp_path / "plan.json", tmp_path / "logs", 600)
+                  tmp_path / "plan.json", RunDir(tmp_path), 600)
     plan, _ = ascendjob.scheduler_only(worker, {}, clus)
     argv = [*plan.argv[:plan.argv.index("--cluster_time_out") + 2], str(stub)]
     run = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "ROLES": str(tmp_path / "roles")}, timeout=300,

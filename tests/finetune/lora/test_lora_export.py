@@ -9,6 +9,8 @@ import numpy as np
 from safetensors.numpy import load_file
 from test_lora_golden import BASE, G, golden_init, lora_model
 
+from jobspec.rundir import RunDir
+
 
 def _model(path):
     from finetune.hf_io import load_hf_config, load_weights
@@ -31,7 +33,8 @@ def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     golden_init(ms, params)
     ours = model.logits(ids).asnumpy()
     np.testing.assert_allclose(ours, g["logits"], atol=1e-5, rtol=0)  # peft's forward with these adapters
-    export_lora(model, params, LoraConfig(r=4, alpha=8, dropout=0.0), BASE, tmp_path, "fp32", 10**9, True, RankInfo())
+    export_lora(model, params, LoraConfig(r=4, alpha=8, dropout=0.0), BASE, RunDir(tmp_path), "fp32", 10**9, True,
+                RankInfo())
     np.save(tmp_path / "adapter" / "logits.npy", ours)  # for tools/make_lora_golden.py --check
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"], cfg["bias"]) == \

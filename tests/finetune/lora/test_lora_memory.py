@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -32,7 +33,7 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path):
 
     recipe = load_recipe("tiny-cpu-lora", {"output_dir": str(tmp_path), **RUN}).resolved(1, "cpu")
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
-    t = setup(recipe, RankInfo(), ms_cpu.float32)
+    t = setup(recipe, RankInfo(), ms_cpu.float32, RunDir(tmp_path))
     names = [p.name for p in t.opt.params]
     assert len(names) == 2 * 7 * 2 and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
     assert [tuple(m.shape) for m in t.opt.m] == [tuple(p.shape) for p in t.opt.params]

@@ -13,6 +13,8 @@ from finetune.train import run
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.slow  # every test reads one or more whole training runs (make test-fast skips them)
+
 # dropout 0 here (the goldens' setting); test_resume_is_exact_with_dropout runs 0.05
 FAST = {"train.max_steps": "6", "train.save_every": "3", "train.log_every": "1", "train.micro_batch_size": "2",
         "train.warmup_steps": "1", "data.seq_len": "128", "data.max_samples": "64", "lora.dropout": "0"}
