@@ -21,7 +21,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from finetune.dist import BUCKET_BYTES, RankInfo, all_reduce_sum, barrier
+from finetune.dist import RankInfo, all_reduce_sum, barrier
 from jobspec.checkpoints import (
     STATE,
     _complete,
@@ -32,6 +32,7 @@ from jobspec.checkpoints import (
     ways_out,
 )
 from jobspec.fsutil import publish
+from jobspec.memory import BUCKET_BYTES
 from jobspec.rundir import MANIFEST, step_dirs, step_name
 
 SPACE_MARGIN = 16 * 2**20  # bytes kept free beyond the checkpoint itself

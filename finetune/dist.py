@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from jobspec.layout import Device, Layout
-from jobspec.memory import BUCKET_BYTES as BUCKET_BYTES  # optim, export and checkpoint import it from here
 
 
 @dataclass(frozen=True)

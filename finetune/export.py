@@ -20,13 +20,13 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.checkpoint import MANIFEST, verify  # noqa: E402
-from finetune.dist import BUCKET_BYTES  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
 from finetune.lora_io import export_lora_checkpoint  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
 from jobspec.checkpoints import STATE, checkpoint_root, unhealthy, usable  # noqa: E402
 from jobspec.config import parse_size  # noqa: E402
 from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
+from jobspec.memory import BUCKET_BYTES  # noqa: E402
 from jobspec.qwen2_layout import full_shapes  # noqa: E402
 from jobspec.rundir import RunDir, is_complete, step_dirs, step_name  # noqa: E402
 
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lora = "method" in identity
-    print(f"[export] {ckpt} -> " + (f"{out / 'adapter'}" + (f" and {out / 'hf'}" if args.merge else "") if lora
+    dest = RunDir(out)  # a LoRA checkpoint's export is laid out as a run's: adapter/ and hf/
+    print(f"[export] {ckpt} -> " + (f"{dest.adapter}" + (f" and {dest.hf}" if args.merge else "") if lora
                                     else f"{out}") + f" ({args.dtype})")
     return 0
 

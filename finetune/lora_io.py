@@ -124,10 +124,11 @@ def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, run:
 def export_lora_checkpoint(checkpoint: Path, identity: dict, model_dir: str | Path, out: str | Path, dtype: str,
                            shard_size_bytes: int, merge: bool) -> Path:
     """What the run's final export writes (:func:`export_lora`), from a LoRA checkpoint of any TP x DP
-    layout and the base model on disk (numpy only, one process): ``out/adapter`` and, with ``merge``,
-    ``out/hf``. ``identity``: the checkpoint's (its ``lora`` section, see :func:`lora_identity`)."""
-    from finetune.dist import BUCKET_BYTES
+    layout and the base model on disk (numpy only, one process): ``out`` laid out as a run's export
+    (``RunDir(out).adapter`` and, with ``merge``, ``RunDir(out).hf``). ``identity``: the checkpoint's (its
+    ``lora`` section, see :func:`lora_identity`)."""
     from finetune.reshard import SavedState, rank_file
+    from jobspec.memory import BUCKET_BYTES
 
     if "lora" not in identity:
         raise ValueError(f"{checkpoint}: a LoRA checkpoint without its lora settings (written by an older version); "
@@ -138,11 +139,11 @@ def export_lora_checkpoint(checkpoint: Path, identity: dict, model_dir: str | Pa
     full = {n: shapes.get(n) or adapter_shape(n, shapes, cfg.r) for n in names}
     saved = SavedState(checkpoint, names, full, BUCKET_BYTES)
     tensors = {n: saved.weights(n) for n in names}
-    write_adapter(Path(out) / "adapter", tensors, cfg, model_dir)
+    write_adapter(RunDir(out).adapter, tensors, cfg, model_dir)
     if merge:
         files = weight_files(model_dir)
-        write_hf_dir(Path(out) / "hf", model_dir, shapes, merge_fetch(lambda n: read_tensor(files[n], n), tensors,
-                                                                      cfg.scale), dtype, shard_size_bytes)
+        fetch = merge_fetch(lambda n: read_tensor(files[n], n), tensors, cfg.scale)
+        write_hf_dir(RunDir(out).hf, model_dir, shapes, fetch, dtype, shard_size_bytes)
     return Path(out)
 
 

@@ -12,11 +12,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import BUCKET_BYTES, RankInfo, Ready
+from finetune.dist import RankInfo, Ready
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
 from finetune.parallel.overlap import Bucketed, reduce_now
 from jobspec.config import TrainConfig
+from jobspec.memory import BUCKET_BYTES
 
 
 class Optimizer(Bucketed, Protocol):

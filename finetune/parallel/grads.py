@@ -16,7 +16,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import BUCKET_BYTES, RankInfo, Ready, all_reduce_sum, all_reduce_sum_async
+from finetune.dist import RankInfo, Ready, all_reduce_sum, all_reduce_sum_async
+from jobspec.memory import BUCKET_BYTES
 
 
 def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES) -> list[list[int]]:
