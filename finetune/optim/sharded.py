@@ -27,7 +27,6 @@ import numpy as np
 from mindspore import ops
 
 from finetune.dist import (
-    BUCKET_BYTES,
     InFlight,
     RankInfo,
     Ready,
@@ -40,6 +39,7 @@ from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
 from jobspec.config import TrainConfig
+from jobspec.memory import BUCKET_BYTES
 
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
