@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from jobspec.recipe_parse import build, merge, nest, read_recipe
 from jobspec.recipe_parse import overridden as overridden
 from jobspec.recipe_parse import parse_overrides as parse_overrides
 from jobspec.recipe_parse import parse_size as parse_size
-from jobspec.rundir import RunDir, run_dir_of
+from jobspec.rundir import run_dir_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -419,27 +418,6 @@ def _validate_data_sources(d: DataConfig) -> list[Problem]:
         p.append(Problem("data.val_size", "data.val_size and data.val_paths both set: validate on held-out samples "
                                           "(data.val_size) or on your own files (data.val_paths), not both", "0"))
     return p
-
-
-def load_plan(path: str | Path) -> Recipe:
-    """The resolved recipe a rank or prepare-data runs: ``plan.json`` (its "recipe"), a recipe JSON, or YAML.
-    Raises :class:`ConfigError`; an unreadable or malformed file as one naming the path."""
-    return load_run(path)[0]
-
-
-def load_run(path: str | Path) -> tuple[Recipe, RunDir]:
-    """:func:`load_plan`'s recipe and its run directory: plan.json's ``run_dir``, else ``run_dir_of(recipe)``."""
-    p = Path(path)
-    if p.suffix in (".yaml", ".yml"):
-        recipe = load_recipe(str(p))
-        return recipe, run_dir_of(recipe)
-    try:
-        raw = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError([f"{p}: {e}"]) from None
-    recipe = load_recipe(raw=raw.get("recipe", raw) if isinstance(raw, dict) else raw)
-    run = raw.get("run_dir") if isinstance(raw, dict) else None
-    return recipe, RunDir.from_json(run) if isinstance(run, dict) else run_dir_of(recipe)
 
 
 def resolved_model_dir(r: Recipe) -> str:

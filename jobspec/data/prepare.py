@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from jobspec.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, load_plan, resolved_model_dir
+from jobspec.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, resolved_model_dir
 from jobspec.cpus import available_cpus
 from jobspec.data import cache, malloc
 from jobspec.data.clean import RULES
@@ -33,6 +33,7 @@ from jobspec.data.report import Progress, example, format_report, make_report
 from jobspec.data.runcheck import check_same_data
 from jobspec.data.template import IGNORE
 from jobspec.fsutil import ForeignDirectory, atomic_dir
+from jobspec.planfile import load_plan
 
 CHUNK = 256  # samples per worker task
 # data.num_workers=0 (auto): below this much input, starting processes costs more than it gains

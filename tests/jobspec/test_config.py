@@ -10,7 +10,6 @@ from jobspec.config import (
     RECIPES_DIR,
     ConfigError,
     Recipe,
-    load_plan,
     load_recipe,
     resolve_recipe_path,
     to_dict,
@@ -140,6 +139,8 @@ def test_the_resolved_recipe_round_trips_through_its_dict():
 
 
 def test_load_plan_reads_the_recipe_of_a_plan_a_recipe_json_or_yaml(tmp_path):
+    from jobspec.planfile import load_plan
+
     """One reader for the workers and prepare-data (they read plan.json each on their own before)."""
     r = load_recipe("tiny-cpu").resolved(1, "cpu")
     (tmp_path / "plan.json").write_text(json.dumps({"recipe": to_dict(r), "topology": {}}))

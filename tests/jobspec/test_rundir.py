@@ -2,9 +2,10 @@
 import json
 from pathlib import Path
 
-from jobspec.config import REPO_ROOT, load_recipe, load_run, resolved_model_dir, to_dict
+from jobspec.config import REPO_ROOT, load_recipe, resolved_model_dir, to_dict
 from jobspec.data.cache import cache_dir_for
 from jobspec.lifecycle import log_dir
+from jobspec.planfile import load_run
 from jobspec.rundir import ENTRIES, RunDir, is_complete, readme_table, run_dir_of
 
 
