@@ -133,7 +133,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
     if not model_hash and rank.is_main:  # started without the launcher, which does this once per node
-        remove_stale_temps(run.root, run.checkpoints, run.data.parent, log=rank.log)
+        remove_stale_temps(*run.temp_parents, log=rank.log)
         if tc.resume == "never":
             archive_checkpoints(run.root, rank.log)
     loader, val_loader = build_loaders(recipe, rank, model_dir)

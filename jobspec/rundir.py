@@ -88,6 +88,11 @@ class RunDir:
         """The job lock of node ``node_rank`` (-1: an AscendJob Scheduler pod's)."""
         return self._at("lock") if node_rank == 0 else self.root / f".lock.node{node_rank}"
 
+    @property
+    def temp_parents(self) -> tuple[Path, Path, Path]:
+        """Where an interrupted export, save or prepare leaves its ``.<name>.tmp-<host>-<pid>`` directories."""
+        return self.root, self.checkpoints, self.data.parent
+
     def checkpoint(self, step: int) -> Path:
         return self._at("checkpoints") / step_name(step)
 

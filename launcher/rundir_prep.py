@@ -8,11 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from jobspec.checkpoints import archive_checkpoints, checkpoint_root, model_hash
+from jobspec.checkpoints import archive_checkpoints, model_hash
 from jobspec.config import Recipe, resolved_model_dir
-from jobspec.data.cache import cache_dir_for
 from jobspec.fsutil import remove_stale_temps
-from jobspec.rundir import RunDir
 from launcher.plan import Plan
 
 
@@ -25,11 +23,11 @@ def tidy_run_dir(recipe: Recipe, plan: Plan, log: Callable[[str], None]) -> None
     continues, never starts over); the base model is hashed once per node for the run identity
     (``plan.model_hash``, none without a config.json: the worker says what is missing), remembered in
     OUTPUT_DIR so that a rerun reads only changed files; no rank reads the weights again for it."""
-    out = Path(recipe.output_dir)
-    remove_stale_temps(out, checkpoint_root(out), cache_dir_for(recipe).parent, log=print)
+    run = plan.run_dir
+    remove_stale_temps(*run.temp_parents, log=log)
     if recipe.train.resume == "never":
-        archive_checkpoints(out, print)
+        archive_checkpoints(run.root, log)
         plan.recipe["train"]["resume"] = "auto"
     model_dir = Path(resolved_model_dir(recipe))
     if (model_dir / "config.json").is_file():
-        plan.model_hash = model_hash(model_dir, RunDir(out).hashes, log)
+        plan.model_hash = model_hash(model_dir, run.hashes, log)
