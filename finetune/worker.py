@@ -11,7 +11,6 @@ launcher does (jobspec/rerun.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -34,27 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="plan.json or a resolved recipe JSON")
     args = ap.parse_args(argv)
     try:
-        recipe, run_dir = load_run(args.config)
+        recipe, run_dir, model_hash = load_run(args.config)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     answer = None if LAUNCHER_PID_ENV in os.environ else rerun_answer(recipe, "worker")  # by hand: as the launcher
     if answer is not None:
         return answer
-    model_hash = plan_model_hash(args.config)
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _train(recipe, run_dir, model_hash)
     return run_rank(run_dir.logs, int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe, run_dir, model_hash))
-
-
-def plan_model_hash(config: str) -> str:
-    """The base model's identity the launcher hashed into plan.json ("": none, e.g. an older plan or a recipe)."""
-    try:
-        raw = json.loads(Path(config).read_text())
-    except (OSError, ValueError):
-        return ""
-    value = raw.get("model_hash") if isinstance(raw, dict) else None
-    return value if isinstance(value, str) else ""
 
 
 def _train(recipe: Recipe, run_dir: RunDir, model_hash: str) -> int:

@@ -2,7 +2,9 @@
 import json
 from pathlib import Path
 
-from jobspec.config import REPO_ROOT, load_recipe, resolved_model_dir, to_dict
+import pytest
+
+from jobspec.config import REPO_ROOT, ConfigError, load_recipe, resolved_model_dir, to_dict
 from jobspec.data.cache import cache_dir_for
 from jobspec.lifecycle import log_dir
 from jobspec.planfile import load_run
@@ -51,7 +53,11 @@ def test_a_worker_reads_the_plans_run_dir_not_the_recipes(tmp_path):
     """The parent decides, the children read: plan.json's run_dir wins over a re-derivation."""
     recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "o")})
     decided = RunDir(tmp_path / "o", tmp_path / "shared-cache")
-    (tmp_path / "plan.json").write_text(json.dumps({"recipe": to_dict(recipe), "run_dir": decided.to_json()}))
-    assert load_run(tmp_path / "plan.json") == (recipe, decided)
-    (tmp_path / "recipe.json").write_text(json.dumps(to_dict(recipe)))  # a worker started by hand
-    assert load_run(tmp_path / "recipe.json") == (recipe, RunDir(tmp_path / "o"))
+    plan = {"recipe": to_dict(recipe), "run_dir": decided.to_json(), "model_hash": "0123456789abcdef"}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert load_run(tmp_path / "plan.json") == (recipe, decided, "0123456789abcdef")
+    (tmp_path / "recipe.json").write_text(json.dumps(to_dict(recipe)))  # a worker started by hand: hashes itself
+    assert load_run(tmp_path / "recipe.json") == (recipe, RunDir(tmp_path / "o"), "")
+    (tmp_path / "plan.json").write_text(json.dumps({**plan, "model_hash": 7}))  # was silently ignored
+    with pytest.raises(ConfigError, match="model_hash 7 is not a string; make the plan again"):
+        load_run(tmp_path / "plan.json")
