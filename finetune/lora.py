@@ -119,6 +119,10 @@ def targeted(model, cfg: LoraConfig) -> list[tuple[str, ColumnParallelLinear | R
 def apply_lora(model, cfg: LoraConfig, seed: int) -> list[Parameter]:
     """Freeze ``model`` and attach adapters; returns the trainable parameters (adapters, then the
     ``modules_to_save`` weights) for the optimizer."""
+    if any(getattr(layer, "_recompute_cell", None) is not None for layer in model.model.layers):
+        raise ValueError("apply_lora on recomputed layers: their recompute cells differentiate the parameters "
+                         "trainable when recompute() was called; attach the adapters first, then "
+                         "model.model.recompute_layers()")
     for p in model.get_parameters():
         p.requires_grad = False
     model.lora_masks = MaskKey(seed)
@@ -136,17 +140,7 @@ def apply_lora(model, cfg: LoraConfig, seed: int) -> list[Parameter]:
     state, full = model.hf_state(), [saved[m] for m in dict.fromkeys(cfg.modules_to_save)]
     for name in full:
         state[name].requires_grad = True
-    _renew_recompute(model)
     return adapters(model) + [state[name] for name in dict.fromkeys(full)]
-
-
-def _renew_recompute(model) -> None:
-    """A recomputed layer differentiates the parameters that were trainable when ``recompute()`` was called
-    (MindSpore's recompute cell takes ``trainable_params()`` then): before the adapters existed, so they got
-    zero gradients and the frozen base got some. Called again, it takes the adapters only."""
-    for layer in model.model.layers:
-        if getattr(layer, "_recompute_cell", None) is not None:
-            layer.recompute()
 
 
 def adapters(model) -> list[Parameter]:

@@ -171,8 +171,7 @@ class Qwen2Model(nn.Cell):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rank, vocab_rows)
         self.layers = nn.CellList([DecoderLayer(cfg, rank, dtype, fused) for _ in range(cfg.num_hidden_layers)])
         if recompute:
-            for layer in self.layers:
-                layer.recompute()
+            self.recompute_layers()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         hd = cfg.head_dim
         attn = self.layers[0].self_attn if cfg.num_hidden_layers else None
@@ -180,6 +179,12 @@ class Qwen2Model(nn.Cell):
         self.graphs: list = []  # compile_layers()
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         self.inv_freq = Tensor(inv_freq.astype(np.float32))
+
+    def recompute_layers(self) -> None:
+        """Each decoder layer recomputed in the backward. MindSpore's recompute cell differentiates the
+        parameters trainable when this is called: call it after freezing or adding any (LoRA)."""
+        for layer in self.layers:
+            layer.recompute()
 
     def construct(self, input_ids, position_ids, segment_ids, caches=None, past: int = 0, keys=None):
         """Final hidden states. ``caches`` (generation, one segment per row): one list per layer

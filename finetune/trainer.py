@@ -197,7 +197,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     tc = recipe.train
     ms.set_seed(tc.seed)
     cfg, layout = Qwen2Config.from_dict(load_hf_config(model_dir)), recipe.decided_layout
-    model = Qwen2ForCausalLM(cfg, rank, recompute=tc.recompute, compute_dtype=dtype,
+    model = Qwen2ForCausalLM(cfg, rank, compute_dtype=dtype,
                              vocab_parallel=layout.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
     if tc.compile_layers:  # one fp32 process on CPU (config.compile_layers_problems)
@@ -210,6 +210,8 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
         from finetune.lora import apply_lora
 
         params = apply_lora(model, recipe.lora, tc.seed)
+    if tc.recompute:  # last: the recomputed layers differentiate the parameters trainable now
+        model.model.recompute_layers()
     model.set_train(True)  # training mode: the LM head keeps its logits for the backward (evaluate() leaves it)
     return model, params
 

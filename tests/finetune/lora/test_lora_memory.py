@@ -27,11 +27,15 @@ CHILD = ("import json, sys; from finetune.train import run; from jobspec.config 
          "sys.exit(run(load_recipe('tiny-cpu-lora', json.loads(sys.argv[1]))))")
 
 
-def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path, recompute):
+    """Also with train.recompute, which the trainer applies after the adapters exist: the recomputed layers
+    differentiate the adapters (B gets gradients at step 0; A's are zero while B is)."""
     from finetune.dist import RankInfo
-    from finetune.trainer import setup
+    from finetune.trainer import batch_tensors, setup
 
-    recipe = load_recipe("tiny-cpu-lora", {"output_dir": str(tmp_path), **RUN}).resolved(1, "cpu")
+    overrides = {"output_dir": str(tmp_path), "train.recompute": str(recompute).lower(), **RUN}
+    recipe = load_recipe("tiny-cpu-lora", overrides).resolved(1, "cpu")
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     t = setup(recipe, RankInfo(), ms_cpu.float32, RunDir(tmp_path))
     names = [p.name for p in t.opt.params]
@@ -39,6 +43,10 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path):
     assert [tuple(m.shape) for m in t.opt.m] == [tuple(p.shape) for p in t.opt.params]
     frozen = [p for p in t.model.get_parameters() if p.name not in names]
     assert frozen and not any(p.requires_grad for p in frozen)
+    assert all((getattr(layer, "_recompute_cell", None) is not None) == recompute for layer in t.model.model.layers)
+    mb = next(iter(t.loader)).micro_batches[0]
+    _, grads = ms_cpu.value_and_grad(t.scaled_loss, None, t.params)(*batch_tensors(mb), ms_cpu.Tensor(1.0))
+    assert all(np.abs(g.asnumpy()).max() > 0 for g, n in zip(grads, names) if n.endswith("lora_B.weight"))
 
 
 def _peak(out: Path, model_dir: Path, method: str) -> int:

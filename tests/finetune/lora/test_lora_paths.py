@@ -18,15 +18,17 @@ ASCEND = RankInfo(device_target="Ascend")
 
 def _model(ms, rank: RankInfo = RankInfo(), recompute: bool = False):
     """The golden base with the golden adapters (r 4, alpha 8, dropout 0), built as the trainer does:
-    recompute set on the layers first, adapters attached after."""
+    adapters attached first, the layers recomputed after."""
     from finetune.hf_io import load_hf_config, load_weights
     from finetune.lora import apply_lora
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
     from jobspec.lora_config import LoraConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)), rank, recompute=recompute)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)), rank)
     load_weights(model, BASE, rank)
     params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), seed=0)
+    if recompute:
+        model.model.recompute_layers()
     golden_init(ms, params)
     model.set_train(True)
     return model, params
@@ -45,7 +47,9 @@ def _equal_peft(loss, grads, params, n):
 
 
 def test_recompute_gives_peft_s_gradients(ms_cpu):
-    """Adapters attached after ``recompute()``: their gradients equal those without recompute (and peft's)."""
+    """Layers recomputed after the adapters are attached: the adapters' gradients equal those without
+    recompute (and peft's); attaching adapters to already recomputed layers (whose recompute cells would
+    give them zero gradients) is refused."""
     batch, n = _batch(ms_cpu)
     model, params = _model(ms_cpu, recompute=True)
     assert all(layer.self_attn.q_proj.adapter is not None for layer in model.model.layers)
@@ -57,6 +61,11 @@ def test_recompute_gives_peft_s_gradients(ms_cpu):
     assert loss == pytest.approx(ploss, rel=1e-6)
     for a, b, p in zip(grads, pgrads, params):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, err_msg=p.name)
+    from finetune.lora import apply_lora
+    from jobspec.lora_config import LoraConfig
+
+    with pytest.raises(ValueError, match="attach the adapters first, then model.model.recompute_layers"):
+        apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), seed=0)
 
 
 def test_gradient_accumulation_equals_one_big_batch(ms_cpu):
@@ -158,9 +167,11 @@ def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
     batch, _ = _batch(ms)
     runs = []
     for recompute in (False, True):
-        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)), recompute=recompute)
+        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
         load_weights(model, BASE)
         params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.3), seed=0)
+        if recompute:
+            model.model.recompute_layers()
         golden_init(ms, params)
         model.set_train(True)
         model.lora_masks.advance(5)
@@ -188,10 +199,9 @@ def test_fp16_fused_attention_with_adapters_equals_the_reference_path(twins, rec
     results = []
     for rank in (ASCEND, RankInfo()):
         model = _hd16_model(rank, "float16")
-        if recompute and rank is ASCEND:
-            for layer in model.model.layers:
-                layer.recompute()
         params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), seed=0)
+        if recompute and rank is ASCEND:
+            model.model.recompute_layers()
         rng = np.random.default_rng(11)
         for p in params:  # B away from zero, so A gets gradients too
             p.set_data(ms.Tensor(0.1 * rng.standard_normal(p.shape).astype(np.float32)))
