@@ -151,8 +151,9 @@ class TrainShape:
         return cls(t.precision_on(device), t.micro_batch_size, t.recompute, p.shard_optimizer is not False,
                    p.vocab_parallel, t.loss_chunk_tokens, recipe.lora if t.method == "lora" else None)
 
-    def estimate(self, cfg: dict[str, Any], tp: int, dp: int, seq_len: int) -> MemoryEstimate:
-        return estimate_memory(cfg, seq_len=seq_len, micro_batch_size=self.micro_batch_size, tp=tp, dp=dp,
+    def estimate(self, cfg: dict[str, Any], tp: int, dp: int, seq_len: int,
+                 estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
+        return estimator(cfg, seq_len=seq_len, micro_batch_size=self.micro_batch_size, tp=tp, dp=dp,
                                precision=self.precision, recompute=self.recompute,
                                shard_optimizer=self.shard_optimizer, vocab_parallel=self.vocab_parallel and tp > 1,
                                loss_chunk_tokens=self.loss_chunk_tokens, lora=self.lora)
@@ -162,7 +163,8 @@ FULL_FT = TrainShape()
 
 
 def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
-              shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES) -> LayoutChoice:
+              shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES,
+              estimator: Callable[..., MemoryEstimate] = estimate_memory) -> LayoutChoice:
     """The smallest TP that divides the heads and KV heads (``tp_problems``), stays inside a node,
     divides ``world`` and makes the estimate of ``shape`` fit ``usable`` bytes per device."""
     from jobspec.qwen2_layout import tp_problems
@@ -171,7 +173,7 @@ def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: i
     for tp in TP_CANDIDATES:
         if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=shape.vocab_parallel and tp > 1):
             continue
-        est = shape.estimate(cfg, tp, world // tp, seq_len)
+        est = shape.estimate(cfg, tp, world // tp, seq_len, estimator)
         if est.total <= usable:
             why = f"TP {tp}: " + ("; ".join(refused) if refused else f"fits ({est.total / 2**30:.1f} GiB per NPU)")
             return LayoutChoice(tp, world // tp, est, why)

@@ -20,7 +20,7 @@ from pathlib import Path
 from jobspec import native as nativelib
 from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
-from jobspec.memory import MemoryEstimate, estimate_memory, memory_estimate
+from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
 from launcher.mounts import LibraryLoader, load_libraries, mount_problems
@@ -291,22 +291,18 @@ def check_data(c: Context) -> list[Check]:
 
 
 def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
-    """The smallest TP (with micro batch 1, recompute and a sharded optimizer) whose estimate fits."""
-    heads, r = cfg.get("num_attention_heads", 1), c.recipe
-    for tp in (1, 2, 4, 8):
-        if tp > c.nproc or heads % tp or c.nproc % tp:
-            continue
-        alt = dataclasses.replace(r, layout=None,  # decided again for this TP
-                                  parallel=dataclasses.replace(r.parallel, tp=tp, dp=0, shard_optimizer=True,
-                                                               vocab_parallel=True),
-                                  train=dataclasses.replace(r.train, micro_batch_size=1, recompute=True,
-                                                            compile_layers=False))  # refused with recompute
-        est = memory_estimate(alt.resolved(c.world, alt.launch.device), cfg, c.memory_estimator)
-        if est.total <= budget:
-            off = " train.compile_layers=false" if r.train.compile_layers else ""
-            return (f"TP={tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true"
-                    f"{off}' ({est.total / GIB:.1f} GiB per device)")
-    return None
+    """The layout ``parallel.tp: auto`` would choose (``jobspec.memory.choose_tp``: the smallest TP inside a
+    node dividing the heads, KV heads and world) with micro batch 1, recompute and a sharded optimizer."""
+    r = c.recipe
+    shape = dataclasses.replace(TrainShape.of(r, r.launch.device), micro_batch_size=1, recompute=True,
+                                shard_optimizer=True, vocab_parallel=True)
+    choice = choose_tp(cfg, c.world, seq_len=r.data.seq_len, npus_per_node=c.nproc, shape=shape, usable=int(budget),
+                       estimator=c.memory_estimator)
+    if choice.tp is None or choice.estimate is None:
+        return None
+    off = " train.compile_layers=false" if r.train.compile_layers else ""  # refused with recompute
+    return (f"TP={choice.tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true"
+            f"{off}' ({choice.estimate.total / GIB:.1f} GiB per device)")
 
 
 def check_memory(c: Context) -> list[Check]:

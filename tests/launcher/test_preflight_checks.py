@@ -167,6 +167,17 @@ def test_memory_over_budget_suggests_layout(atlas):
     assert "64.0 GiB NPU HBM" in r.detail and r.fix.startswith("use TP=2")
 
 
+def test_memory_suggestion_is_auto_s_choice_and_a_layout_of_this_model(tmp_path):
+    """The suggested TP is the one parallel.tp=auto would take (jobspec.memory.choose_tp, whose tp_problems
+    the layout check uses): 24 query heads but 3 KV heads, so TP 2, 4 and 8 split no KV head evenly however
+    much memory they would save (the suggestion once checked only the query heads: 'use TP=2')."""
+    cfg = dict(QWEN7B, hidden_size=3072, num_attention_heads=24, num_key_value_heads=3)
+    c = ctx(tmp_path, cfg=cfg, **{"parallel.tp": "1"})
+    c.memory_estimator = lambda cfg, *, tp, **kw: MemoryEstimate(*((90 if tp < 2 else 20) * 2**30 // 6,) * 6)
+    (r,) = fails(c, "memory")
+    assert r.fix == "add nodes (NNODES) or a smaller model"
+
+
 def test_memory_suggestion_with_compiled_layers_turns_them_off(tmp_path):
     """The suggested layout recomputes, which compiled layers refuse: the fix says to turn them off."""
     c = ctx(tmp_path, npu=False, nproc=1, cfg=TINY, **{"train.compile_layers": "true"})
