@@ -23,7 +23,7 @@ from finetune.checkpoint import MANIFEST, verify  # noqa: E402
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
 from finetune.lora_io import export_lora_checkpoint  # noqa: E402
 from finetune.reshard import SavedState  # noqa: E402
-from jobspec.checkpoints import STATE, checkpoint_root, unhealthy, usable  # noqa: E402
+from jobspec.checkpoints import STATE, unhealthy, usable  # noqa: E402
 from jobspec.config import parse_size  # noqa: E402
 from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
 from jobspec.memory import BUCKET_BYTES  # noqa: E402
@@ -33,7 +33,7 @@ from jobspec.rundir import RunDir, is_complete, step_dirs, step_name  # noqa: E4
 
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:
     """A checkpoint directory from a path, ``step_N`` / ``N`` (under ``<output_dir>/checkpoints``) or ``latest``."""
-    root = checkpoint_root(output_dir)
+    root = RunDir(output_dir).checkpoints
     m = re.fullmatch(r"(?:step_)?(\d+)", name)
     if name == "latest":
         found = usable(root, lambda line: print(line, file=sys.stderr))

@@ -19,20 +19,11 @@ from jobspec.rundir import MANIFEST, RunDir, is_complete, step_dirs
 STATE = "trainer_state.json"
 
 
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(RunDir(output_dir).checkpoints)
-
-
-def _sha256(path: Path, limit: int | None = None) -> str:
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        left = limit
-        while chunk := f.read(1 << 22 if left is None else min(1 << 22, left)):
+        while chunk := f.read(1 << 22):
             h.update(chunk)
-            if left is not None:
-                left -= len(chunk)
-                if left <= 0:
-                    break
     return h.hexdigest()
 
 
@@ -111,7 +102,7 @@ def ways_out(output_dir: str | Path) -> str:
 def archive_checkpoints(output_dir: str | Path, log: Callable[[str], None] = print) -> Path | None:
     """train.resume=never: move the run's checkpoints aside (``checkpoints.old-<time>``) so that the new
     run never mixes with, prunes or resumes them; the new place, None when there were none."""
-    root = checkpoint_root(output_dir)
+    root: Path = RunDir(output_dir).checkpoints
     if not root.is_dir() or not any(root.iterdir()):
         return None
     dest = root.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")

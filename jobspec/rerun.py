@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobspec.checkpoints import STATE, checkpoint_root, usable, ways_out
+from jobspec.checkpoints import STATE, usable, ways_out
 from jobspec.config import Recipe
 from jobspec.rundir import run_dir_of
 
@@ -51,7 +51,7 @@ def finished_already(recipe: Recipe) -> str | None:
     :class:`RunSettingsChanged` when a training setting differs from the checkpoint's."""
     if recipe.train.resume == "never":
         return None
-    found = usable(checkpoint_root(recipe.output_dir), log=lambda _: None)
+    found = usable(run_dir_of(recipe).checkpoints, log=lambda _: None)
     path = Path(recipe.train.resume) if recipe.train.resume != "auto" else found[0] if found else None
     try:
         state = json.loads((path / STATE).read_text()) if path else {}

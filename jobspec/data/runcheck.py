@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jobspec.checkpoints import STATE, checkpoint_root, data_id, usable, ways_out
+from jobspec.checkpoints import STATE, data_id, usable, ways_out
 from jobspec.config import Recipe
 from jobspec.data import cache
 from jobspec.data.files import DataError, resolve_sources
+from jobspec.rundir import run_dir_of
 
 
 class RunDataChanged(DataError):
@@ -53,7 +54,7 @@ def check_same_data(recipe: Recipe, tokenizer_path: str | Path) -> None:
     that ``train.resume`` would continue; call it only when the cache is not fresh."""
     if recipe.train.resume == "never":
         return
-    found = usable(checkpoint_root(recipe.output_dir), log=lambda _: None)
+    found = usable(run_dir_of(recipe).checkpoints, log=lambda _: None)
     ckpt = Path(recipe.train.resume) if recipe.train.resume != "auto" else found[0] if found else None
     old = cache.read_manifest(cache.cache_dir_for(recipe))
     if ckpt is None or old is None:

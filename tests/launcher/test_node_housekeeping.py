@@ -22,7 +22,7 @@ from launcher.rundir_prep import tidy_run_dir
 def reads(monkeypatch):
     seen = []
     real = checkpoints._sha256
-    monkeypatch.setattr(checkpoints, "_sha256", lambda path, limit=None: (seen.append(path), real(path))[1])
+    monkeypatch.setattr(checkpoints, "_sha256", lambda path: (seen.append(path), real(path))[1])
     return seen
 
 
