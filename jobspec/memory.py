@@ -102,13 +102,11 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
 
 def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
                     estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
-    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json);
-    preflight prints it, the trainer compares it with the measured peak at step 1."""
-    p, t = recipe.decided_layout, recipe.train
-    return estimator(cfg, seq_len=p.seq_len, micro_batch_size=p.micro_batch_size, tp=p.tp, dp=p.dp,
-                     precision=t.precision, recompute=t.recompute, shard_optimizer=p.shard_optimizer,
-                     vocab_parallel=p.vocab_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
-                     lora=recipe.lora if t.method == "lora" else None)
+    """The per-device estimate of a resolved recipe's layout on the model of ``cfg`` (config.json): its
+    :class:`TrainShape` (as ``parallel.tp: auto`` estimates it) at the layout's TP, DP and sequence; preflight
+    prints it, the trainer compares it with the measured peak at step 1."""
+    layout = recipe.decided_layout
+    return TrainShape.of(recipe, layout.device).estimate(cfg, layout.tp, layout.dp, layout.seq_len, estimator)
 
 
 # ---------------------------------------------------------------------------- choosing the layout
