@@ -19,10 +19,9 @@ from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoin
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from jobspec.checkpoints import archive_checkpoints, run_identity, usable, ways_out
+from jobspec.checkpoints import run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
 from jobspec.data.batching import BatchLoader
-from jobspec.fsutil import remove_stale_temps
 from jobspec.rerun import changed_settings, run_settings
 from jobspec.rundir import RunDir
 
@@ -132,10 +131,6 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    if not model_hash and rank.is_main:  # started without the launcher, which does this once per node
-        remove_stale_temps(*run.temp_parents, log=rank.log)
-        if tc.resume == "never":
-            archive_checkpoints(run.root, rank.log)
     loader, val_loader = build_loaders(recipe, rank, model_dir)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:

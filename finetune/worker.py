@@ -19,7 +19,8 @@ if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.affinity import apply_binding  # noqa: E402
-from jobspec.config import ConfigError, Recipe  # noqa: E402  (sys.path set above)
+from jobspec.checkpoints import tidy  # noqa: E402  (sys.path set above)
+from jobspec.config import ConfigError, Recipe  # noqa: E402
 from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, run_rank  # noqa: E402
 from jobspec.planfile import load_run  # noqa: E402
 from jobspec.rerun import rerun_answer  # noqa: E402
@@ -37,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    answer = None if LAUNCHER_PID_ENV in os.environ else rerun_answer(recipe, "worker")  # by hand: as the launcher
-    if answer is not None:
-        return answer
+    if LAUNCHER_PID_ENV not in os.environ:  # started by hand: what the launcher does before its workers
+        answer = rerun_answer(recipe, "worker")
+        if answer is not None:
+            return answer
+        if os.environ.get("RANK_ID", "0") == "0" and os.environ.get("MS_ROLE") != "MS_SCHED":
+            tidy(run_dir, recipe.train.resume == "never", lambda line: print(f"[worker] {line}"))
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _train(recipe, run_dir, model_hash)
     return run_rank(run_dir.logs, int(os.environ.get("RANK_ID", "0")), lambda: _train(recipe, run_dir, model_hash))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jobspec.fsutil import remove_stale_temps
 from jobspec.rundir import MANIFEST, RunDir, is_complete, step_dirs
 
 STATE = "trainer_state.json"
@@ -112,6 +113,16 @@ def archive_checkpoints(output_dir: str | Path, log: Callable[[str], None] = pri
         return None
     log(f"[checkpoint] train.resume=never: the earlier checkpoints moved to {dest} (delete it when no longer needed)")
     return dest
+
+
+def tidy(run: RunDir, resume_never: bool, log: Callable[[str], None] = print) -> None:
+    """A node's housekeeping before training: this host's dead processes' temporary directories removed
+    (another host's are left to it), and with train.resume=never the old checkpoints moved aside (one rename:
+    a node racing on shared storage finds nothing left to move). The launcher runs it on every node; a worker
+    started without the launcher, on its rank 0."""
+    remove_stale_temps(*run.temp_parents, log=log)
+    if resume_never:
+        archive_checkpoints(run.root, log)
 
 
 def _complete(root: Path) -> list[Path]:

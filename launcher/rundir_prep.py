@@ -8,25 +8,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from jobspec.checkpoints import archive_checkpoints, model_hash
+from jobspec.checkpoints import model_hash, tidy
 from jobspec.config import Recipe, resolved_model_dir
-from jobspec.fsutil import remove_stale_temps
 from launcher.plan import Plan
 
 
 def tidy_run_dir(recipe: Recipe, plan: Plan, log: Callable[[str], None]) -> None:
-    """This node's housekeeping before its workers start, its results put into ``plan``.
-
-    The temporary directories of this host's dead processes are removed (another host's are left to it);
-    train.resume=never's checkpoints are moved aside by one rename (a node racing on shared storage finds
-    nothing left to move), after which the workers resume only this job's own checkpoints (a restart
-    continues, never starts over); the base model is hashed once per node for the run identity
-    (``plan.model_hash``, none without a config.json: the worker says what is missing), remembered in
-    OUTPUT_DIR so that a rerun reads only changed files; no rank reads the weights again for it."""
+    """This node's housekeeping before its workers start, its results put into ``plan``:
+    :func:`jobspec.checkpoints.tidy` (stale temporary directories, train.resume=never's archive), after which
+    the workers resume only this job's own checkpoints (a restart continues, never starts over); the base
+    model hashed once per node for the run identity (``plan.model_hash``, none without a config.json: the
+    worker says what is missing), remembered in OUTPUT_DIR so that a rerun reads only changed files; no rank
+    reads the weights again for it."""
     run = plan.run_dir
-    remove_stale_temps(*run.temp_parents, log=log)
+    tidy(run, recipe.train.resume == "never", log)
     if recipe.train.resume == "never":
-        archive_checkpoints(run.root, log)
         plan.recipe["train"]["resume"] = "auto"
     model_dir = Path(resolved_model_dir(recipe))
     if (model_dir / "config.json").is_file():

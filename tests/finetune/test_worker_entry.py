@@ -80,3 +80,33 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     assert reads == []  # the weights were loaded, not read a second time for the identity
     computed = setup(recipe, rank, ms.float32, RunDir(tmp_path)).identity["model"]  # an older plan: hashed here
     assert len(reads) == 1 and computed == checkpoints.model_hash(resolved_model_dir(recipe))
+
+
+def test_a_worker_started_by_hand_does_the_launchers_housekeeping_on_rank_0_only(tmp_path, monkeypatch):
+    """Without the launcher (no AF_LAUNCHER_PID), rank 0 removes this host's dead temporary directories and,
+    with train.resume=never, moves the old checkpoints aside (jobspec.checkpoints.tidy, the launcher's own
+    step); another rank, or a worker under the launcher, leaves them."""
+    from jobspec.fsutil import _me
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000010").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = out / f".hf.tmp-{_me().rsplit('-', 1)[0]}-{dead.pid}"
+    stale.mkdir()
+    plan = out / "plan.json"
+    plan.write_text(json.dumps({"recipe": to_dict(load_recipe("tiny-cpu", {"output_dir": str(out),
+                                                                          "train.resume": "never"}))}))
+    for name in ("die_with_parent", "apply_binding"):
+        monkeypatch.setattr(worker, name, lambda: None)
+    monkeypatch.setattr(worker, "run_rank", lambda logs, rank, fn: fn())
+    monkeypatch.setattr(worker, "_train", lambda recipe, run_dir, model_hash: 0)
+    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getpid()))
+    monkeypatch.setenv("RANK_ID", "0")
+    assert worker.main(["--config", str(plan)]) == 0 and stale.exists()  # the launcher's to do
+    monkeypatch.delenv(LAUNCHER_PID_ENV)
+    monkeypatch.setenv("RANK_ID", "1")
+    assert worker.main(["--config", str(plan)]) == 0 and stale.exists()  # rank 0's to do
+    monkeypatch.setenv("RANK_ID", "0")
+    assert worker.main(["--config", str(plan)]) == 0
+    assert not stale.exists() and not (out / "checkpoints").exists() and list(out.glob("checkpoints.old-*"))
