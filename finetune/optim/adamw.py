@@ -13,6 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from finetune.dist import RankInfo, Ready
+from finetune.optim.host import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
 from finetune.parallel.overlap import Bucketed, reduce_now
@@ -103,10 +104,10 @@ class AdamW:
         """Moments (and masters when separate), keyed by parameter name."""
         out: dict[str, np.ndarray] = {"t": self.corrections.count()}
         for p, w, m, v in zip(self.params, self.master, self.m, self.v):
-            out[f"m.{p.name}"] = m.asnumpy()
-            out[f"v.{p.name}"] = v.asnumpy()
+            out[f"m.{p.name}"] = snapshot(m)
+            out[f"v.{p.name}"] = snapshot(v)
             if w is not p:
-                out[f"master.{p.name}"] = w.asnumpy()
+                out[f"master.{p.name}"] = snapshot(w)
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:

@@ -35,6 +35,7 @@ from finetune.dist import (
     native_collectives,
     reduce_scatter_sum_async,
 )
+from finetune.optim.host import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
@@ -206,9 +207,9 @@ class ShardedAdamW:
         out: dict[str, np.ndarray] = {"t": self.corrections.count(), "shard.layout": self._meta()}
         for k in range(len(self.buckets)):
             if self.keep_master:
-                out[f"shard.master.{k}"] = self.master[k].asnumpy()
-            out[f"shard.m.{k}"] = self.m[k].asnumpy()
-            out[f"shard.v.{k}"] = self.v[k].asnumpy()
+                out[f"shard.master.{k}"] = snapshot(self.master[k])
+            out[f"shard.m.{k}"] = snapshot(self.m[k])
+            out[f"shard.v.{k}"] = snapshot(self.v[k])
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from mindspore import ops
 
 from finetune.dist import RankInfo
+from finetune.optim.host import adamw_update_host, own_memory
 from jobspec.config import TrainConfig
 
 
@@ -127,6 +128,7 @@ class StepGate:
 
     def __init__(self, rank: RankInfo):
         self.on_device = rank.device_target != "CPU"
+        self.in_place = not self.on_device  # the host gate steps with the host kernel where it can
 
     def gradients(self, grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
                   ) -> tuple[list | None, ms.Tensor, ms.Tensor]:
@@ -147,8 +149,15 @@ class StepGate:
 
     def update(self, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
                ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
-        """One ``adamw_update`` of ``w``: the new (w, m, v) to keep (on the device gate the old moments
-        when the step is skipped; ``w`` is then unchanged: lr' 0, zeroed gradients)."""
+        """One ``adamw_update`` of ``w``: the (w, m, v) to keep (on the device gate the old moments
+        when the step is skipped; ``w`` is then unchanged: lr' 0, zeroed gradients). On the host gate,
+        where w, m and v own their memory, the same step written into them (the same tensors returned)."""
+        if self.in_place and not self.on_device:
+            wh, mh, vh = (own_memory(t) for t in (w, m, v))
+            if wh is not None and mh is not None and vh is not None:  # the host kernel, in place (optim/host.py)
+                lr, b1, b2, eps = (float(s.asnumpy()) for s in k[:4])
+                adamw_update_host(wh, mh, vh, g.asnumpy().reshape(-1), lr, b1, b2, eps, float(wd.asnumpy()))
+                return w, m, v
         w_new, m_new, v_new = adamw_update(w, m, v, g, k, wd)
         if self.on_device:
             return w_new, ops.where(ok, m_new, m), ops.where(ok, v_new, v)
@@ -156,5 +165,8 @@ class StepGate:
 
 
 def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
-    """Copy ``value`` into the storage of ``p`` (``ops.assign``: the documented in-place write to a Parameter)."""
+    """Copy ``value`` into the storage of ``p`` (``ops.assign``: the documented in-place write to a Parameter);
+    nothing when ``value`` is ``p`` (the host kernel updated it in place)."""
+    if value is p:
+        return
     ops.assign(p, value if value.dtype == p.dtype else value.astype(p.dtype))

@@ -158,3 +158,65 @@ def test_the_gradient_norm_is_the_same_whatever_ran_before(n):
         seen.add(float(global_grad_norm(g, p, RankInfo()).asnumpy()))
     assert len(seen) == 1
     assert seen.pop() == pytest.approx(want, rel=1e-6)
+
+
+def _kernel_args(n: int, seed: int = 0) -> tuple[list[np.ndarray], tuple[float, ...]]:
+    rng = np.random.default_rng(seed)
+    w, m, g = (rng.standard_normal(n, dtype=np.float32) * s for s in (1.0, 1e-2, 1e-2))
+    v = np.abs(rng.standard_normal(n, dtype=np.float32)) * 1e-4
+    return [w, m, v, g], (1e-3, 0.9, 0.95, 1e-8)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd):
+    """CPU's AdamW kernel (optim/host.py) writes adamw_update's step into w, m, v where they are, bit for bit
+    (over several of its chunks and a ragged end)."""
+    from mindspore import ops
+
+    from finetune.optim import host
+    from finetune.optim.update import KernelScalars, adamw_update
+
+    arrays, scalars = _kernel_args(3 * host.CHUNK + 5)
+    f32 = [ms.Tensor(np.float32(s)) for s in scalars]
+    want = adamw_update(*(ms.Tensor(a) for a in arrays), KernelScalars(*f32, ms.Tensor(np.float32(1.0))),
+                        ms.Tensor(np.float32(wd)))
+    w, m, v, g = (ops.add(ms.Tensor(a), 0.0) for a in arrays)  # tensors on their own memory
+    addresses = [t.data_ptr() for t in (w, m, v)]
+    own = [host.own_memory(t) for t in (w, m, v)]
+    host.adamw_update_host(*own, g.asnumpy(), *scalars, wd)
+    assert [t.data_ptr() for t in (w, m, v)] == addresses
+    for got, expect in zip((w, m, v), want):
+        np.testing.assert_array_equal(got.asnumpy(), expect.asnumpy())
+
+
+def test_own_memory_is_refused_for_a_view_whose_array_would_be_a_copy():
+    """asnumpy of a slice is a copy (a write to it would be lost): own_memory says None, and the optimizer
+    then uses the composed kernel; a whole tensor's array writes through."""
+    from finetune.optim import host
+
+    t = ms.Parameter(ms.Tensor(np.zeros(8, np.float32)), name="t")
+    assert host.own_memory(t[2:5]) is None and host.own_memory(t.astype(ms.float16)) is None
+    host.own_memory(t)[3] = 7.0
+    assert t.asnumpy()[3] == 7.0
+
+
+def test_the_cpu_optimizer_steps_in_place_as_the_composed_kernel_and_snapshots_its_state():
+    """On CPU AdamW updates its fp32 weights and moments in place (no new tensors per step) with the bits of
+    the composed kernel; state_dict is a copy the next steps leave alone."""
+    grads = [tuple(ms.Tensor(np.array(g[k], np.float32)) for k in ("w", "b")) for g in GOLDEN["grads"]]
+    runs = []
+    for in_place in (True, False):
+        params = _params()
+        opt = AdamW(params, TrainConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.1), RankInfo())
+        opt.gate.in_place = in_place
+        moments = list(opt.m)
+        opt.step(grads[0], 1e-2)
+        state = opt.state_dict()
+        saved = {k: v.copy() for k, v in state.items()}
+        for g in grads[1:]:
+            opt.step(g, 1e-2)
+        assert all(np.array_equal(v, saved[k]) for k, v in state.items())
+        assert all(a is b for a, b in zip(opt.m, moments)) == in_place
+        runs.append([p.asnumpy().copy() for p in params] + list(opt.state_dict().values()))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
