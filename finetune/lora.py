@@ -36,11 +36,15 @@ class MaskKey:
 
     def __init__(self, seed: int) -> None:
         self.seed, self.step, self.micro = seed, -1, 0
+        self.drawn: list[LoraAdapter] = []  # adapters inside compiled layers: their masks drawn ahead
 
-    def advance(self, step: int) -> None:
-        """The next micro-batch's forward: the first of ``step``, or the one after the last."""
+    def advance(self, step: int, rows: tuple[int, int]) -> None:
+        """The next micro-batch's forward (``rows``: its [batch, sequence] shape): the first of ``step``,
+        or the one after the last."""
         self.micro = self.micro + 1 if step == self.step else 0
         self.step = step
+        for adapter in self.drawn:
+            adapter.draw(rows)
 
     def of(self, module: str, rank: str) -> int:
         """The 31-bit seed of one adapter's mask now."""
@@ -61,7 +65,12 @@ def keyed_mask(x, keep: float, key: int, ascend: bool):
 
 
 class LoraAdapter(nn.Cell):
-    """``scale * B @ A @ dropout(x)`` for one linear layer (``column``: the layer splits its output)."""
+    """``scale * B @ A @ dropout(x)`` for one linear layer (``column``: the layer splits its output).
+
+    Op by op the dropout mask is drawn in the forward. Inside a compiled layer (``pre_draw``) the key of a
+    mask is host state a graph would freeze at its first call, so :meth:`draw` puts each micro-batch's mask
+    into a Parameter the graph reads (``MaskKey.advance``, before the forward): the same mask, the same bits.
+    """
 
     def __init__(self, a: Parameter, b: Parameter, scale: float, dropout: float, column: bool, base, rank: RankInfo,
                  masks: MaskKey, module: str):
@@ -72,11 +81,27 @@ class LoraAdapter(nn.Cell):
         self.rank_key = f"dp{rank.dp_rank}" + ("" if column or rank.tp == 1 else f"tp{rank.tp_rank}")
         self.comm = (CopyToTP if column else ReduceFromTP)(rank) if rank.tp > 1 else None
         self.share = getattr(base, "share", None)  # KV heads copied on several TP ranks: B summed like W
+        self.pre_draw, self.drop = False, None
+        self.by_shape: dict[tuple[int, ...], Parameter] = {}  # one mask Parameter per input shape
+
+    def draw(self, rows: tuple[int, int]) -> None:
+        """This micro-batch's mask for an input of ``rows`` x A's input width, into the Parameter of that
+        shape (a graph compiled for a shape reads that shape's Parameter)."""
+        shape = (*rows, self.lora_A.shape[1])
+        mask = keyed_mask(ops.zeros(shape, self.dtype), 1.0 - self.dropout, self.masks.of(self.module, self.rank_key),
+                          self.ascend)
+        if shape in self.by_shape:
+            ops.assign(self.by_shape[shape], mask)
+        else:
+            self.by_shape[shape] = Parameter(mask, name=f"{self.module}.lora_dropout_mask", requires_grad=False)
+        self.drop = self.by_shape[shape]
 
     def construct(self, x):
         if self.dropout > 0 and self.training:
             keep = 1.0 - self.dropout
-            x = x * keyed_mask(x, keep, self.masks.of(self.module, self.rank_key), self.ascend) * (1.0 / keep)
+            mask = self.drop if self.pre_draw else keyed_mask(x, keep, self.masks.of(self.module, self.rank_key),
+                                                              self.ascend)
+            x = x * mask * (1.0 / keep)
         h = linear(x, self.lora_A, None, self.dtype)
         if self.comm is not None:
             h = self.comm(h)
@@ -134,12 +159,16 @@ def apply_lora(model, cfg: LoraConfig, seed: int) -> list[Parameter]:
         pa = _param(a, None if column else part)
         pb = _param(b, part if column else None)
         lin.adapter = LoraAdapter(pa, pb, cfg.scale, cfg.dropout, column, lin, model.rank, model.lora_masks, path)
+        if model.model.graphs and cfg.dropout > 0:  # compiled layers: masks drawn ahead (LoraAdapter.draw)
+            lin.adapter.pre_draw = True
+            model.lora_masks.drawn.append(lin.adapter)
         pa.name, pb.name = f"{path}.lora_A.weight", f"{path}.lora_B.weight"  # attaching renamed them
     saved = {"embed_tokens": "model.embed_tokens.weight",
              "lm_head": "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"}
     state, full = model.hf_state(), [saved[m] for m in dict.fromkeys(cfg.modules_to_save)]
     for name in full:
         state[name].requires_grad = True
+    model.loss_fn.weight_grad = state[saved["lm_head"]].requires_grad  # a frozen head: no weight gradient matmul
     return adapters(model) + [state[name] for name in dict.fromkeys(full)]
 
 

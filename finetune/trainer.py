@@ -71,7 +71,7 @@ class Trainer:
         """The summed token loss times ``scale`` (loss scale / label tokens of the global batch)."""
         masks = getattr(self.model, "lora_masks", None)  # LoRA dropout: masks keyed by step and micro-batch
         if masks is not None:
-            masks.advance(self.step)
+            masks.advance(self.step, input_ids.shape)
         return self.model(input_ids, labels, position_ids, segment_ids) * scale
 
     def save(self, finished: bool = False) -> Path:
@@ -195,10 +195,10 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     model = Qwen2ForCausalLM(cfg, rank, compute_dtype=dtype,
                              vocab_parallel=layout.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
-    if tc.compile_layers:  # one fp32 process on CPU (config.compile_layers_problems)
+    if tc.compile_layers:  # decided by Recipe.resolved (config.compile_layers_refusals)
         model.model.compile_layers()
         rank.log(f"[train] each of the {len(model.model.graphs)} decoder layers runs as one graph "
-                 "(train.compile_layers; the first step compiles them)")
+                 "(train.compile_layers; the first step compiles them, train.compile_layers=false: op by op)")
     params = model.trainable_params()
     model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
     if tc.method == "lora":  # the base frozen in the compute dtype; the optimizer gets the fp32 adapters

@@ -120,9 +120,9 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # 0: derived from epochs
     recompute: bool = False  # per-layer activation recompute
-    # each decoder layer as one mindspore.jit graph: one fp32 process on CPU (compile_layers_problems);
-    # forward + backward 1.35x faster there (docs/speed.md)
-    compile_layers: bool = False
+    # each decoder layer as one mindspore.jit graph (docs/speed.md); unset (auto): on wherever
+    # compile_layers_refusals finds no reason against it (on CPU: DP, ZeRO and fp16 included)
+    compile_layers: bool | None = None
     loss_chunk_tokens: int = 1024  # LM head + cross-entropy over chunks of this many label tokens (0: all at once)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on Ascend
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -248,6 +248,8 @@ class Recipe:
         problems = compile_layers_problems(r)  # the rules that needed the world and the device
         if problems:
             raise ConfigError(problems)
+        if t.compile_layers is None:
+            r.train.compile_layers = not compile_layers_refusals(r)
         return r
 
 
@@ -315,32 +317,44 @@ def _at_least(p: list[Problem], lo: float, example: str, **values: float) -> Non
             p.append(Problem(key.replace("__", "."), f"must be >= {lo:g}", example, repr(v)))
 
 
-def compile_layers_problems(r: Recipe) -> list[Problem]:
-    """Where train.compile_layers was not shown equal to the op-by-op layers (one fp32 process on CPU).
-    A rule on a value still to be derived (dp 0, precision or device auto) waits for ``Recipe.resolved``."""
-    if not r.train.compile_layers:
-        return []
-    t, dp = r.train, r.layout.dp if r.layout else r.parallel.dp
-    stale = ("give weights new storage (Parameter.set_data), which a compiled layer does not see: a DP2 run "
-             "trained with its layers' weights frozen")
+def compile_layers_refusals(r: Recipe) -> list[str]:
+    """Why decoder layers cannot run as graphs for ``r``, each "<setting>: <reason>" (the graphs read the
+    weights' own memory: every writer of a weight writes in place, optim.update.write_param and the host
+    kernel, which DP, ZeRO and fp16 masters were shown to train with; tests/finetune/test_model_graphs.py;
+    LoRA's dropout masks are drawn ahead into Parameters, finetune/lora.py).
+    A rule on a value still to be derived (precision or device auto) waits for ``Recipe.resolved``."""
+    t = r.train
     why = {"train.recompute=true: recompute runs each layer op by op": t.recompute,
-           f"parallel.tp={r.parallel.tp}: not tried with the tensor-parallel layers' collectives":
+           f"parallel.tp={r.parallel.tp}: the tensor-parallel layers' collectives inside a graph are not tried":
                r.parallel.tp_size > 1,
            f"data.max_tokens_per_batch={r.data.max_tokens_per_batch}: every new batch shape compiles each layer "
            "again; packing keeps one shape": r.data.max_tokens_per_batch > 0,
-           f"data parallel {dp}: the sharded optimizer and low-precision masters {stale}": dp > 1,
-           f"train.precision={t.precision}: the fp32 masters and the sharded optimizer {stale}":
-               t.precision not in ("auto", "fp32"),
            "launch.device=npu: the fused attention's spec is host data per batch; graphs there are not measured":
                r.launch.device == "npu"}
-    return [Problem("train.compile_layers", f"not with {what}", "false", "true") for what, on in why.items() if on]
+    return [what for what, on in why.items() if on]
+
+
+def compile_layers_problems(r: Recipe) -> list[Problem]:
+    """train.compile_layers=true where :func:`compile_layers_refusals` says why not."""
+    if r.train.compile_layers is not True:
+        return []
+    return [Problem("train.compile_layers", f"not with {what}", "false", "true") for what in compile_layers_refusals(r)]
+
+
+def compile_layers_choice(r: Recipe, asked: bool | None) -> str:
+    """The plan's line for a resolved ``r`` (``asked``: the recipe's value before resolving)."""
+    if r.train.compile_layers:
+        return "on: each decoder layer one graph, compiled at the first step" + (" (auto)" if asked is None else "")
+    if asked is False:
+        return "off (train.compile_layers=false): each layer op by op"
+    return "off (auto): " + "; ".join(compile_layers_refusals(r))
 
 
 def validate(r: Recipe) -> list[Problem]:
     """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
-    p += compile_layers_problems(r) + lora_problems(t.method, r.lora, t.compile_layers)
+    p += compile_layers_problems(r) + lora_problems(r.lora)
     p += _validate_data_sources(r.data)
     _at_least(p, 1, "1", train__grad_accum=t.grad_accum, train__micro_batch_size=t.micro_batch_size,
               train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,

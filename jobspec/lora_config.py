@@ -46,12 +46,9 @@ def module_path(layer: int, name: str) -> str:
     return f"model.layers.{layer}.{'mlp' if name in TARGETS[4:] else 'self_attn'}.{name}"
 
 
-def lora_problems(method: str, c: LoraConfig, compile_layers: bool = False) -> list[Problem]:
+def lora_problems(c: LoraConfig) -> list[Problem]:
     """Every bad value of the ``lora`` section (``train.method``'s values are its Literal type)."""
     p: list[Problem] = []
-    if method == "lora" and compile_layers:
-        p.append(Problem("train.compile_layers", "not with train.method=lora: compiled layers with adapters are not "
-                         "shown equal to the op-by-op ones", "false", "true"))
     if c.r < 1:
         p.append(Problem("lora.r", "the adapter rank must be >= 1", "8", repr(c.r)))
     if not c.alpha > 0:

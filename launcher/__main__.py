@@ -34,7 +34,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobspec.config import REPO_ROOT, ConfigError, Problem, Recipe, creates_tiny_model, resolved_model_dir, to_dict
+from jobspec.config import (
+    REPO_ROOT,
+    ConfigError,
+    Problem,
+    Recipe,
+    compile_layers_choice,
+    creates_tiny_model,
+    resolved_model_dir,
+    to_dict,
+)
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
@@ -142,7 +151,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
              or recipe.parallel.tp_size * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
-    tp_why = ""
+    tp_why, compile_asked = "", recipe.train.compile_layers
     try:
         if recipe.parallel.tp == "auto":  # before resolving: the smallest TP whose estimate fits (jobspec/memory.py)
             recipe.parallel.tp, tp_why = auto_tp(recipe, world, nproc, device)
@@ -178,6 +187,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         sources={"recipe": f"{s.recipe} ({s.recipe_reason})",
                  "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(L.device, recipe.name),
                  **({"parallel.tp": tp_why} if tp_why else {}),
+                 **({"train.compile_layers": compile_layers_choice(recipe, compile_asked)} if recipe.layout else {}),
                  "device_notes": devs.notes,
                  "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                f"a relative path is relative to the current directory ({cwd})",
@@ -199,8 +209,8 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
         f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
         f"{t.master_addr}:{t.master_port}")
-    if "parallel.tp" in p.sources:
-        say(f"parallel.tp: {p.sources['parallel.tp']}")
+    for key in (k for k in ("parallel.tp", "train.compile_layers") if k in p.sources):
+        say(f"{key}: {p.sources[key]}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
         f"{'sharded over DP' if r.layout and r.layout.shard_optimizer else 'replicated'}")
     say(f"output: {p.sources['output_dir']}")

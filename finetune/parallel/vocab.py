@@ -92,6 +92,7 @@ class LMHeadCrossEntropy(nn.Cell):
         self.rows, self.tp, self.tp_rank = rows, rank.tp, rank.tp_rank
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
         self.kept = None  # a training forward's single-chunk logits, taken by its backward
+        self.weight_grad = True  # False: the head's weight is frozen (LoRA), its gradient is zeros, not computed
 
     def _gemm(self, a, b, ta: bool = False, tb: bool = False):
         """``a @ b``, ``a`` or ``b`` transposed when asked, in the compute dtype."""
@@ -134,13 +135,18 @@ class LMHeadCrossEntropy(nn.Cell):
         if len(parts) == 1:
             logits, self.kept = self.kept, None  # None (not training mode): recomputed
             dh, dw = self._grads(h, w, target, dout, logits)
-            return dh.astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+            return dh.astype(h.dtype), self._weight_grad(dw, w), ops.zeros_like(target)
         dhs, dw = [], None
         for a, b in parts:
             dh_c, dw_c = self._grads(h[a:b], w, target[a:b], dout)
             dhs.append(dh_c)
-            dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
-        return ops.cat(dhs, 0).astype(h.dtype), dw.astype(w.dtype), ops.zeros_like(target)
+            if dw_c is not None:
+                dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
+        return ops.cat(dhs, 0).astype(h.dtype), self._weight_grad(dw, w), ops.zeros_like(target)
+
+    @staticmethod
+    def _weight_grad(dw, w):
+        return ops.zeros_like(w) if dw is None else dw.astype(w.dtype)
 
     def _loss(self, h, w, target, logits=None):
         """The loss sum of one chunk of tokens (``logits``: already computed)."""
@@ -153,7 +159,8 @@ class LMHeadCrossEntropy(nn.Cell):
         return (ops.log(total[0]) + row_max - total[1]).sum()
 
     def _grads(self, h, w, target, dout, logits=None):
-        """(d hidden, d weight) of one chunk of tokens, in the compute dtype (``logits``: kept from the forward)."""
+        """(d hidden, d weight or None when ``weight_grad`` is off) of one chunk of tokens, in the compute dtype
+        (``logits``: kept from the forward)."""
         logits = self._logits(h, w) if logits is None else logits
         if not self.split:
             p = ops.softmax(logits, -1)
@@ -166,5 +173,7 @@ class LMHeadCrossEntropy(nn.Cell):
         dh = self._gemm(p, w) * dout.astype(self.dtype)
         if self.split:  # every rank's rows contribute to d hidden
             dh = self.tp_sum(dh)
+        if not self.weight_grad:
+            return dh, None
         dw = self._gemm(p, (h.astype(ms.float32) * dout).astype(self.dtype), ta=True)
         return dh, dw

@@ -31,22 +31,31 @@ def test_compiled_layers_match_transformers(ms_cpu):
         np.testing.assert_allclose(by_name[key[5:]], g[key], rtol=1e-4, atol=1e-5, err_msg=key)
 
 
-def test_a_compiled_layer_does_not_see_a_weight_given_new_storage(ms_cpu):
-    """Why the config refuses train.compile_layers with DP and fp16 (config.compile_layers_problems): both
-    give weights new storage with Parameter.set_data, which the op-by-op layer sees and a compiled one not."""
+def test_a_compiled_layer_sees_weights_written_in_place_and_not_new_storage(ms_cpu):
+    """Why every writer of a weight writes in place (optim.update.write_param's ops.assign, the CPU host
+    kernel through own_memory): a compiled layer reads the weight's memory, so it sees those writes as the
+    op-by-op layer does, but not a weight given new storage by Parameter.set_data (before its first call
+    only: hf_io and checkpoint restore run before the first step)."""
     ms = ms_cpu
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.optim.host import own_memory
+    from finetune.optim.update import write_param
 
     cfg = Qwen2Config.from_dict({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
     ids = ms.Tensor(np.random.default_rng(0).integers(0, 128, (1, 8)).astype(np.int32))
+    writers = {"write_param": lambda w, x: write_param(w, ms.Tensor(x)),
+               "host kernel": lambda w, x: own_memory(w).__setitem__(slice(None), x.reshape(-1)),
+               "set_data": lambda w, x: w.set_data(ms.Tensor(x))}
     changed = {}
     for compiled in (False, True):
         model = Qwen2ForCausalLM(cfg)
         if compiled:
             model.model.compile_layers()
-        before = model.logits(ids).asnumpy()
         w = next(p for p in model.trainable_params() if "layers.0.mlp.down_proj" in p.name)
-        w.set_data(ms.Tensor(np.full(w.shape, 0.5, np.float32)))
-        changed[compiled] = not np.allclose(model.logits(ids).asnumpy(), before)
-    assert changed == {False: True, True: False}
+        for i, (name, write) in enumerate(writers.items()):
+            before = model.logits(ids).asnumpy()
+            write(w, np.full(w.shape, 0.1 * (i + 1), np.float32))
+            changed[compiled, name] = not np.allclose(model.logits(ids).asnumpy(), before)
+    assert changed == {(False, "write_param"): True, (False, "host kernel"): True, (False, "set_data"): True,
+                       (True, "write_param"): True, (True, "host kernel"): True, (True, "set_data"): False}

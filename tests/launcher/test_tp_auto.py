@@ -45,6 +45,9 @@ def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsy
     assert (p["topology"]["tp"], p["topology"]["dp"], p["topology"]["world_size"]) == (tp, npus // tp, npus)
     assert p["recipe"]["parallel"]["tp"] == tp and p["sources"]["parallel.tp"] == why
     assert f"[launcher] parallel.tp: {why}\n" in out
+    assert p["recipe"]["train"]["compile_layers"] is False  # and the plan says why (Ascend: not measured)
+    line = next(x for x in out.splitlines() if x.startswith("[launcher] train.compile_layers: "))
+    assert line.startswith("[launcher] train.compile_layers: off (auto): ") and "launch.device=npu: " in line
 
 
 def test_lora_is_chosen_with_the_lora_estimate(atlas, capsys):
@@ -79,6 +82,8 @@ def test_without_a_config_json_or_on_cpu_auto_is_one_with_its_reason(atlas, caps
     rc, p, out, _ = plan(atlas, "tiny-cpu", None, 1, capsys, TP="auto", MODEL_DIR="")  # the tiny default
     assert rc == 0 and p["topology"]["tp"] == 1
     assert p["sources"]["parallel.tp"] == "auto -> 1: CPU workers (the choice is made for NPU memory)"
+    assert p["recipe"]["train"]["compile_layers"] is True
+    assert "[launcher] train.compile_layers: on: each decoder layer one graph, compiled at the first step (auto)" in out
 
 
 def table_row(name: str, method: str) -> dict[str, str]:

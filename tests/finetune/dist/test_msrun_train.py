@@ -125,6 +125,19 @@ def test_dp2_sharded_and_unsharded_equal_one_process(tmp):
         assert abs(b - full[0] / 2) / (full[0] / 2) < 0.01, (sharded, full)
 
 
+def test_dp2_with_compiled_layers_equals_the_op_by_op_one_process(tmp):
+    """Compiled layers (on by default on CPU, with DP and the sharded optimizer) see every update the
+    optimizer writes in place: DP 2, sharded or not, equals one process whose layers run op by op."""
+    ref = tmp / "one-opbyop"
+    if not (ref / "hf").is_dir():
+        harness.python(WORKER, ["--config", str(_plan(tmp, "one-opbyop", 1, 1, **{"train.compile_layers": "false"}))],
+                       ref)
+    for name, shard in (("dp2", "true"), ("dp2-full", "false")):
+        got = _run_once(tmp, name, 1, 2, 2, **{"parallel.shard_optimizer": shard})
+        assert "decoder layers runs as one graph" in _rank0_log(got)
+        _assert_same_run(got, ref)
+
+
 def test_dp2_reduction_after_the_backward_equals_the_overlapped_one_bit_for_bit(tmp):
     """parallel.overlap_grad_reduce (on by default) starts each bucket's reduction from the backward's
     hooks; off, the same buckets are reduced after it: the same sums, so the same run."""

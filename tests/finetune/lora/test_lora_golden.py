@@ -48,7 +48,9 @@ def test_default_init_starts_at_the_base_model(ms_cpu):
     assert len(params) == 28 and all(p.name.endswith(".lora_B.weight") == (not p.asnumpy().any()) for p in params)
 
 
-def test_loss_gradients_and_adamw_step_equal_peft(ms_cpu):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_loss_gradients_and_adamw_step_equal_peft(ms_cpu, compiled):
+    """Op by op and with each decoder layer one graph (train.compile_layers: on by default with dropout 0)."""
     ms = ms_cpu
     from finetune.dist import RankInfo
     from finetune.optim import AdamW
@@ -56,6 +58,8 @@ def test_loss_gradients_and_adamw_step_equal_peft(ms_cpu):
 
     g = np.load(G)
     model, params = lora_model(ms)
+    if compiled:
+        model.model.compile_layers()
     golden_init(ms, params)
     names = [p.name for p in params]
     assert len(names) == 28 and names == [k[5:] for k in g.files if k.startswith("init/")]
@@ -96,3 +100,22 @@ def test_dropout_acts_in_training_only(ms_cpu):
     assert abs(float(model(*batch).asnumpy()) / n - float(np.load(G)["loss"])) > 1e-4
     model.set_train(False)
     np.testing.assert_allclose(float(model(*batch).asnumpy()) / n, float(np.load(G)["loss"]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("saved", [[], ["lm_head"]])
+def test_a_frozen_lm_head_gets_no_weight_gradient_matmul(ms_cpu, saved):
+    """Issue 20 (speed): with the head frozen the backward skips its weight-gradient matmul (two of the
+    three vocab-sized matmuls remain); with lm_head in modules_to_save it computes all three. The adapter
+    gradients equal peft's either way (test above)."""
+    ms = ms_cpu
+    model, params = lora_model(ms, modules_to_save=saved)
+    head = model.loss_fn
+    calls = []
+    real = head._gemm
+    head._gemm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    model.set_train(True)
+    batch, _ = _batch(ms)
+    _, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(*batch)
+    assert head.weight_grad == bool(saved) and len(calls) == (3 if saved else 2)
+    if saved:
+        assert float(np.abs(grads[-1].asnumpy()).max()) > 0  # lm_head's own gradient
