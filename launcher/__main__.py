@@ -209,8 +209,8 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
         f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
         f"{t.master_addr}:{t.master_port}")
-    for key in (k for k in ("parallel.tp", "train.compile_layers") if k in p.sources):
-        say(f"{key}: {p.sources[key]}")
+    for decided in (k for k in ("parallel.tp", "train.compile_layers") if k in p.sources):
+        say(f"{decided}: {p.sources[decided]}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
         f"{'sharded over DP' if r.layout and r.layout.shard_optimizer else 'replicated'}")
     say(f"output: {p.sources['output_dir']}")
