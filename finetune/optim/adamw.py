@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import ops
 
 from finetune.dist import RankInfo, Ready
-from finetune.optim.host import snapshot
+from finetune.hostmem import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
 from finetune.parallel.overlap import Bucketed, reduce_now

@@ -35,7 +35,7 @@ from finetune.dist import (
     native_collectives,
     reduce_scatter_sum_async,
 )
-from finetune.optim.host import snapshot
+from finetune.hostmem import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now

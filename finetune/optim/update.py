@@ -15,7 +15,8 @@ import numpy as np
 from mindspore import ops
 
 from finetune.dist import RankInfo
-from finetune.optim.host import adamw_update_host, own_memory
+from finetune.hostmem import own_memory
+from finetune.optim.host import adamw_update_host
 from jobspec.config import TrainConfig
 
 
@@ -156,7 +157,9 @@ class StepGate:
             wh, mh, vh = (own_memory(t) for t in (w, m, v))
             if wh is not None and mh is not None and vh is not None:  # the host kernel, in place (optim/host.py)
                 lr, b1, b2, eps = (float(s.asnumpy()) for s in k[:4])
-                adamw_update_host(wh, mh, vh, g.asnumpy().reshape(-1), lr, b1, b2, eps, float(wd.asnumpy()))
+                gh = g.asnumpy()
+                adamw_update_host(wh.reshape(-1), mh.reshape(-1), vh.reshape(-1), gh.reshape(-1), lr, b1, b2, eps,
+                                  float(wd.asnumpy()))
                 return w, m, v
         w_new, m_new, v_new = adamw_update(w, m, v, g, k, wd)
         if self.on_device:

@@ -13,6 +13,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from finetune.dist import RankInfo
+from finetune.hostmem import in_blocks, own_memory
 from finetune.parallel.layers import ReduceFromTP
 
 
@@ -76,8 +77,12 @@ class LMHeadCrossEntropy(nn.Cell):
     ``d hidden`` covers its rows and is summed over the TP group.
 
     On CPU in fp32 (``host_gemm``) the three vocab-sized matmuls run in numpy's BLAS on the tensors'
-    own memory (``asnumpy`` shares it on CPU): MindSpore 2.10's CPU MatMul takes about 1.5x
-    OpenBLAS's time at these shapes (docs/speed.md). Elsewhere they are MindSpore matmuls.
+    own memory (``asnumpy`` shares it on CPU, finetune/hostmem.py): MindSpore 2.10's CPU MatMul takes
+    about 1.5x OpenBLAS's time at these shapes (docs/speed.md). Unsplit, the softmax is numpy's too: the
+    forward keeps each row's log-sum-exp instead of a log-softmax buffer, and the backward writes
+    softmax - onehot over the kept logits (``host_softmax_minus_onehot``), about 3x faster than
+    MindSpore's softmax and scatter, which allocate two more ``[tokens, vocab]`` buffers. Elsewhere
+    they are MindSpore ops.
     """
 
     def __init__(self, compute_dtype, rank: RankInfo = RankInfo(), rows: VocabRange | None = None,
@@ -122,19 +127,20 @@ class LMHeadCrossEntropy(nn.Cell):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
             logits = self._logits(h, w)
-            self.kept = logits if self.training else None
-            return self._loss(h, w, target, logits)
+            loss, lse = self._loss(h, w, target, logits)
+            self.kept = (logits, lse) if self.training else None
+            return loss
         self.kept = None
-        total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])
+        total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])[0]
         for a, b in parts[1:]:
-            total = total + self._loss(h[a:b], w, target[a:b])
+            total = total + self._loss(h[a:b], w, target[a:b])[0]
         return total
 
     def bprop(self, h, w, target, out, dout):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
-            logits, self.kept = self.kept, None  # None (not training mode): recomputed
-            dh, dw = self._grads(h, w, target, dout, logits)
+            kept, self.kept = self.kept, None  # None (not training mode): recomputed
+            dh, dw = self._grads(h, w, target, dout, *(kept or ()))
             return dh.astype(h.dtype), self._weight_grad(dw, w), ops.zeros_like(target)
         dhs, dw = [], None
         for a, b in parts:
@@ -149,27 +155,35 @@ class LMHeadCrossEntropy(nn.Cell):
         return ops.zeros_like(w) if dw is None else dw.astype(w.dtype)
 
     def _loss(self, h, w, target, logits=None):
-        """The loss sum of one chunk of tokens (``logits``: already computed)."""
+        """(the loss sum of one chunk of tokens, its rows' log-sum-exp on the host path or None; ``logits``:
+        already computed)."""
         logits = self._logits(h, w) if logits is None else logits
+        if self.host_gemm and not self.split:
+            lse = host_lse(logits.asnumpy())
+            t = target.asnumpy()
+            return Tensor(np.float32((lse - logits.asnumpy()[np.arange(t.size), t]).sum())), lse
         if not self.split:
             logp = ops.log_softmax(logits, -1)
-            return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum()
+            return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum(), None
         row_max, sum_exp, picked, _, _ = self._softmax_parts(logits, target)
         total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
-        return (ops.log(total[0]) + row_max - total[1]).sum()
+        return (ops.log(total[0]) + row_max - total[1]).sum(), None
 
-    def _grads(self, h, w, target, dout, logits=None):
+    def _grads(self, h, w, target, dout, logits=None, lse=None):
         """(d hidden, d weight or None when ``weight_grad`` is off) of one chunk of tokens, in the compute dtype
-        (``logits``: kept from the forward)."""
+        (``logits``, ``lse``: kept from the forward)."""
         logits = self._logits(h, w) if logits is None else logits
-        if not self.split:
-            p = ops.softmax(logits, -1)
-            col, hit = target.reshape(-1, 1), 1.0
+        if self.host_gemm and not self.split:  # softmax - onehot written over the logits, used by nothing else
+            p = host_softmax_minus_onehot(logits, target.asnumpy(), lse)
         else:
-            row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
-            p = ops.exp(logits - row_max.unsqueeze(-1)) / self.tp_sum(sum_exp).unsqueeze(-1)
-            col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
-        p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
+            if not self.split:
+                p = ops.softmax(logits, -1)
+                col, hit = target.reshape(-1, 1), 1.0
+            else:
+                row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
+                p = ops.exp(logits - row_max.unsqueeze(-1)) / self.tp_sum(sum_exp).unsqueeze(-1)
+                col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
+            p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
         dh = self._gemm(p, w) * dout.astype(self.dtype)
         if self.split:  # every rank's rows contribute to d hidden
             dh = self.tp_sum(dh)
@@ -177,3 +191,38 @@ class LMHeadCrossEntropy(nn.Cell):
             return dh, None
         dw = self._gemm(p, (h.astype(ms.float32) * dout).astype(self.dtype), ta=True)
         return dh, dw
+
+
+HOST_ROWS = 16  # rows of logits per task of the host softmax (16 x 151936 fp32: 9.7 MB)
+
+
+def host_lse(a: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp of the fp32 logits ``a`` ([tokens, vocab]), row blocks over the cores."""
+    lse = np.empty(a.shape[0], np.float32)
+
+    def rows(lo: int, hi: int) -> None:
+        blk = a[lo:hi]
+        top = blk.max(1)
+        lse[lo:hi] = np.log(np.exp(blk - top[:, None]).sum(1)) + top
+
+    in_blocks(a.shape[0], HOST_ROWS, rows)
+    return lse
+
+
+def host_softmax_minus_onehot(logits: Tensor, target: np.ndarray, lse: np.ndarray | None) -> Tensor:
+    """softmax(logits) - onehot(target), the cross-entropy's gradient by its logits, written over ``logits``'
+    memory (a copy when it has none of its own): exp(logits - lse) per row block, then 1 off each target."""
+    a = own_memory(logits)
+    if a is None:
+        a = logits.asnumpy().copy()
+        logits = Tensor.from_numpy(a)
+    lse = host_lse(a) if lse is None else lse
+
+    def rows(lo: int, hi: int) -> None:
+        blk = a[lo:hi]
+        blk -= lse[lo:hi, None]
+        np.exp(blk, out=blk)
+
+    in_blocks(a.shape[0], HOST_ROWS, rows)
+    a[np.arange(target.size), target] -= np.float32(1.0)
+    return logits

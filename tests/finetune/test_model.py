@@ -41,8 +41,8 @@ def _rows(ids):
                                         ("qwen3-untied", 0), ("qwen3-tied", 5)])
 def test_matches_transformers(ms_cpu, golden_model, case, chunk, host_gemm, monkeypatch):
     """chunk > 0: the LM head + loss over chunks of that many label tokens (train.loss_chunk_tokens).
-    host_gemm: the head's vocab-sized matmuls in numpy's BLAS (CPU's default) or MindSpore's MatMul
-    (every other device's)."""
+    host_gemm: the head's vocab-sized matmuls in numpy's BLAS and its softmax in numpy (CPU's default), or
+    MindSpore's MatMul and softmax (every other device's)."""
     ms = ms_cpu
     g = np.load(GOLDEN / case / "golden.npz")
     model = golden_model(case)
@@ -110,6 +110,31 @@ def test_one_chunk_keeps_its_logits_for_the_backward(ms_cpu, golden_model, chunk
     finally:
         model.set_train(False)
         head.kept = None
+
+
+def test_the_host_softmax_writes_the_gradient_over_the_kept_logits(ms_cpu):
+    """CPU's cross-entropy gradient by the logits (softmax - onehot) is computed in place over the logits the
+    forward kept (no second [tokens, vocab] buffer); logits without memory of their own are copied first."""
+    ms = ms_cpu
+    from mindspore import ops
+
+    from finetune.parallel.vocab import host_lse, host_softmax_minus_onehot
+
+    rng = np.random.default_rng(0)
+    x, t = rng.standard_normal((37, 1000)).astype(np.float32) * 4, rng.integers(0, 1000, 37).astype(np.int32)
+    want = ops.softmax(ms.Tensor(x), -1).asnumpy()
+    want[np.arange(37), t] -= 1
+    logits = ops.add(ms.Tensor(x), 0.0)
+    address = logits.data_ptr()
+    lse = host_lse(logits.asnumpy())
+    np.testing.assert_allclose(lse, np.log(np.exp(x.astype(np.float64)).sum(1)), rtol=1e-6)
+    p = host_softmax_minus_onehot(logits, t, lse)
+    assert p is logits and p.data_ptr() == address
+    np.testing.assert_allclose(p.asnumpy(), want, atol=1e-6)
+    whole = ms.Tensor(np.concatenate([x, x]))
+    view = whole[37:]
+    np.testing.assert_allclose(host_softmax_minus_onehot(view, t, None).asnumpy(), want, atol=1e-6)
+    np.testing.assert_array_equal(whole.asnumpy()[37:], x)  # the view's storage is left alone
 
 
 def test_packed_row_equals_separate_samples(ms_cpu, golden_model):

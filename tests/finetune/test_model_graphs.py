@@ -37,15 +37,15 @@ def test_a_compiled_layer_sees_weights_written_in_place_and_not_new_storage(ms_c
     op-by-op layer does, but not a weight given new storage by Parameter.set_data (before its first call
     only: hf_io and checkpoint restore run before the first step)."""
     ms = ms_cpu
+    from finetune.hostmem import own_memory
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
-    from finetune.optim.host import own_memory
     from finetune.optim.update import write_param
 
     cfg = Qwen2Config.from_dict({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
     ids = ms.Tensor(np.random.default_rng(0).integers(0, 128, (1, 8)).astype(np.int32))
     writers = {"write_param": lambda w, x: write_param(w, ms.Tensor(x)),
-               "host kernel": lambda w, x: own_memory(w).__setitem__(slice(None), x.reshape(-1)),
+               "host kernel": lambda w, x: own_memory(w).__setitem__(slice(None), x),
                "set_data": lambda w, x: w.set_data(ms.Tensor(x))}
     changed = {}
     for compiled in (False, True):

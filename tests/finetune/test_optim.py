@@ -173,6 +173,7 @@ def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd):
     (over several of its chunks and a ragged end)."""
     from mindspore import ops
 
+    from finetune import hostmem
     from finetune.optim import host
     from finetune.optim.update import KernelScalars, adamw_update
 
@@ -182,7 +183,7 @@ def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd):
                         ms.Tensor(np.float32(wd)))
     w, m, v, g = (ops.add(ms.Tensor(a), 0.0) for a in arrays)  # tensors on their own memory
     addresses = [t.data_ptr() for t in (w, m, v)]
-    own = [host.own_memory(t) for t in (w, m, v)]
+    own = [hostmem.own_memory(t) for t in (w, m, v)]
     host.adamw_update_host(*own, g.asnumpy(), *scalars, wd)
     assert [t.data_ptr() for t in (w, m, v)] == addresses
     for got, expect in zip((w, m, v), want):
@@ -192,11 +193,11 @@ def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd):
 def test_own_memory_is_refused_for_a_view_whose_array_would_be_a_copy():
     """asnumpy of a slice is a copy (a write to it would be lost): own_memory says None, and the optimizer
     then uses the composed kernel; a whole tensor's array writes through."""
-    from finetune.optim import host
+    from finetune import hostmem
 
     t = ms.Parameter(ms.Tensor(np.zeros(8, np.float32)), name="t")
-    assert host.own_memory(t[2:5]) is None and host.own_memory(t.astype(ms.float16)) is None
-    host.own_memory(t)[3] = 7.0
+    assert hostmem.own_memory(t[2:5]) is None and hostmem.own_memory(t.astype(ms.float16)) is None
+    hostmem.own_memory(t)[3] = 7.0
     assert t.asnumpy()[3] == 7.0
 
 
