@@ -79,7 +79,7 @@ class LMHeadCrossEntropy(nn.Cell):
     On CPU in fp32 (``host_gemm``) the three vocab-sized matmuls run in numpy's BLAS on the tensors'
     own memory (``asnumpy`` shares it on CPU, finetune/hostmem.py): MindSpore 2.10's CPU MatMul takes
     about 1.5x OpenBLAS's time at these shapes (docs/speed.md). Unsplit, the softmax is numpy's too: the
-    forward keeps each row's log-sum-exp instead of a log-softmax buffer, and the backward writes
+    forward keeps each row's max and sum of exponentials instead of a log-softmax buffer, and the backward writes
     softmax - onehot over the kept logits (``host_softmax_minus_onehot``), about 3x faster than
     MindSpore's softmax and scatter, which allocate two more ``[tokens, vocab]`` buffers. Elsewhere
     they are MindSpore ops.
@@ -127,8 +127,8 @@ class LMHeadCrossEntropy(nn.Cell):
         parts = self._chunks(h.shape[0])
         if len(parts) == 1:
             logits = self._logits(h, w)
-            loss, lse = self._loss(h, w, target, logits)
-            self.kept = (logits, lse) if self.training else None
+            loss, sums = self._loss(h, w, target, logits)
+            self.kept = (logits, sums) if self.training else None
             return loss
         self.kept = None
         total = self._loss(h[:parts[0][1]], w, target[:parts[0][1]])[0]
@@ -155,13 +155,13 @@ class LMHeadCrossEntropy(nn.Cell):
         return ops.zeros_like(w) if dw is None else dw.astype(w.dtype)
 
     def _loss(self, h, w, target, logits=None):
-        """(the loss sum of one chunk of tokens, its rows' log-sum-exp on the host path or None; ``logits``:
-        already computed)."""
+        """(the loss sum of one chunk of tokens, its rows' (max, sum of exp) on the host path or None;
+        ``logits``: already computed)."""
         logits = self._logits(h, w) if logits is None else logits
         if self.host_gemm and not self.split:
-            lse = host_lse(logits.asnumpy())
-            t = target.asnumpy()
-            return Tensor(np.float32((lse - logits.asnumpy()[np.arange(t.size), t]).sum())), lse
+            a, t = logits.asnumpy(), target.asnumpy()
+            top, total = sums = host_row_sums(a)
+            return Tensor(np.float32((np.log(total) + top - a[np.arange(t.size), t]).sum())), sums
         if not self.split:
             logp = ops.log_softmax(logits, -1)
             return -ops.gather_elements(logp, 1, target.reshape(-1, 1)).sum(), None
@@ -169,12 +169,12 @@ class LMHeadCrossEntropy(nn.Cell):
         total = self.tp_sum(ops.stack((sum_exp, picked)))  # [2, tokens]: sums over every rank's rows
         return (ops.log(total[0]) + row_max - total[1]).sum(), None
 
-    def _grads(self, h, w, target, dout, logits=None, lse=None):
+    def _grads(self, h, w, target, dout, logits=None, sums=None):
         """(d hidden, d weight or None when ``weight_grad`` is off) of one chunk of tokens, in the compute dtype
-        (``logits``, ``lse``: kept from the forward)."""
+        (``logits``, ``sums``: kept from the forward)."""
         logits = self._logits(h, w) if logits is None else logits
         if self.host_gemm and not self.split:  # softmax - onehot written over the logits, used by nothing else
-            p = host_softmax_minus_onehot(logits, target.asnumpy(), lse)
+            p = host_softmax_minus_onehot(logits, target.asnumpy(), sums)
         else:
             if not self.split:
                 p = ops.softmax(logits, -1)
@@ -196,32 +196,36 @@ class LMHeadCrossEntropy(nn.Cell):
 HOST_ROWS = 16  # rows of logits per task of the host softmax (16 x 151936 fp32: 9.7 MB)
 
 
-def host_lse(a: np.ndarray) -> np.ndarray:
-    """Each row's log-sum-exp of the fp32 logits ``a`` ([tokens, vocab]), row blocks over the cores."""
-    lse = np.empty(a.shape[0], np.float32)
+def host_row_sums(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's (max, sum of exp(logit - max)) of the fp32 logits ``a`` ([tokens, vocab]), row blocks over
+    the cores."""
+    top, total = np.empty(a.shape[0], np.float32), np.empty(a.shape[0], np.float32)
 
     def rows(lo: int, hi: int) -> None:
         blk = a[lo:hi]
-        top = blk.max(1)
-        lse[lo:hi] = np.log(np.exp(blk - top[:, None]).sum(1)) + top
+        top[lo:hi] = blk.max(1)
+        total[lo:hi] = np.exp(blk - top[lo:hi, None]).sum(1)
 
     in_blocks(a.shape[0], HOST_ROWS, rows)
-    return lse
+    return top, total
 
 
-def host_softmax_minus_onehot(logits: Tensor, target: np.ndarray, lse: np.ndarray | None) -> Tensor:
+def host_softmax_minus_onehot(logits: Tensor, target: np.ndarray, sums: tuple[np.ndarray, np.ndarray] | None
+                              ) -> Tensor:
     """softmax(logits) - onehot(target), the cross-entropy's gradient by its logits, written over ``logits``'
-    memory (a copy when it has none of its own): exp(logits - lse) per row block, then 1 off each target."""
+    memory (a copy when it has none of its own): exp(logits - max) / sum per row block (``sums``: the
+    forward's ``host_row_sums``), then 1 off each target."""
     a = own_memory(logits)
     if a is None:
         a = logits.asnumpy().copy()
         logits = Tensor.from_numpy(a)
-    lse = host_lse(a) if lse is None else lse
+    top, total = host_row_sums(a) if sums is None else sums
 
     def rows(lo: int, hi: int) -> None:
         blk = a[lo:hi]
-        blk -= lse[lo:hi, None]
+        blk -= top[lo:hi, None]
         np.exp(blk, out=blk)
+        blk /= total[lo:hi, None]
 
     in_blocks(a.shape[0], HOST_ROWS, rows)
     a[np.arange(target.size), target] -= np.float32(1.0)
