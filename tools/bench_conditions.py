@@ -74,3 +74,70 @@ class LoadWatch:
     def invalid(self) -> str:
         worst = max(self.samples, default=0.0)
         return f"NOT VALID: load average {worst:.2f} > cores {self.cores}" if worst > self.cores else ""
+
+
+def _stat_fields(path: Path) -> list[str] | None:
+    """The fields of a /proc .../stat file after the command name (state first, then ppid)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def other_runnable(own: int, proc: Path = Path("/proc")) -> int:
+    """Threads in state R of every process outside ``own``'s process tree (the benchmark and its torch
+    worker): the work of others competing for the cores right now."""
+    parent: dict[int, int] = {}
+    for d in proc.iterdir():
+        if d.name.isdigit() and (f := _stat_fields(d / "stat")) is not None:
+            parent[int(d.name)] = int(f[1])
+
+    def ours(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == own:
+                return True
+            pid, seen = parent.get(pid, 0), seen + 1
+        return False
+
+    running = 0
+    for pid in parent:
+        if not ours(pid):
+            for task in (proc / str(pid) / "task").glob("*"):
+                f = _stat_fields(task / "stat")
+                running += f is not None and f[0] == "R"
+    return running
+
+
+class OtherWork:
+    """Samples :func:`other_runnable` every ``every`` seconds in a background thread while the benchmark
+    runs; the run is NOT VALID when other processes kept more than ``limit`` threads runnable on average
+    (the 1-minute load average counts the benchmark's own threads too: ~2 on an idle 2-core machine)."""
+
+    def __init__(self, sampler: Callable[[], int], limit: float = 0.5, every: float = 0.25):
+        import threading
+
+        self.sampler, self.limit, self.every, self.samples = sampler, limit, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(self.sampler())
+
+    def __enter__(self) -> OtherWork:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mean(self) -> float:
+        return statistics.fmean(self.samples) if self.samples else 0.0
+
+    def invalid(self) -> str:
+        m = self.mean()
+        return (f"NOT VALID: other processes kept {m:.2f} threads runnable on average (> {self.limit})"
+                if m > self.limit else "")

@@ -1,25 +1,31 @@
 """Training speed: our trainer's step against transformers + torch eager on the same model and batch.
 
     make bench-train                       # Qwen2 hidden 512, 4 layers, FFN 1408, vocab 151936, untied
+    make bench-train BENCH_ARGS="--shape big"   # hidden 1024, 8 layers, FFN 2816, 16 / 2 heads
     python tools/bench_train.py --rounds 4 --torch-python /path/to/venv/bin/python --json out.json
     python tools/bench_train.py --paths ours-opbyop --breakdown   # one path, split into phases
     make bench-train METHOD=lora           # LoRA: ours against our full fine-tuning and transformers + peft
 
 Both load the same seeded weights (fp32) and train on the same micro-batch (4 x 256 tokens, every
-token labelled) with AdamW. Steps are interleaved over ``--rounds`` rounds: ours op by op, torch,
-ours with compiled layers (``train.compile_layers``), torch; torch in its own process
-(``--torch-python``). Prints per path the median over rounds of the tokens/s ratio to torch with
-its min/max, the CPU model and flags, cores and load average; when the 1-minute load average exceeds
-the core count before or during the run no ratio is reported (NOT VALID). A tool, not a test.
+token labelled) with AdamW. Steps are interleaved over ``--rounds`` rounds: ours as a run trains by
+default (``ours-default``: the recipe's ``train.compile_layers`` auto, compiled layers on CPU), torch,
+ours op by op (``ours-opbyop``), torch; torch in its own process (``--torch-python``). Prints per path
+the median over rounds of the tokens/s ratio to torch with its min/max, the CPU model and flags, cores
+and load average. The validity check is about other work: a thread samples, every 0.25 s, the runnable
+threads of processes outside this benchmark's process tree (``bench_conditions.OtherWork``); when they
+average more than 0.5 no ratio is reported (NOT VALID). (The 1-minute load average, printed too, counts
+the benchmark's own threads: about 2 on an idle 2-core machine.) A tool, not a test.
 
 ``--method lora``: our LoRA step (``train.method=lora``, the ``lora`` defaults: r 8, alpha 16, dropout 0.05,
-all seven linear layers) and our full step, each followed by a transformers + peft step with the same
-LoRA config; per round the ratio of LoRA to the full step of that round (``ratio_to_full``) and to peft.
+all seven linear layers; compiled layers by default) and our default full step, each followed by a
+transformers + peft step with the same LoRA config; per round the ratio of LoRA to the full step of that
+round (``ratio_to_full``) and to peft.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,12 +38,26 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_conditions import LoadWatch, by_path, cpu_info, interleave, ratio_stats, read_loadavg  # noqa: E402
+from bench_conditions import (  # noqa: E402
+    LoadWatch,
+    OtherWork,
+    by_path,
+    cpu_info,
+    interleave,
+    other_runnable,
+    ratio_stats,
+    read_loadavg,
+)
 
 SHAPE = {"vocab_size": 151936, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
          "max_position_embeddings": 4096, "tie_word_embeddings": False, "model_type": "qwen2",
          "architectures": ["Qwen2ForCausalLM"]}
+# --shape NAME: the issue-23 shapes; --hidden/--layers/... change single fields
+SHAPES = {"bench": {}, "big": {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816,
+                               "num_attention_heads": 16, "num_key_value_heads": 2}}
+FIELDS = {"vocab": "vocab_size", "hidden": "hidden_size", "layers": "num_hidden_layers", "ffn": "intermediate_size",
+          "heads": "num_attention_heads", "kv_heads": "num_key_value_heads"}
 LR = 1e-5
 
 TORCH_WORKER = r'''
@@ -69,38 +89,40 @@ for line in sys.stdin:
 '''
 
 
-def write_model(path: Path, seed: int = 0) -> None:
+def write_model(path: Path, shape: dict, seed: int = 0) -> None:
     """The benchmark model as a Hugging Face directory with seeded fp32 weights."""
     from safetensors.numpy import save_file
 
     from jobspec.tiny import random_weights
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**SHAPE, "torch_dtype": "float32"}, indent=1))
-    save_file(random_weights(SHAPE, seed), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**shape, "torch_dtype": "float32"}, indent=1))
+    save_file(random_weights(shape, seed), str(path / "model.safetensors"))
 
 
-def make_batch(batch: int, seq: int, seed: int = 1) -> dict[str, np.ndarray]:
+def make_batch(batch: int, seq: int, vocab: int, seed: int = 1) -> dict[str, np.ndarray]:
     """One micro-batch of random token ids, every token labelled, one sequence per row."""
-    ids = np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], (batch, seq)).astype(np.int32)
+    ids = np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int32)
     return {"ids": ids, "labels": ids.copy(), "pos": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
             "seg": np.ones_like(ids)}
 
 
-def write_inputs(tmp: Path, batch: int, seq: int) -> dict[str, np.ndarray]:
+def write_inputs(tmp: Path, batch: int, seq: int, shape: dict | None = None) -> dict[str, np.ndarray]:
     """The model in ``tmp/model`` and the micro-batch in ``tmp/batch.npz``; returns the batch."""
-    write_model(tmp / "model")
-    arrays = make_batch(batch, seq)
+    shape = shape or SHAPE
+    write_model(tmp / "model", shape)
+    arrays = make_batch(batch, seq, shape["vocab_size"])
     np.savez(tmp / "batch.npz", **arrays)
     return arrays
 
 
 class Ours:
     """Our trainer's step: the model and optimizer as ``finetune.trainer`` builds them (training mode,
-    ``train.compile_layers`` from its path in ``PATHS``), value_and_grad of the scaled loss (train.accumulate)
-    and the AdamW step; ``method``: train.method (lora: the recipe's ``lora`` defaults)."""
+    ``train.compile_layers`` from its path in ``PATHS``, None: the recipe's default), value_and_grad of the
+    scaled loss (train.accumulate; LoRA's dropout masks advanced per step as the trainer does) and the AdamW
+    step; ``method``: train.method (lora: the recipe's ``lora`` defaults)."""
 
-    def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool, method: str = "full"):
+    def __init__(self, model_dir: Path, batch: dict[str, np.ndarray], jit_layers: bool | None, method: str = "full"):
         import mindspore as ms
 
         from finetune.dist import init_distributed
@@ -110,10 +132,11 @@ class Ours:
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
         self.ms = ms
+        compile_layers = {} if jit_layers is None else {"train.compile_layers": jit_layers}
         recipe = load_recipe("tiny-cpu", {"model.dir": str(model_dir), "train.lr": LR, "train.weight_decay": 0.0,
-                                          "train.clip_grad": 0.0, "train.compile_layers": jit_layers,
-                                          "train.method": method}
+                                          "train.clip_grad": 0.0, "train.method": method, **compile_layers}
                              ).resolved(1, "cpu")
+        self.compiled = bool(recipe.train.compile_layers)
         rank = init_distributed(recipe.decided_layout)  # one process, as finetune.train starts one
         self.model, self.params = build_model(recipe, rank, model_dir, ms.float32)  # as the trainer builds it
         self.opt = build_optimizer(self.params, recipe.train, rank, False)
@@ -129,6 +152,9 @@ class Ours:
         from finetune.train import accumulate
 
         t = time.perf_counter()
+        masks = getattr(self.model, "lora_masks", None)  # as Trainer.scaled_loss: this step's dropout masks
+        if masks is not None:
+            masks.advance(masks.step + 1, self.mb["input_ids"].shape)
         grads, loss = accumulate(self.grad_fn, [self.mb], self.scale, self.reduction)
         self.opt.apply(grads, LR)
         value = float(loss.asnumpy())
@@ -187,9 +213,11 @@ def torch_available(python: str, method: str = "full") -> str:
     return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
-# our paths -> (train.compile_layers, train.method)
-PATHS = {"ours-opbyop": (False, "full"), "ours-compiled": (True, "full"), "ours-lora": (False, "lora")}
-DEFAULT_PATHS = {"full": "ours-opbyop,ours-compiled", "lora": "ours-lora,ours-opbyop"}
+# our paths -> (train.compile_layers: None is the recipe's default, train.method)
+PATHS: dict[str, tuple[bool | None, str]] = {"ours-default": (None, "full"), "ours-opbyop": (False, "full"),
+                                             "ours-compiled": (True, "full"), "ours-lora": (None, "lora")}
+DEFAULT_PATHS = {"full": "ours-default,ours-opbyop", "lora": "ours-lora,ours-default"}
+FULL_OF_LORA = "ours-default"  # LoRA's ratio_to_full is taken against this path
 
 
 def summarize(times: dict[str, list[float]], after: dict[str, list[float]], tokens: int,
@@ -203,13 +231,13 @@ def summarize(times: dict[str, list[float]], after: dict[str, list[float]], toke
         entry: dict[str, object] = {"tokens_per_s_median": tokens / float(np.median(secs))}
         if after.get(name) and not invalid and PATHS[name][1] == method:
             entry["ratio_to_torch"] = ratio_stats(secs, after[name])
-        if name == "ours-lora" and times.get("ours-opbyop") and not invalid:
-            entry["ratio_to_full"] = ratio_stats(secs, times["ours-opbyop"])
+        if name == "ours-lora" and times.get(FULL_OF_LORA) and not invalid:
+            entry["ratio_to_full"] = ratio_stats(secs, times[FULL_OF_LORA])
         out[name] = entry
     return out
 
 
-def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
+def main(argv: list[str] | None = None, loadavg=read_loadavg, other_sampler=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_train", description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds (after one warm-up round)")
     ap.add_argument("--batch", type=int, default=4)
@@ -220,6 +248,10 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
     ap.add_argument("--paths", default=None, help=f"our paths to time, of {', '.join(PATHS)} (default: "
                     + "; ".join(f"{m}: {p}" for m, p in DEFAULT_PATHS.items()) + ")")
     ap.add_argument("--breakdown", action="store_true", help="also time our forward, backward and optimizer")
+    ap.add_argument("--shape", default="bench", choices=list(SHAPES),
+                    help="bench: hidden 512, 4 layers; big: hidden 1024, 8 layers, FFN 2816, 16 / 2 heads")
+    for flag, key in FIELDS.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"the model's {key}")
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
     paths = [p for p in (args.paths or DEFAULT_PATHS[args.method]).split(",") if p]
@@ -228,27 +260,28 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
         print(f"bench_train: unknown --paths {','.join(unknown)}; e.g. --paths {DEFAULT_PATHS[args.method]}",
               file=sys.stderr)
         return 2
-    if args.method == "lora" and "ours-compiled" in paths:
-        print("bench_train: --paths ours-compiled with --method lora: compiled layers do not take adapters "
-              "(train.compile_layers); e.g. --paths ours-lora,ours-opbyop", file=sys.stderr)
-        return 2
+    shape = {**SHAPE, **SHAPES[args.shape],
+             **{key: getattr(args, flag) for flag, key in FIELDS.items() if getattr(args, flag) is not None}}
     tokens = args.batch * args.seq
     cpu = cpu_info()
     watch = LoadWatch(int(cpu["cores"]), loadavg)
     watch.sample()
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+    others = OtherWork(other_sampler or (lambda: other_runnable(os.getpid())))
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp, others:
         tmp_path = Path(tmp)
-        batch = write_inputs(tmp_path, args.batch, args.seq)
+        batch = write_inputs(tmp_path, args.batch, args.seq, shape)
         why = torch_available(args.torch_python, args.method)
         torch = None if why else Torch(args.torch_python, tmp_path / "model", tmp_path / "batch.npz",
                                        tmp_path / "torch_worker.py", args.method)
         runners = {p: Ours(tmp_path / "model", batch, *PATHS[p]) for p in paths}
         runners["torch"] = torch
-        print(f"model: hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, FFN "
-              f"{SHAPE['intermediate_size']}, vocab {SHAPE['vocab_size']}, untied; micro-batch {args.batch} x "
+        print(f"model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, FFN "
+              f"{shape['intermediate_size']}, heads {shape['num_attention_heads']} / "
+              f"{shape['num_key_value_heads']}, vocab {shape['vocab_size']}, untied; micro-batch {args.batch} x "
               f"{args.seq}; fp32; AdamW" + (f"; LoRA {peft_kwargs()}" if args.method == "lora" else ""))
         print(f"cpu: {cpu['model']}; avx512f {cpu['avx512f']}, avx2 {cpu['avx2']}; {cpu['cores']} cores; "
               f"load average {watch.samples[0]:.2f}")
+        print("compiled decoder layers: " + ", ".join(f"{p} {'yes' if runners[p].compiled else 'no'}" for p in paths))
         if torch is None:
             print(f"torch part skipped: {args.torch_python} cannot import torch + transformers"
                   f"{' + peft' if args.method == 'lora' else ''} ({why}); "
@@ -263,12 +296,13 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
                 continue
             s, loss = runners[name].step()
             print(f"  round {r} {name:14s} {s:7.2f} s  loss {loss:.4f}{'  (warm-up)' if r == 0 else ''}"
-                  f"  load {watch.sample():.2f}", flush=True)
+                  f"  load {watch.sample():.2f}, others {others.mean():.2f}", flush=True)
             if r:
                 steps.append((name, s))
         if torch is not None:
             torch.close()
-        result = summarize(*by_path(steps), tokens, watch.invalid(), args.method)
+        invalid = others.invalid()
+        result = summarize(*by_path(steps), tokens, invalid, args.method)
         for name in paths:
             line = f"{name:14s} {result[name]['tokens_per_s_median']:8.1f} tokens/s (median of {args.rounds})"
             for key, what in (("ratio_to_torch", "peft" if args.method == "lora" else "torch"),
@@ -278,10 +312,11 @@ def main(argv: list[str] | None = None, loadavg=read_loadavg) -> int:
                     line += (f"; ratio to {what} median {ratio['median']:.2f} "
                              f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})")
             print(line)
-        if watch.invalid():
-            print(f"{watch.invalid()}: no ratio reported; rerun on an idle machine")
-        result.update(cpu=cpu, load_samples=watch.samples, rounds=args.rounds, tokens_per_step=tokens,
-                      method=args.method)
+        if invalid:
+            print(f"{invalid}: no ratio reported; rerun on an idle machine")
+        result.update(cpu=cpu, load_samples=watch.samples, other_runnable_mean=others.mean(), rounds=args.rounds,
+                      tokens_per_step=tokens, method=args.method, shape=shape,
+                      compiled={p: runners[p].compiled for p in paths})
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         if args.breakdown:

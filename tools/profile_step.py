@@ -64,7 +64,12 @@ p, m, v = torch.randn(V, H, generator=g), torch.zeros(V, H), torch.zeros(V, H)
 def adamw():
     m.mul_(0.9).add_(p, alpha=0.1); v.mul_(0.999).addcmul_(p, p, value=0.001)
     p.sub_(1e-5 * m / (v.sqrt() + 1e-8))
+def softmax_grad():
+    g = torch.softmax(logits, -1)
+    g[torch.arange(T), tok] -= 1.0
+    return g
 ops = {"matmul": lambda: x @ head, "log_softmax": lambda: torch.log_softmax(logits, -1),
+       "softmax_grad_ours": softmax_grad, "adamw_ours": adamw,
        "rmsnorm": lambda: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
        "embedding_grad": lambda: torch.zeros(V, H).index_add_(0, tok, x), "adamw": adamw}
 out = {}
@@ -83,6 +88,10 @@ def ms_ops(tokens: int, ids: np.ndarray, reps: int) -> dict[str, float]:
     import mindspore as ms
     from mindspore import ops
 
+    from finetune.hostmem import own_memory
+    from finetune.optim.host import adamw_update_host
+    from finetune.parallel.vocab import host_row_sums, host_softmax_minus_onehot
+
     H, V = SHAPE["hidden_size"], SHAPE["vocab_size"]
     rng = np.random.default_rng(0)
     f32 = lambda a: ms.Tensor(a.astype(np.float32))  # noqa: E731
@@ -97,7 +106,17 @@ def ms_ops(tokens: int, ids: np.ndarray, reps: int) -> dict[str, float]:
         p = p - 1e-5 * m / (ops.sqrt(v) + 1e-8)
         return p
 
+    def adamw_ours():  # the kernel the trainer steps with on CPU (finetune/optim/host.py), the same update
+        flat = [own_memory(t).reshape(-1) for t in (p, m, v)]
+        adamw_update_host(*flat, flat[0], 1e-5, 0.9, 0.999, 1e-8, 0.0)
+        return p
+
+    def softmax_grad_ours():  # the LM head's CPU path: row sums in the forward, softmax - onehot in place
+        a = ops.add(logits, 0.0)
+        return host_softmax_minus_onehot(a, tok.asnumpy(), host_row_sums(a.asnumpy()))
+
     table = {"matmul": lambda: ops.matmul(x, head), "log_softmax": lambda: ops.log_softmax(logits, -1),
+             "softmax_grad_ours": softmax_grad_ours, "adamw_ours": adamw_ours,
              "rmsnorm": lambda: x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * w,
              "embedding_grad": lambda: ops.unsorted_segment_sum(x, tok, V), "adamw": adamw}
     out = {}
@@ -143,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--compiled", action="store_true", help="our decoder layers compiled (train.compile_layers)")
+    ap.add_argument("--opbyop", action="store_true",
+                    help="our decoder layers op by op (train.compile_layers=false; default: the recipe's, compiled)")
     ap.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers")
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
@@ -165,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                capture_output=True, text=True, check=True)
             ref = json.loads(r.stdout.strip().splitlines()[-1])
             watch.sample()
-        ours = Ours(tmp_path / "model", batch, args.compiled)
+        ours = Ours(tmp_path / "model", batch, False if args.opbyop else None)
         phases = ms_phases(ours, args.reps)
         watch.sample()
         del ours
