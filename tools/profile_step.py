@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_conditions import LoadWatch, cpu_info  # noqa: E402
+from bench_conditions import LoadWatch, OtherWork, cpu_info, other_runnable  # noqa: E402
 from bench_train import LR, SHAPE, Ours, torch_available, write_inputs  # noqa: E402
 
 TORCH_SCRIPT = r'''
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_info()
     watch = LoadWatch(int(cpu["cores"]))
     watch.sample()
-    with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp:
+    others = OtherWork(lambda: other_runnable(os.getpid()))  # validity: bench_train's check
+    with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp, others:
         tmp_path = Path(tmp)
         batch = write_inputs(tmp_path, args.batch, args.seq)
         ref = None
@@ -192,14 +194,16 @@ def main(argv: list[str] | None = None) -> int:
         op_times = ms_ops(args.batch * args.seq, batch["ids"], args.reps)
         watch.sample()
     print(f"cpu: {cpu['model']}; avx512f {cpu['avx512f']}, avx2 {cpu['avx2']}; {cpu['cores']} cores; "
-          f"load average samples {', '.join(f'{s:.2f}' for s in watch.samples)}")
+          f"load average samples {', '.join(f'{s:.2f}' for s in watch.samples)}; other processes' runnable "
+          f"threads {others.mean():.2f} on average")
     print("\n".join(table("phase", phases, ref and ref["phases"])))
     print("\n".join(table("op", op_times, ref and ref["ops"])))
-    if watch.invalid():
-        print(f"{watch.invalid()}: these ratios are not speed claims; rerun on an idle machine")
+    if others.invalid():
+        print(f"{others.invalid()}: these ratios are not speed claims; rerun on an idle machine")
     if args.json:
         args.json.write_text(json.dumps({"phases": phases, "ops": op_times, "torch": ref, "cpu": cpu,
-                                         "load_samples": watch.samples, "valid": not watch.invalid()}, indent=1))
+                                         "load_samples": watch.samples, "other_runnable_mean": others.mean(),
+                                         "valid": not others.invalid()}, indent=1))
     return 0
 
 
