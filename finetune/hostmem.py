@@ -18,19 +18,24 @@ import mindspore as ms
 import numpy as np
 
 
+def _shares(a: np.ndarray, t: ms.Tensor) -> bool:
+    """Whether ``a`` (``t.asnumpy()``) is ``t``'s memory rather than a copy of it."""
+    return bool(a.ctypes.data == t.data_ptr())
+
+
 def own_memory(t: ms.Tensor) -> np.ndarray | None:
     """The fp32 ndarray on ``t``'s own memory, or None when ``asnumpy`` would give a copy (a view)."""
     if t.dtype != ms.float32 or not t.is_contiguous():
         return None
     a = t.asnumpy()
-    return a if a.ctypes.data == t.data_ptr() and a.flags.writeable else None
+    return a if _shares(a, t) and a.flags.writeable else None
 
 
 def snapshot(t: ms.Tensor) -> np.ndarray:
     """``t``'s values now, as an ndarray later in-place steps leave alone (a copy where ``asnumpy`` shares
     ``t``'s memory, i.e. on CPU; on Ascend ``asnumpy`` copies from the device already)."""
     a = t.asnumpy()
-    return a.copy() if a.ctypes.data == t.data_ptr() else a
+    return a.copy() if _shares(a, t) else a
 
 
 @cache

@@ -205,7 +205,14 @@ class Qwen2Model(nn.Cell):
     def compile_layers(self) -> None:
         """Run each decoder layer of the reference path as one graph (``mindspore.jit``): forward +
         backward ~5x faster than op by op in PyNative on CPU (docs/speed.md), but compiled again for
-        each new input shape. Not for the fused path (its attention spec is host data) or recompute."""
+        each new input shape. Not for the fused path (its attention spec is host data) or recompute.
+        Before LoRA's adapters are attached: ``apply_lora`` then draws their dropout masks ahead."""
+        late = [name for name, cell in self.cells_and_names()
+                if getattr(cell, "pre_draw", True) is False and getattr(cell, "dropout", 0) > 0]
+        if late:
+            raise ValueError(f"compile_layers after LoRA adapters with dropout ({late[0]}, ...): a graph would "
+                             "freeze their first dropout mask; compile the layers first, then apply_lora "
+                             "(as finetune.trainer.build_model does)")
         self.graphs = [ms.jit(layer.construct) for layer in self.layers]
 
     def _mask(self, segment_ids, past: int, cached: bool, keys=None):

@@ -130,6 +130,9 @@ class StepGate:
     def __init__(self, rank: RankInfo):
         self.on_device = rank.device_target != "CPU"
         self.in_place = not self.on_device  # the host gate steps with the host kernel where it can
+        self._step: KernelScalars | None = None  # the step whose scalars _host_scalars read
+        self._k_host: tuple[float, ...] = ()
+        self._wd_host: dict[int, float] = {}
 
     def gradients(self, grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
                   ) -> tuple[list | None, ms.Tensor, ms.Tensor]:
@@ -156,15 +159,22 @@ class StepGate:
         if self.in_place and not self.on_device:
             wh, mh, vh = (own_memory(t) for t in (w, m, v))
             if wh is not None and mh is not None and vh is not None:  # the host kernel, in place (optim/host.py)
-                lr, b1, b2, eps = (float(s.asnumpy()) for s in k[:4])
-                gh = g.asnumpy()
-                adamw_update_host(wh.reshape(-1), mh.reshape(-1), vh.reshape(-1), gh.reshape(-1), lr, b1, b2, eps,
-                                  float(wd.asnumpy()))
+                host = self._host_scalars(k, wd)
+                adamw_update_host(wh.reshape(-1), mh.reshape(-1), vh.reshape(-1), g.asnumpy().reshape(-1), *host)
                 return w, m, v
         w_new, m_new, v_new = adamw_update(w, m, v, g, k, wd)
         if self.on_device:
             return w_new, ops.where(ok, m_new, m), ops.where(ok, v_new, v)
         return w_new, m_new, v_new
+
+    def _host_scalars(self, k: KernelScalars, wd: ms.Tensor) -> tuple[float, ...]:
+        """(lr', beta1, beta2, eps', wd) on the host, read once per step (``k``: a new one each step) and per
+        decay value, not once per parameter (the step's ``wd`` tensors stay alive while it runs)."""
+        if self._step is not k:
+            self._step, self._k_host, self._wd_host = k, tuple(float(s.asnumpy()) for s in k[:4]), {}
+        if id(wd) not in self._wd_host:
+            self._wd_host[id(wd)] = float(wd.asnumpy())
+        return (*self._k_host, self._wd_host[id(wd)])
 
 
 def write_param(p: ms.Parameter, value: ms.Tensor) -> None:

@@ -99,6 +99,11 @@ class LMHeadCrossEntropy(nn.Cell):
         self.kept = None  # a training forward's single-chunk logits, taken by its backward
         self.weight_grad = True  # False: the head's weight is frozen (LoRA), its gradient is zeros, not computed
 
+    @property
+    def host_softmax(self) -> bool:
+        """The softmax in numpy too: the host GEMM's path when the vocabulary is whole on this rank."""
+        return self.host_gemm and not self.split
+
     def _gemm(self, a, b, ta: bool = False, tb: bool = False):
         """``a @ b``, ``a`` or ``b`` transposed when asked, in the compute dtype."""
         if self.host_gemm:
@@ -158,7 +163,7 @@ class LMHeadCrossEntropy(nn.Cell):
         """(the loss sum of one chunk of tokens, its rows' (max, sum of exp) on the host path or None;
         ``logits``: already computed)."""
         logits = self._logits(h, w) if logits is None else logits
-        if self.host_gemm and not self.split:
+        if self.host_softmax:
             a, t = logits.asnumpy(), target.asnumpy()
             top, total = sums = host_row_sums(a)
             return Tensor(np.float32((np.log(total) + top - a[np.arange(t.size), t]).sum())), sums
@@ -173,7 +178,7 @@ class LMHeadCrossEntropy(nn.Cell):
         """(d hidden, d weight or None when ``weight_grad`` is off) of one chunk of tokens, in the compute dtype
         (``logits``, ``sums``: kept from the forward)."""
         logits = self._logits(h, w) if logits is None else logits
-        if self.host_gemm and not self.split:  # softmax - onehot written over the logits, used by nothing else
+        if self.host_softmax:  # softmax - onehot written over the logits, used by nothing else
             p = host_softmax_minus_onehot(logits, target.asnumpy(), sums)
         else:
             if not self.split:

@@ -189,6 +189,10 @@ def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
     for a, b in zip(g1, g5):  # a graph rounds differently (fused ops): the compiled golden test's tolerance
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert l0 != pytest.approx(float(np.load(G)["loss"]) * _batch(ms)[1], rel=1e-4)  # the masks act
+    late = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))  # compiled after the adapters: refused
+    apply_lora(late, LoraConfig(r=4, alpha=8, dropout=0.3), seed=0)
+    with pytest.raises(ValueError, match="compile the layers first, then apply_lora"):
+        late.model.compile_layers()
     for a, b, c in zip(g0, g2, g4):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
