@@ -14,11 +14,15 @@ the collective helpers import it lazily.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
+import secrets
+import tempfile
 from dataclasses import dataclass
 from typing import Any, cast
 
+from finetune.parallel.hostcomm import HostGroup
 from jobspec.layout import Device, Layout
 
 
@@ -37,6 +41,7 @@ class RankInfo:
     tp_group: str | None = None  # collective group names; None when the size is 1
     dp_group: str | None = None
     world_group: str | None = None  # the backend's world group name once initialised
+    dp_host: HostGroup | None = None  # the DP group through shared memory (layout.host_collectives)
 
     @property
     def is_main(self) -> bool:
@@ -142,9 +147,24 @@ def init_distributed(layout: Layout) -> RankInfo:
         create_group(name, ranks)
         return name
 
-    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device_target=target, tp=tp,
+    info = RankInfo(rank=rank, world_size=world, local_rank=local_rank, device_target=target, tp=tp,
                     dp=dp, tp_rank=rank % tp, dp_rank=rank // tp, tp_group=group("tp", tp_group_ranks(rank, tp)),
                     dp_group=group("dp", dp_group_ranks(rank, tp, dp)), world_group=world_group)
+    return dataclasses.replace(info, dp_host=host_group(info)) if layout.host_collectives else info
+
+
+def host_group(rank: RankInfo) -> HostGroup:
+    """This rank's DP group through shared memory, under a name rank 0 draws for the job (one AllReduce
+    over the world; every DP group and every member makes its files under it)."""
+    import mindspore as ms
+    import numpy as np
+
+    draw = np.array([secrets.randbelow(1 << 24) if rank.is_main else 0], np.float32)  # exact in fp32
+    token = int(all_reduce_sum(ms.Tensor(draw), rank.world_group).asnumpy()[0])
+    where = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    group = HostGroup(os.path.join(where, f"ascend-finetune-{token:06x}-dp{rank.tp_rank}"), rank.dp, rank.dp_rank)
+    rank.log(f"[train] DP sums through shared memory in {where} (parallel.host_collectives)")
+    return group
 
 
 # ------------------------------------------------------------------------------------- collectives

@@ -23,12 +23,17 @@ def _shares(a: np.ndarray, t: ms.Tensor) -> bool:
     return bool(a.ctypes.data == t.data_ptr())
 
 
-def own_memory(t: ms.Tensor) -> np.ndarray | None:
-    """The fp32 ndarray on ``t``'s own memory, or None when ``asnumpy`` would give a copy (a view)."""
-    if t.dtype != ms.float32 or not t.is_contiguous():
+def own_array(t: ms.Tensor) -> np.ndarray | None:
+    """The ndarray on ``t``'s own memory, or None when ``asnumpy`` would give a copy (a view)."""
+    if not t.is_contiguous():
         return None
     a = t.asnumpy()
     return a if _shares(a, t) and a.flags.writeable else None
+
+
+def own_memory(t: ms.Tensor) -> np.ndarray | None:
+    """The fp32 ndarray on ``t``'s own memory, or None (another dtype, or a view)."""
+    return own_array(t) if t.dtype == ms.float32 else None
 
 
 def snapshot(t: ms.Tensor) -> np.ndarray:

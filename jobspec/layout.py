@@ -25,6 +25,7 @@ class Layout:
     shard_optimizer: bool = False  # the AdamW state split over DP (ZeRO-1); only with dp > 1
     overlap_grad_reduce: bool = False  # DP reduction started by the backward; only with dp > 1
     vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows; only with tp > 1
+    host_collectives: bool = False  # DP sums through shared memory (finetune/parallel/hostcomm.py); CPU, one node
     micro_batch_size: int = 1
     grad_accum: int = 1
     seq_len: int = 1024
@@ -65,14 +66,41 @@ def world_problems(tp: int, dp: int, pp: int, world: int) -> list[Problem]:
     return []
 
 
+def host_collectives_refusal(device: Device, dp: int, nnodes: int) -> str | None:
+    """Why DP cannot sum through shared memory (``parallel.host_collectives``), or None."""
+    if device != "cpu":
+        return "launch.device=npu: HCCL moves DP traffic between the NPUs"
+    if nnodes > 1:
+        return f"launch.nnodes={nnodes}: a DP group spans nodes"
+    return "one DP rank: nothing to sum" if dp < 2 else None
+
+
 def decide(tp: int, dp: int, pp: int, shard_optimizer: bool | None, overlap_grad_reduce: bool,
            vocab_parallel: bool, micro_batch_size: int, grad_accum: int, seq_len: int, world: int,
-           device: Device) -> Layout:
+           device: Device, host_collectives: bool | None = None, nnodes: int = 1) -> Layout:
     """The layout of a ``parallel`` request on ``world`` workers: dp 0 -> world / (tp x pp), an unset
-    shard_optimizer -> on when dp > 1, overlap only with dp > 1, vocab-parallel only with tp > 1.
+    shard_optimizer -> on when dp > 1, overlap only with dp > 1, vocab-parallel only with tp > 1, host
+    collectives (unless refused) wherever :func:`host_collectives_refusal` finds no reason against them.
     The request is checked against the world first (:func:`world_problems`)."""
     dp = dp or world // (tp * pp)
     shard = shard_optimizer if shard_optimizer is not None else dp > 1
-    return Layout(tp=tp, dp=dp, pp=pp, shard_optimizer=shard and dp > 1,
+    host = host_collectives is not False and host_collectives_refusal(device, dp, nnodes) is None
+    return Layout(tp=tp, dp=dp, pp=pp, shard_optimizer=shard and dp > 1, host_collectives=host,
                   overlap_grad_reduce=overlap_grad_reduce and dp > 1, vocab_parallel=vocab_parallel and tp > 1,
                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, seq_len=seq_len, device=device)
+
+
+def host_collectives_problems(asked: bool | None, layout: Layout, nnodes: int) -> list[Problem]:
+    """parallel.host_collectives=true where :func:`host_collectives_refusal` refuses it."""
+    why = host_collectives_refusal(layout.device, layout.dp, nnodes)
+    return [Problem("parallel.host_collectives", f"not with {why}", "false", "true")] if asked and why else []
+
+
+def host_collectives_choice(asked: bool | None, layout: Layout, nnodes: int) -> str:
+    """The plan's line for the decided ``layout`` (``asked``: the recipe's parallel.host_collectives)."""
+    auto = " (auto)" if asked is None else ""
+    if layout.host_collectives:
+        return "on: DP sums through shared memory (/dev/shm), not MindSpore's CPU collectives" + auto
+    if asked is False:
+        return "off (parallel.host_collectives=false)"
+    return f"off{auto}: {host_collectives_refusal(layout.device, layout.dp, nnodes)}"

@@ -44,6 +44,7 @@ from jobspec.config import (
     resolved_model_dir,
     to_dict,
 )
+from jobspec.layout import host_collectives_choice
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
@@ -165,10 +166,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl,
                                probe=host.membind_probe)
-    nodes = numa.numa_nodes(host.sys_root)
-    run = run_dir_of(recipe)  # decided here, read by the workers (plan.json's run_dir)
-    out = run.root
-    env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
+    nodes, run = numa.numa_nodes(host.sys_root), run_dir_of(recipe)  # run: decided here, read by the workers
+    env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)}, cpu=device == "cpu")
     if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     rd = to_dict(recipe)
@@ -187,12 +186,13 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         sources={"recipe": f"{s.recipe} ({s.recipe_reason})",
                  "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(L.device, recipe.name),
                  **({"parallel.tp": tp_why} if tp_why else {}),
-                 **({"train.compile_layers": compile_layers_choice(recipe, compile_asked)} if recipe.layout else {}),
+                 **({"train.compile_layers": compile_layers_choice(recipe, compile_asked), "parallel.host_collectives":
+                     host_collectives_choice(recipe.parallel.host_collectives, recipe.layout, L.nnodes)}
+                    if recipe.layout else {}),
                  "device_notes": devs.notes,
-                 "output_dir": f"{out}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
+                 "output_dir": f"{run.root}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                f"a relative path is relative to the current directory ({cwd})",
-                 "launch_mode": "msrun" if world > 1 else "worker started directly: world size 1 needs no "
-                                                          "msrun scheduler"})
+                 "launch_mode": "msrun" if world > 1 else "worker started directly: world 1 needs no msrun scheduler"})
     if clus.role == "scheduler" and not devs.has_npu:  # AscendJob Scheduler pod: msrun's scheduler only
         plan, env = ascendjob.scheduler_only(plan, env, clus)
     return Job(recipe, devs, clus, plan, env)
@@ -209,7 +209,7 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
         f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
         f"{t.master_addr}:{t.master_port}")
-    for decided in (k for k in ("parallel.tp", "train.compile_layers") if k in p.sources):
+    for decided in (k for k in ("parallel.tp", "train.compile_layers", "parallel.host_collectives") if k in p.sources):
         say(f"{decided}: {p.sources[decided]}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
         f"{'sharded over DP' if r.layout and r.layout.shard_optimizer else 'replicated'}")

@@ -59,14 +59,17 @@ class AdamW:
         self.m = [ops.zeros(p.shape, ms.float32) for p in self.params]  # replaced each step (StepGate.update)
         self.v = [ops.zeros(p.shape, ms.float32) for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
-        self.bucket_params = buckets_by_bytes([int(np.prod(p.shape)) for p in self.params], 4, bucket_bytes)
+        sizes = [int(np.prod(p.shape)) for p in self.params]
+        self.bucket_params = buckets_by_bytes(sizes, 4, bucket_bytes)
+        self.host = (rank.dp_host.slots([sum(sizes[i] for i in b) for b in self.bucket_params])
+                     if rank.dp_host and rank.dp > 1 else None)  # the DP sums through shared memory
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
 
     def launch(self, k: int, grads) -> BucketSum | Ready:
         """Start the DP sum of bucket ``k`` of ``grads`` (see overlap.GradReduction); ``wait()`` gives
         its gradients in fp32."""
-        return sum_bucket_over_dp([grads[i] for i in self.bucket_params[k]], self.rank)
+        return sum_bucket_over_dp([grads[i] for i in self.bucket_params[k]], self.rank, self.host, k)
 
     def reduce(self, grads: tuple | list) -> list:
         """Every bucket of ``grads`` summed over DP, after the backward (no overlap)."""

@@ -21,6 +21,7 @@ equivalents give the same numbers; the choice is logged once.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import mindspore as ms
 import numpy as np
@@ -35,13 +36,23 @@ from finetune.dist import (
     native_collectives,
     reduce_scatter_sum_async,
 )
-from finetune.hostmem import snapshot
+from finetune.hostmem import own_array, snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
-from finetune.parallel.grads import finish_norm, norm_partials, norm_weights
+from finetune.parallel.grads import (
+    HostSum,
+    finish_norm,
+    host_fp32,
+    host_norm_partials,
+    host_views,
+    norm_partials,
+    norm_weights,
+)
+from finetune.parallel.hostcomm import Slots
 from finetune.parallel.overlap import reduce_now
 from jobspec.config import TrainConfig
 from jobspec.memory import BUCKET_BYTES
 
+HOST_DTYPES = {ms.float32: np.float32, ms.float16: np.float16}  # weights the all-gather moves through numpy
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
 
@@ -81,9 +92,20 @@ class ShardedAdamW:
         self.gate = StepGate(rank)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
+        self.users_left: dict[int, int] = {}  # parameters whose gradient array serves more buckets this step
+        self.arrays: dict[int, np.ndarray] = {}
+        dtypes = {p.dtype for p in self.params}
+        host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
+        host = rank.dp_host if dp > 1 else None
+        self.host_rs = host.slots([c * dp for c in self.chunk]) if host else None
+        owned = all(own_array(p) is not None for p in self.params)  # the gathered weights are copied straight in
+        self.host_ag = host.slots(self.chunk, host_dtype) if host and host_dtype and owned else None
         rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
-                 f"{'native' if self.native_rs else 'via AllReduce'}, all-gather "
-                 f"{'native' if self.native_ag else 'via AllReduce'}")
+                 f"{self._how(self.host_rs, self.native_rs)}, all-gather {self._how(self.host_ag, self.native_ag)}")
+
+    @staticmethod
+    def _how(host: Slots | None, native: bool) -> str:
+        return "through shared memory" if host else "native" if native else "via AllReduce"
 
     # ---------------------------------------------------------------- layout helpers
     def _own_chunk(self, k: int) -> ms.Tensor:
@@ -122,12 +144,25 @@ class ShardedAdamW:
         parts = [grads[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in found]
         return self._pad(parts, self.chunk[k] * self.rank.dp, ms.float32)
 
-    def launch(self, k: int, grads) -> InFlight | Ready:
+    def launch(self, k: int, grads) -> HostSum | InFlight | Ready:
         """Start reducing bucket ``k`` of ``grads`` over DP (see overlap.GradReduction); ``wait()``
         gives this rank's chunk of the sum, fp32. An fp32 gradient filling a bucket alone may be
         overwritten with the sum."""
         rk = self.rank
+        if self.host_rs is not None:
+            c = self.chunk[k]
+            lo, hi = self.buckets[k]
+            pieces = [self._grad_array(grads, i)[a:b] for i, a, b in pieces_in(self.offsets, self.sizes, lo, hi)]
+            return HostSum(self.host_rs, k, pieces, rk.dp_rank * c, (rk.dp_rank + 1) * c)
         return reduce_scatter_sum_async(self._bucket_flat(grads, k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
+
+    def _grad_array(self, grads, i: int) -> np.ndarray:
+        """Gradient ``i`` flat in fp32 as an ndarray, made once per step however many buckets it spans."""
+        if i not in self.arrays:
+            self.arrays[i] = host_fp32(grads[i])
+            self.users_left[i] = sum(i in b for b in self.bucket_params)
+        self.users_left[i] -= 1
+        return self.arrays[i] if self.users_left[i] else self.arrays.pop(i)
 
     def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
         """This rank's chunk of every bucket of the gradients summed over DP, in fp32, after the backward."""
@@ -174,7 +209,13 @@ class ShardedAdamW:
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> ms.Tensor:
-        split, rep = norm_partials((g[a:b], ws, wr) for g, segs in zip(shards, self.segs) for a, b, _, ws, wr in segs)
+        arrays = host_views(shards)
+        if arrays is not None:  # CPU: numpy over the chunks where they are
+            split, rep = host_norm_partials((x[a:b], ws, wr) for x, segs in zip(arrays, self.segs)
+                                            for a, b, _, ws, wr in segs)
+        else:
+            split, rep = norm_partials((g[a:b], ws, wr) for g, segs in zip(shards, self.segs)
+                                       for a, b, _, ws, wr in segs)
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 
@@ -185,6 +226,9 @@ class ShardedAdamW:
         lo, hi = self.buckets[k]
         found = pieces_in(self.offsets, self.sizes, lo, hi)
         dtype = self.params[found[0][0]].dtype
+        if self.host_ag is not None:
+            self._write_back_host(k, chunk.astype(dtype), found)
+            return
         full = all_gather_flat(chunk.astype(dtype), rk.dp, rk.dp_rank, rk.dp_group, self.native_ag)
         for i, a, b in found:
             pending.setdefault(i, []).append(full[self.offsets[i] + a - lo:self.offsets[i] + b - lo])
@@ -193,6 +237,24 @@ class ShardedAdamW:
                 p = self.params[i]
                 flat = ops.cat(parts) if len(parts) > 1 else parts[0]
                 write_param(p, flat.reshape(p.shape))
+
+    def _write_back_host(self, k: int, chunk: ms.Tensor, found: list[Piece]) -> None:
+        """The all-gather through shared memory, each member's chunk copied straight into the parameters'
+        own memory (an in-place write, as ``write_param``'s)."""
+        dest = [own_array(self.params[i]) for i, _, _ in found]
+        if any(d is None for d in dest):  # every parameter had its own memory when the optimizer was made
+            raise RuntimeError(f"bucket {k}: a parameter no longer owns its memory; it was replaced (set_data)")
+        slots, c, lo = cast(Slots, self.host_ag), self.chunk[k], self.buckets[k][0]
+        slots.post(k, [chunk.asnumpy()])
+        views = slots.views(k)
+        for (i, a, b), d in zip(found, dest):
+            flat, at = cast(np.ndarray, d).reshape(-1), self.offsets[i] + a - lo  # at: in the gathered bucket
+            while a < b:
+                m, off = divmod(at, c)
+                n = min(b - a, c - off)
+                flat[a:a + n] = views[m][off:off + n]
+                a, at = a + n, at + n
+        slots.done(k)
 
     def masters(self) -> list[ms.Tensor]:
         """This rank's fp32 chunks the kernel updates (for optim.UpdateCheck)."""

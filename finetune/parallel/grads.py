@@ -16,7 +16,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import RankInfo, Ready, all_reduce_sum, all_reduce_sum_async
+from finetune.dist import InFlight, RankInfo, Ready, all_reduce_sum, all_reduce_sum_async
+from finetune.hostmem import in_blocks, own_memory
+from finetune.parallel.hostcomm import Slots
 from jobspec.memory import BUCKET_BYTES
 
 
@@ -36,11 +38,35 @@ def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES)
     return out
 
 
-class BucketSum:
-    """The DP sum of one bucket of fp32 gradients, in flight; ``wait()`` gives one tensor per gradient."""
+def host_fp32(t: ms.Tensor) -> np.ndarray:
+    """``t`` flat in fp32 as an ndarray: its own memory where ``asnumpy`` shares it (CPU), else a copy."""
+    a = t.asnumpy().reshape(-1)
+    return a if a.dtype == np.float32 else a.astype(np.float32)
 
-    def __init__(self, grads: list, group: str | None):
+
+class HostSum:
+    """One bucket's DP sum through shared memory (``finetune/parallel/hostcomm.py``): ``pieces`` are posted
+    now, the sum is taken at ``wait``, which gives elements [lo, hi) of it as one fp32 tensor on the slots'
+    buffer (valid until the step after: the next sum of the bucket writes it again)."""
+
+    def __init__(self, slots: Slots, k: int, pieces: list[np.ndarray], lo: int = 0, hi: int | None = None):
+        self.slots, self.k, self.lo, self.hi = slots, k, lo, hi
+        slots.post(k, pieces, None if hi is None else (lo, hi))  # a chunk: no peer reads it
+
+    def wait(self) -> ms.Tensor:
+        return ms.Tensor.from_numpy(self.slots.sum(self.k, self.lo, self.hi))
+
+
+class BucketSum:
+    """The DP sum of one bucket of fp32 gradients, in flight; ``wait()`` gives one tensor per gradient.
+    ``slots``: the bucket goes through shared memory (bucket ``k`` of them), else one flat AllReduce."""
+
+    def __init__(self, grads: list, group: str | None, slots: Slots | None = None, k: int = 0):
         self.shapes = [g.shape for g in grads]
+        self.flight: HostSum | InFlight | Ready
+        if slots is not None:
+            self.flight = HostSum(slots, k, [host_fp32(g) for g in grads])
+            return
         flat = ops.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
         self.flight = all_reduce_sum_async(flat, group)  # in place: the flat copy, or a lone gradient
 
@@ -54,12 +80,12 @@ class BucketSum:
         return out
 
 
-def sum_bucket_over_dp(grads: list, rank: RankInfo) -> BucketSum | Ready:
+def sum_bucket_over_dp(grads: list, rank: RankInfo, slots: Slots | None = None, k: int = 0) -> BucketSum | Ready:
     """Start the SUM of one bucket of gradients over the DP group in fp32, whatever their dtype (one
-    flat asynchronous AllReduce); in one DP rank only the fp32 cast. A gradient that is fp32 already
-    may be overwritten with the sum."""
+    flat asynchronous AllReduce, or bucket ``k`` of ``slots`` in shared memory); in one DP rank only the
+    fp32 cast. A gradient that is fp32 already may be overwritten with the sum."""
     grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
-    return Ready(grads) if rank.dp == 1 else BucketSum(grads, rank.dp_group)
+    return Ready(grads) if rank.dp == 1 else BucketSum(grads, rank.dp_group, slots, k)
 
 
 def is_tp_partitioned(param) -> bool:
@@ -128,7 +154,51 @@ def norm_partials(pieces) -> tuple[ms.Tensor, ms.Tensor]:
     return split, rep
 
 
+def host_square_partials(x: np.ndarray) -> np.ndarray:
+    """``square_partials`` of a flat fp32 ndarray in numpy: the same 64 row partials (each row summed
+    by numpy alone, so the bits do not depend on how many cores share the rows)."""
+    n = x.size
+    body = n - n % PARTIALS
+    out = np.zeros(PARTIALS, np.float32)
+    if body:
+        rows = x[:body].reshape(PARTIALS, -1)
+
+        def part(lo: int, hi: int) -> None:
+            np.einsum("ij,ij->i", rows[lo:hi], rows[lo:hi], out=out[lo:hi])
+        in_blocks(PARTIALS, 8, part)
+    out[:n - body] += np.square(x[body:])
+    return out
+
+
+def host_norm_partials(pieces) -> tuple[ms.Tensor, ms.Tensor]:
+    """``norm_partials`` of (flat fp32 ndarray, split weight, replicated weight) pieces, in numpy: on CPU,
+    where the gradients own their memory, one pass over them instead of MindSpore's square, sum and adds."""
+    split = np.zeros(PARTIALS, np.float32)
+    rep = np.zeros(PARTIALS, np.float32)
+    for x, ws, wr in pieces:
+        sq = host_square_partials(x)
+        if ws:
+            split += sq * np.float32(ws)
+        if wr:
+            rep += sq * np.float32(wr)
+    return ms.Tensor(split), ms.Tensor(rep)
+
+
+def host_views(tensors: list) -> list[np.ndarray] | None:
+    """Every tensor's own memory, flat (``hostmem.own_memory``), or None when one of them has none."""
+    out = []
+    for t in tensors:
+        a = own_memory(t)
+        if a is None:
+            return None
+        out.append(a.reshape(-1))
+    return out
+
+
 def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Tensor:
     """L2 norm of the whole model's (DP-reduced) gradient, a device scalar; each TP slice counted
-    once; deterministic."""
+    once; deterministic. On the host when every gradient owns its memory (CPU)."""
+    arrays = host_views(list(grads))
+    if arrays is not None:
+        return finish_norm(*host_norm_partials((a, *norm_weights(p)) for a, p in zip(arrays, params)), rank)
     return finish_norm(*norm_partials((g, *norm_weights(p)) for g, p in zip(grads, params)), rank)

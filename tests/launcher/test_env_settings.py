@@ -169,3 +169,27 @@ def test_overrides_values_with_spaces_and_empty_values():
 def test_quotes_inside_a_value_stay():
     items, problems = settings.split_overrides('data.columns={"instruction":"prompt"} a.b=\'x y\' c.d="x=y z"')
     assert items == ['data.columns={"instruction":"prompt"}', "a.b=x y", "c.d=x=y z"] and not problems
+
+
+def test_dp_sums_go_through_shared_memory_for_cpu_workers_on_one_node_and_the_plan_says_why():
+    """parallel.host_collectives unset (auto): on for CPU workers with DP on one node; off (each time with the
+    reason) with one DP rank, NPUs or several nodes; true where it cannot run is refused."""
+    from jobspec.layout import host_collectives_choice
+
+    def decided(env, world=2, device="cpu"):
+        r = load(env).resolved(world, device)
+        return r.decided_layout.host_collectives, host_collectives_choice(r.parallel.host_collectives, r.decided_layout,
+                                                                           r.launch.nnodes)
+
+    assert decided({}) == (True, "on: DP sums through shared memory (/dev/shm), not MindSpore's CPU collectives "
+                                 "(auto)")
+    assert decided({}, 1) == (False, "off (auto): one DP rank: nothing to sum")
+    assert decided({"OVERRIDES": "parallel.host_collectives=false"}) == (False, "off (parallel.host_collectives=false)")
+    assert decided({"OVERRIDES": "launch.nnodes=2"}, 4) == (False,
+                                                           "off (auto): launch.nnodes=2: a DP group spans nodes")
+    assert decided({"OVERRIDES": "launch.device=auto train.precision=auto"}, 2, "npu")[1] == (
+        "off (auto): launch.device=npu: HCCL moves DP traffic between the NPUs")
+    with pytest.raises(ConfigError) as e:
+        load({"OVERRIDES": "parallel.host_collectives=true launch.nnodes=2"}).resolved(4, "cpu")
+    assert ("parallel.host_collectives=true: not with launch.nnodes=2: a DP group spans nodes (e.g. "
+            "parallel.host_collectives=false)") in e.value.problems

@@ -155,6 +155,18 @@ def test_dp2_reduction_after_the_backward_equals_the_overlapped_one_bit_for_bit(
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
 
 
+def test_dp2_through_shared_memory_equals_dp2_through_mindspores_collectives(tmp):
+    """parallel.host_collectives (on by default for CPU workers on one node) moves the DP sums through
+    /dev/shm; off, MindSpore's CPU collectives move them: the same training, sharded or not."""
+    for name, shard in (("dp2", "true"), ("dp2-full", "false")):
+        host = _run_once(tmp, name, 1, 2, 2, **{"parallel.shard_optimizer": shard})
+        mccl = _run_once(tmp, name + "-mccl", 1, 2, 2, **{"parallel.shard_optimizer": shard,
+                                                          "parallel.host_collectives": "false"})
+        assert "DP sums through shared memory" in _rank0_log(host)
+        assert "shared memory" not in _rank0_log(mccl)
+        _assert_same_run(host, mccl)
+
+
 def test_tp2_equals_one_process(tmp):
     """Vocab-parallel embedding/LM head with the parallel cross-entropy (the default), and replicated."""
     _assert_same_run(_run_once(tmp, "tp2", 2, 1, 2), tmp / "one")
