@@ -76,9 +76,13 @@ TORCH_PYTHON ?= $(CURDIR)/$(PY)
 ## BENCH_ARGS e.g. "--rounds 6 --json bench.json" or "--paths ours-opbyop"; METHOD=lora: our LoRA step against
 ## our full step and transformers + peft (TORCH_PYTHON then needs peft too).
 METHOD ?= full
-.PHONY: bench-train profile-step
+.PHONY: bench-train bench-dp profile-step
 bench-train: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" --method "$(METHOD)" $(BENCH_ARGS)
+
+## DP 2 (one worker per core) against one process on both cores, through the launcher (docs/speed.md).
+bench-dp: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_dp.py $(BENCH_ARGS)
 
 ## Per-phase and per-op times of one step, ours against torch at the bench shape (docs/speed.md).
 profile-step: $(STAMP)

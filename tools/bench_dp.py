@@ -1,0 +1,114 @@
+"""Data parallelism on one host: DP N (one worker per core) against one process on every core, same global batch.
+
+    make bench-dp                                   # the bench model, DP 2 against one process, 3 rounds
+    python tools/bench_dp.py --rounds 3 --steps 12 --nproc 2 --json out.json
+
+Each round trains the benchmark model (tools/bench_train.py's shape: hidden 512, 4 layers, vocab 151936,
+untied, seeded fp32 weights, the bundled tokenizer) through the launcher as a user would (``python -m launcher
+train``, ``RECIPE=tiny-cpu`` on the bundled Alpaca samples, seq_len 256), first as one process with
+micro-batch ``--micro-batch x --nproc``, then with ``NPROC_PER_NODE=--nproc`` and micro-batch ``--micro-batch``:
+the same rows per step, every default as it is (host collectives, compiled layers, the launcher's CPU binding
+and malloc settings). tokens/s of a run: the median of metrics.jsonl's ``tokens_per_s`` after the first two
+steps (compilation, first touch). Prints per round the ratio DP / one, their median, min and max, the largest
+loss difference between the two runs (the same training, so ~0), the CPU and the validity check of
+tools/bench_train.py (other processes' runnable threads, ``bench_conditions.OtherWork``). A tool, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):  # started as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_conditions import OtherWork, cpu_info, other_runnable, read_loadavg  # noqa: E402
+from bench_train import SHAPE, write_model  # noqa: E402
+
+from jobspec.config import REPO_ROOT  # noqa: E402
+
+WARMUP_STEPS = 2
+
+
+def run_overrides(steps: int, micro_batch: int) -> str:
+    """The OVERRIDES of one benchmark run: only the step count, the batch and what a measurement needs off."""
+    return " ".join([f"train.max_steps={steps}", f"train.micro_batch_size={micro_batch}", "train.grad_accum=1",
+                     "data.seq_len=256", "data.max_samples=400", "data.val_size=0", "train.warmup_steps=0",
+                     "train.save_every=0", "train.log_every=1", "train.tensorboard=false", "export.enabled=false"])
+
+
+def read_run(metrics: Path) -> tuple[float, list[float]]:
+    """(median tokens/s after the warm-up steps, the loss of every step) from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "tokens_per_s" in r]
+    if len(steps) <= WARMUP_STEPS:
+        raise ValueError(f"{metrics}: {len(steps)} step(s) logged, need more than {WARMUP_STEPS}")
+    return statistics.median(r["tokens_per_s"] for r in steps[WARMUP_STEPS:]), [r["loss"] for r in steps]
+
+
+def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tuple[float, list[float]]:
+    out = work / name
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "RECIPE": "tiny-cpu", "OUTPUT_DIR": str(out), "MODEL_DIR": str(model),
+           "NPROC_PER_NODE": str(nproc), "OVERRIDES": overrides}
+    log = work / f"{name}.log"
+    with log.open("w") as f:
+        rc = subprocess.run([sys.executable, "-m", "launcher", "train"], cwd=REPO_ROOT, env=env, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise SystemExit(f"bench-dp: the {name} run failed (exit {rc}); its output: {log}")
+    return read_run(out / "metrics.jsonl")
+
+
+def summarize(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """Median, min and max over rounds of DP tokens/s / one-process tokens/s (``pairs``: (one, dp) per round)."""
+    ratios = [dp / one for one, dp in pairs]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12, help="steps per run (the first two are not timed)")
+    ap.add_argument("--nproc", type=int, default=2, help="DP workers (one per core)")
+    ap.add_argument("--micro-batch", type=int, default=2, help="rows per DP worker per step")
+    ap.add_argument("--json", type=Path, help="write the results here as JSON")
+    args = ap.parse_args(argv)
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']} (avx512f {cpu['avx512f']}, avx2 {cpu['avx2']}), {cpu['cores']} cores; "
+          f"load average {read_loadavg():.2f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
+        work, model = Path(tmp), Path(tmp) / "model"
+        write_model(model, SHAPE)
+        for f in (REPO_ROOT / "assets" / "tokenizer").iterdir():
+            shutil.copy(f, model / f.name)
+        pairs, loss_diff = [], 0.0
+        with OtherWork(lambda: other_runnable(os.getpid())) as others:
+            for r in range(args.rounds):
+                whole = run_overrides(args.steps, args.micro_batch * args.nproc)
+                one, one_loss = train(work, f"one-{r}", model, 1, whole)
+                dp, dp_loss = train(work, f"dp-{r}", model, args.nproc, run_overrides(args.steps, args.micro_batch))
+                loss_diff = max([loss_diff, *(abs(a - b) for a, b in zip(one_loss, dp_loss))])
+                pairs.append((one, dp))
+                print(f"round {r}: one process {one:.1f} tokens/s, DP {args.nproc} {dp:.1f} tokens/s: "
+                      f"{dp / one:.2f}x", flush=True)
+    stats = summarize(pairs)
+    invalid = others.invalid()
+    print(f"DP {args.nproc} / one process: median {stats['median']:.2f}x (min {stats['min']:.2f}, max "
+          f"{stats['max']:.2f}) over {len(pairs)} round(s); largest loss difference {loss_diff:.2g}; other "
+          f"processes' runnable threads {others.mean():.2f}" + (f"; {invalid}" if invalid else ""))
+    if args.json:
+        args.json.write_text(json.dumps({"pairs": pairs, "stats": stats, "loss_diff": loss_diff, "cpu": cpu,
+                                         "others": others.mean(), "valid": not invalid}, indent=1))
+    return 1 if invalid else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
