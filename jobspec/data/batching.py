@@ -177,14 +177,16 @@ class BatchLoader:
     def eval_micro_batches(self) -> Iterator[dict[str, NDArray[Any]]]:
         """Every unit exactly once, in cache order, for evaluation: unit i belongs to DP rank
         i % dp_size; this rank's units in micro-batches of micro_batch_size rows (one budget group
-        each with max_tokens_per_batch). No shuffling, nothing dropped."""
+        each with max_tokens_per_batch). No shuffling, nothing dropped. A short last micro-batch gets
+        empty rows (no labels): every batch has the training shape, so a compiled layer compiles once."""
         mine = self.units[self.dp_rank::self.dp_size]
         if self.dynamic:
             for unit in mine:
                 yield self._rows([[s] for s in unit], max(int(self.index[s, 1]) for s in unit))
             return
         for a in range(0, len(mine), self.mbs):
-            yield self._rows(mine[a:a + self.mbs], self.seq_len)
+            rows = mine[a:a + self.mbs]
+            yield self._rows(rows + [[]] * (self.mbs - len(rows)), self.seq_len)
 
     def __len__(self) -> int:
         return self.total_steps

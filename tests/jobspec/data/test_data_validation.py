@@ -59,7 +59,9 @@ def test_validation_batches_cover_every_sample_once_over_the_ranks(tmp_path, dat
         ranks = [list(BatchLoader(info.dir, 128, 2, 1, dp, r, seed=0, packing=packing,
                                   index_name=cache.VAL_INDEX).eval_micro_batches()) for r in range(dp)]
         assert len(ranks[0]) >= 1
-        assert all(m["input_ids"].shape[1] == 128 and m["labels"].dtype == np.int32 for b in ranks for m in b)
+        # one shape, the training one: a short last micro-batch is filled with empty rows (compiled layers
+        # compile once per shape)
+        assert all(m["input_ids"].shape == (2, 128) and m["labels"].dtype == np.int32 for b in ranks for m in b)
         got = sum(int((m["labels"][:, 1:] != IGNORE).sum()) for b in ranks for m in b)
         assert got == want, dp  # a conversation starts with <|im_start|>, never a label: packing loses none
     assert not (prepare(recipe_for(tmp_path / "n", [data]), TOKENIZER, progress=False).dir / cache.VAL_INDEX).exists()
