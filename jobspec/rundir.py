@@ -40,6 +40,16 @@ ENTRIES = (
 )
 
 
+class _Entry:
+    """A path of :data:`ENTRIES` as a typed attribute of :class:`RunDir`, named by the attribute."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, run: RunDir, owner: type | None = None) -> Path:
+        return run._at(self.name)
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The paths of the run in ``root``; ``RunDir(output_dir).hf`` etc. ``data``: the token cache
@@ -67,19 +77,19 @@ class RunDir:
     def from_json(cls, d: dict[str, str]) -> RunDir:
         return cls(d["root"], d["data"])
 
-    plan = property(lambda self: self._at("plan"))
-    base_model = property(lambda self: self._at("base_model"))
-    metrics = property(lambda self: self._at("metrics"))
-    checkpoints = property(lambda self: self._at("checkpoints"))
-    hf = property(lambda self: self._at("hf"))
-    adapter = property(lambda self: self._at("adapter"))
-    samples = property(lambda self: self._at("samples"))
-    summary = property(lambda self: self._at("summary"))
-    loss_plot = property(lambda self: self._at("loss_plot"))
-    tensorboard = property(lambda self: self._at("tensorboard"))
-    logs = property(lambda self: self._at("logs"))
-    profile = property(lambda self: self._at("profile"))
-    hashes = property(lambda self: self._at("hashes"))
+    plan = _Entry()
+    base_model = _Entry()
+    metrics = _Entry()
+    checkpoints = _Entry()
+    hf = _Entry()
+    adapter = _Entry()
+    samples = _Entry()
+    summary = _Entry()
+    loss_plot = _Entry()
+    tensorboard = _Entry()
+    logs = _Entry()
+    profile = _Entry()
+    hashes = _Entry()
 
     def npu_log(self, node_rank: int = 0) -> Path:
         return self._at("npu_log") if node_rank == 0 else self.root / f"npu-node{node_rank}.jsonl"
