@@ -192,7 +192,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
                  "device_notes": devs.notes,
                  "output_dir": f"{run.root}: output_dir={given_output!r} from {s.origin_of('output_dir')}; "
                                f"a relative path is relative to the current directory ({cwd})",
-                 "launch_mode": "msrun" if world > 1 else "worker started directly: world 1 needs no msrun scheduler"})
+                 "launch_mode": "msrun" if world > 1 else "started directly: world size 1 needs no msrun scheduler"})
     if clus.role == "scheduler" and not devs.has_npu:  # AscendJob Scheduler pod: msrun's scheduler only
         plan, env = ascendjob.scheduler_only(plan, env, clus)
     return Job(recipe, devs, clus, plan, env)
