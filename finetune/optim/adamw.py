@@ -85,7 +85,7 @@ class AdamW:
         not finite changes nothing (see BiasCorrection)."""
         grads: list | None  # None: a step skipped on the host
         grads = [g for bucket in buckets for g in bucket]
-        norm = global_grad_norm(grads, self.params, self.rank)
+        norm = global_grad_norm(grads, self.params, self.rank, self.gate.on_host)
         grads, norm, ok = self.gate.gradients(grads, norm, self.cfg.clip_grad, grad_scale)
         k = self.corrections.step(lr, ok)
         if grads is None:  # skipped on the host: nothing to run

@@ -209,7 +209,7 @@ class ShardedAdamW:
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> ms.Tensor:
-        arrays = host_views(shards)
+        arrays = host_views(shards) if self.gate.on_host else None
         if arrays is not None:  # CPU: numpy over the chunks where they are
             split, rep = host_norm_partials((x[a:b], ws, wr) for x, segs in zip(arrays, self.segs)
                                             for a, b, _, ws, wr in segs)

@@ -134,6 +134,12 @@ class StepGate:
         self._k_host: tuple[float, ...] = ()
         self._wd_host: dict[int, float] = {}
 
+    @property
+    def on_host(self) -> bool:
+        """Whether the step may work on the tensors' own memory with numpy (CPU; never on Ascend, where
+        ``asnumpy`` would copy every tensor from the device)."""
+        return self.in_place and not self.on_device
+
     def gradients(self, grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
                   ) -> tuple[list | None, ms.Tensor, ms.Tensor]:
         """(the gradients to apply, or None for a step skipped on the host; the unscaled norm;
@@ -156,7 +162,7 @@ class StepGate:
         """One ``adamw_update`` of ``w``: the (w, m, v) to keep (on the device gate the old moments
         when the step is skipped; ``w`` is then unchanged: lr' 0, zeroed gradients). On the host gate,
         where w, m and v own their memory, the same step written into them (the same tensors returned)."""
-        if self.in_place and not self.on_device:
+        if self.on_host:
             wh, mh, vh = (own_memory(t) for t in (w, m, v))
             if wh is not None and mh is not None and vh is not None:  # the host kernel, in place (optim/host.py)
                 host = self._host_scalars(k, wd)

@@ -195,10 +195,10 @@ def host_views(tensors: list) -> list[np.ndarray] | None:
     return out
 
 
-def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo) -> ms.Tensor:
+def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo, on_host: bool = False) -> ms.Tensor:
     """L2 norm of the whole model's (DP-reduced) gradient, a device scalar; each TP slice counted
-    once; deterministic. On the host when every gradient owns its memory (CPU)."""
-    arrays = host_views(list(grads))
+    once; deterministic. ``on_host`` (CPU, ``StepGate.on_host``): in numpy when every gradient owns its memory."""
+    arrays = host_views(list(grads)) if on_host else None
     if arrays is not None:
         return finish_norm(*host_norm_partials((a, *norm_weights(p)) for a, p in zip(arrays, params)), rank)
     return finish_norm(*norm_partials((g, *norm_weights(p)) for g, p in zip(grads, params)), rank)
