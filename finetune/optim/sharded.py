@@ -98,7 +98,7 @@ class ShardedAdamW:
         host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         host = rank.dp_host if dp > 1 else None
         self.host_rs = host.slots([c * dp for c in self.chunk]) if host else None
-        owned = all(own_array(p) is not None for p in self.params)  # the gathered weights are copied straight in
+        owned = host is not None and all(own_array(p) is not None for p in self.params)  # weights written in place
         self.host_ag = host.slots(self.chunk, host_dtype) if host and host_dtype and owned else None
         rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
                  f"{self._how(self.host_rs, self.native_rs)}, all-gather {self._how(self.host_ag, self.native_ag)}")
