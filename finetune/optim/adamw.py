@@ -62,7 +62,7 @@ class AdamW:
         sizes = [int(np.prod(p.shape)) for p in self.params]
         self.bucket_params = buckets_by_bytes(sizes, 4, bucket_bytes)
         self.host = (rank.dp_host.slots([sum(sizes[i] for i in b) for b in self.bucket_params])
-                     if rank.dp_host and rank.dp > 1 else None)  # the DP sums through shared memory
+                     if rank.dp_host else None)  # the DP sums through shared memory (set only with dp > 1)
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
 

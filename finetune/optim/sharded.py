@@ -96,7 +96,7 @@ class ShardedAdamW:
         self.arrays: dict[int, np.ndarray] = {}
         dtypes = {p.dtype for p in self.params}
         host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
-        host = rank.dp_host if dp > 1 else None
+        host = rank.dp_host  # set only with layout.host_collectives, i.e. dp > 1
         self.host_rs = host.slots([c * dp for c in self.chunk]) if host else None
         owned = host is not None and all(own_array(p) is not None for p in self.params)  # weights written in place
         self.host_ag = host.slots(self.chunk, host_dtype) if host and host_dtype and owned else None
@@ -243,7 +243,9 @@ class ShardedAdamW:
         own memory (an in-place write, as ``write_param``'s)."""
         dest = [own_array(self.params[i]) for i, _, _ in found]
         if any(d is None for d in dest):  # every parameter had its own memory when the optimizer was made
-            raise RuntimeError(f"bucket {k}: a parameter no longer owns its memory; it was replaced (set_data)")
+            raise RuntimeError(f"bucket {k}: a parameter no longer owns its memory (replaced by set_data?); every "
+                               "writer must write weights in place; OVERRIDES='parallel.host_collectives=false' "
+                               "avoids this path")
         slots, c, lo = cast(Slots, self.host_ag), self.chunk[k], self.buckets[k][0]
         slots.post(k, [chunk.asnumpy()])
         views = slots.views(k)

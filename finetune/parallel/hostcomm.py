@@ -98,10 +98,6 @@ class HostGroup:
         self.n_slots += 1
         return Slots(self, self.n_slots, lengths, np.dtype(dtype))
 
-    def close(self) -> None:
-        for fd in [self.inbox, *self.outbox.values()]:
-            os.close(fd)
-
 
 class Slots:
     """Every member's regions for one set of buckets: ``post`` this member's bucket, ``view`` the others'."""
