@@ -167,7 +167,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl,
                                probe=host.membind_probe)
     nodes, run = numa.numa_nodes(host.sys_root), run_dir_of(recipe)  # run: decided here, read by the workers
-    env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)})
+    env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)}, cpu=device == "cpu")
     if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     rd = to_dict(recipe)

@@ -15,7 +15,7 @@ from pathlib import Path
 from jobspec import lifecycle
 from jobspec.config import REPO_ROOT
 from launcher import procs
-from launcher.settings import HCCL_DEFAULTS, HCCL_PASSTHROUGH
+from launcher.settings import CPU_MALLOC_DEFAULTS, HCCL_DEFAULTS, HCCL_PASSTHROUGH
 
 WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"
 
@@ -37,15 +37,17 @@ def direct_argv(plan_path: Path, worker_script: Path = WORKER_SCRIPT, python: st
     return [python, str(worker_script), "--config", str(plan_path)]
 
 
-def worker_env(base: Mapping[str, str], extra: Mapping[str, str], python: str = sys.executable) -> dict[str, str]:
-    """The environment every worker gets: venv bin first on PATH, repo on PYTHONPATH, HCCL defaults."""
+def worker_env(base: Mapping[str, str], extra: Mapping[str, str], python: str = sys.executable,
+               cpu: bool = False) -> dict[str, str]:
+    """The environment every worker gets: venv bin first on PATH, repo on PYTHONPATH, HCCL defaults (CPU
+    workers: malloc defaults, ``settings.CPU_MALLOC_DEFAULTS``)."""
     env = dict(base)
     bin_dir = str(Path(python).parent)
     env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                              if p and p != str(REPO_ROOT)])
     env["PYTHONUNBUFFERED"] = "1"
-    for k, v in HCCL_DEFAULTS.items():
+    for k, v in {**HCCL_DEFAULTS, **(CPU_MALLOC_DEFAULTS if cpu else {})}.items():
         if not env.get(k):
             env[k] = v
     env.update(extra)

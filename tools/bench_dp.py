@@ -8,12 +8,11 @@ untied, seeded fp32 weights, the bundled tokenizer) through the launcher as a us
 train``, ``RECIPE=tiny-cpu`` on the bundled Alpaca samples, seq_len 256), first as one process with
 micro-batch ``--micro-batch x --nproc``, then with ``NPROC_PER_NODE=--nproc`` and micro-batch ``--micro-batch``:
 the same rows per step, every default as it is (host collectives, compiled layers, the launcher's CPU
-binding). docs/speed.md: DP 2 reached 0.91x only with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736
-exported (the launcher does not set them). tokens/s of a run: the median of metrics.jsonl's ``tokens_per_s``
-after the first two steps (compilation, first touch). Prints per round the ratio DP / one, their median, min
-and max, the largest
-loss difference between the two runs (the same training, so ~0), the CPU and the validity check of
-tools/bench_train.py (other processes' runnable threads, ``bench_conditions.OtherWork``). A tool, not a test.
+binding, the launcher's malloc settings for CPU workers). tokens/s of a run: the median of metrics.jsonl's
+``tokens_per_s`` after the first two steps (compilation, first touch). Prints per round the ratio DP / one, their
+median, min and max, the largest loss difference between the two runs (the same training, so ~0), the CPU and
+the validity check of tools/bench_train.py (other processes' runnable threads, ``bench_conditions.OtherWork``).
+A tool, not a test.
 """
 from __future__ import annotations
 

@@ -37,6 +37,15 @@ def test_worker_env_puts_the_venv_first_and_defaults_hccl():
     assert env["HCCL_IF_IP"] == "10.0.0.11" and env["AF_BIND_MODE"] == "affinity"
 
 
+def test_cpu_workers_keep_freed_memory_unless_the_user_says_otherwise():
+    """glibc reads MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ at process start: the launcher sets them for CPU
+    workers (docs/speed.md, DP 2), never for NPU workers, and a value the user set wins."""
+    cpu = launch.worker_env({}, {}, cpu=True)
+    assert (cpu["MALLOC_MMAP_MAX_"], cpu["MALLOC_TRIM_THRESHOLD_"]) == ("0", str(1 << 36))
+    assert "MALLOC_MMAP_MAX_" not in launch.worker_env({}, {})
+    assert launch.worker_env({"MALLOC_MMAP_MAX_": "65536"}, {}, cpu=True)["MALLOC_MMAP_MAX_"] == "65536"
+
+
 def run_main(args, capsys, **host):
     rc = lm.main(args, lm.Host(**host))
     out = capsys.readouterr()

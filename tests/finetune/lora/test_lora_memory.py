@@ -13,6 +13,7 @@ import pytest
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
+from launcher.settings import CPU_MALLOC_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[3]
 # The same short run for both methods; peak RSS is per process, so each runs in its own.
@@ -50,9 +51,10 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path, recompute):
 
 
 def _peak(out: Path, model_dir: Path, method: str) -> int:
+    """The run's peak as the metrics report it, with the malloc settings the launcher gives CPU workers."""
     overrides = {"output_dir": str(out), "model.dir": str(model_dir), "train.method": method, **RUN}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(overrides)], cwd=REPO, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", **CPU_MALLOC_DEFAULTS})
     assert done.returncode == 0, done.stderr[-3000:]
     return max(json.loads(line)["peak_memory_bytes"] for line in (out / "metrics.jsonl").read_text().splitlines())
 
