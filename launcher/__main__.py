@@ -173,11 +173,10 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     rd = to_dict(recipe)
     rd["model"]["dir"], rd["data"]["cache_dir"] = resolved_model_dir(recipe), str(run.data)
     rd["launch"]["nproc_per_node"] = nproc
-    L, p = recipe.launch, recipe.layout or recipe.parallel  # no layout: an NPU plan with no NPU (preflight stops)
-    tp = recipe.layout.tp if recipe.layout else recipe.parallel.tp_size
+    L = recipe.launch
     plan = planlib.Plan(
         recipe=rd, path=run.plan, run_dir=run, cluster_time_out=L.cluster_time_out,
-        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port, tp, p.pp, p.dp),
+        topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port),
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
         binding={**binding, "ranks": numa.to_json(ranks, nodes)},
@@ -206,9 +205,9 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     say(f"devices: {p.sources['devices']}")
     for n in p.sources["device_notes"]:
         say(f"  {n}")
+    split = f"TP {r.layout.tp} x DP {r.layout.dp} x PP {r.layout.pp}" if r.layout else "layout not resolved"
     say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
-        f"(TP {t.tp} x DP {t.dp} x PP {t.pp}); this node {t.node_rank}; master "
-        f"{t.master_addr}:{t.master_port}")
+        f"({split}); this node {t.node_rank}; master {t.master_addr}:{t.master_port}")
     for decided in (k for k in ("parallel.tp", "train.compile_layers", "parallel.host_collectives") if k in p.sources):
         say(f"{decided}: {p.sources[decided]}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "

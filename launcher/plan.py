@@ -22,15 +22,15 @@ Role = Literal["worker", "scheduler"]
 
 @dataclass
 class Topology:
+    """Where the ranks run: nodes, this node's workers, the master. How the ranks split the model (tp, dp, pp)
+    is the recipe's ``layout`` (jobspec.layout.Layout), decided once and not repeated here."""
+
     nnodes: int
     node_rank: int
     nproc_per_node: int  # workers this node starts (0 on a Scheduler pod)
     world_size: int
     master_addr: str
     master_port: int
-    tp: int
-    pp: int
-    dp: int
     master_host: str = ""  # MASTER_ADDR as given, when the launcher resolved it to master_addr
 
 

@@ -141,7 +141,7 @@ def test_scheduler_pod_msrun_argv_starts_the_scheduler_alone(tmp_path):
     env = dict(CASES[3][1], MS_ROLE="MS_SCHED", MS_NODE_RANK="0", MS_SCHED_HOST="127.0.0.1",
                MS_SCHED_PORT=str(free_port()))
     clus = cluster.detect(env, me=ME)
-    worker = Plan({"launch": {}, "train": {}}, Topology(2, 0, 8, 16, clus.master_addr, clus.master_port, 2, 1, 8),
+    worker = Plan({"launch": {}, "train": {}}, Topology(2, 0, 8, 16, clus.master_addr, clus.master_port),
                   tmp_path / "plan.json", RunDir(tmp_path), 600)
     plan, _ = ascendjob.scheduler_only(worker, {}, clus)
     argv = [*plan.argv[:plan.argv.index("--cluster_time_out") + 2], str(stub)]

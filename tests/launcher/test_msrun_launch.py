@@ -61,7 +61,7 @@ def test_plan_on_an_atlas_worker_node(atlas, tmp_path, capsys):
                              sys_root=atlas / "sys", npu_smi=recorded_npu_smi, identities=set())
     assert rc == 0
     assert plan["recipe"]["name"] == "qwen2.5-7b-full" and plan["recipe"]["model"]["dir"] == str(tmp_path / "m")
-    assert plan["topology"]["world_size"] == 16 and plan["topology"]["dp"] == 8
+    assert plan["topology"]["world_size"] == 16 and plan["recipe"]["layout"]["dp"] == 8
     assert [r["global_rank"] for r in plan["ranks"]] == list(range(8, 16))
     assert plan["msrun_argv"][1:5] == ["--worker_num", "16", "--local_worker_num", "8"]
     assert plan["worker_env"]["AF_CPU_BIND_7"] == "156-167" and plan["worker_env"]["AF_BIND_MODE"] == "affinity"
@@ -85,7 +85,7 @@ def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, ca
     host = dict(env=env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys", npu_smi=recorded_npu_smi,
                 identities=set())
     rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full"], capsys, **host)
-    assert rc == 0 and plan["topology"]["tp"] == 2 and plan["topology"]["dp"] == 2
+    assert rc == 0 and plan["recipe"]["layout"]["tp"] == 2 and plan["recipe"]["layout"]["dp"] == 2
     mem = plan["memory"]  # the guide counts bf16 gradients, ours are fp32: half of ours is the difference
     assert abs((mem["total"] - mem["grads"] / 2) / 2**30 - 38) / 38 < 0.1
     assert "= 46.2 (embedding/LM head vocab-parallel, seq_len 4096" in out.out

@@ -10,7 +10,7 @@ from launcher.plan import Plan, Topology
 
 
 def _plan(tmp_path: Path, world: int = 16, nproc: int = 8, role: str = "worker") -> Plan:
-    topology = Topology(world // nproc, 1, nproc, world, "node-0", 8118, 2, 1, 8)
+    topology = Topology(world // nproc, 1, nproc, world, "node-0", 8118)
     return Plan({"launch": {"master_addr": "node-0"}}, topology, tmp_path / "plan.json", RunDir(tmp_path), 300,
                 role=role)
 

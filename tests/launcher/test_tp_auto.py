@@ -42,7 +42,9 @@ def plan(atlas: Path, recipe: str, size: str | None, npus: int, capsys: pytest.C
 def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsys, size, npus, tp, why):
     rc, p, out, _ = plan(atlas, "qwen-full", size, npus, capsys)
     assert rc == 0
-    assert (p["topology"]["tp"], p["topology"]["dp"], p["topology"]["world_size"]) == (tp, npus // tp, npus)
+    layout = p["recipe"]["layout"]  # written once, in the recipe; the topology says where the ranks run
+    assert (layout["tp"], layout["dp"], p["topology"]["world_size"]) == (tp, npus // tp, npus)
+    assert not {"tp", "dp", "pp"} & set(p["topology"])
     assert p["recipe"]["parallel"]["tp"] == tp and p["sources"]["parallel.tp"] == why
     assert f"[launcher] parallel.tp: {why}\n" in out
     assert p["recipe"]["train"]["compile_layers"] is False  # and the plan says why (Ascend: not measured)
@@ -53,14 +55,15 @@ def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsy
 def test_lora_is_chosen_with_the_lora_estimate(atlas, capsys):
     """32B: full fine-tune fits nowhere on 8 NPUs, LoRA with TP 2 (TP 1: the bf16 base alone is 61 GiB)."""
     rc, p, _, _ = plan(atlas, "qwen-lora", "Qwen2.5-32B", 8, capsys)
-    assert rc == 0 and (p["topology"]["tp"], p["topology"]["dp"]) == (2, 4)
+    assert rc == 0 and (p["recipe"]["layout"]["tp"], p["recipe"]["layout"]["dp"]) == (2, 4)
     assert p["sources"]["parallel.tp"].startswith("auto -> TP 2: TP 1 needs 69.")
     assert p["recipe"]["train"]["method"] == "lora"
 
 
 def test_an_explicit_tp_is_kept(atlas, capsys):
     rc, p, _, _ = plan(atlas, "qwen2.5-7b-full", "Qwen2.5-7B", 8, capsys, TP="4")
-    assert rc == 0 and (p["topology"]["tp"], p["topology"]["dp"]) == (4, 2) and "parallel.tp" not in p["sources"]
+    layout = p["recipe"]["layout"]
+    assert rc == 0 and (layout["tp"], layout["dp"]) == (4, 2) and "parallel.tp" not in p["sources"]
 
 
 @pytest.mark.parametrize("size,npus,advice", [
@@ -77,10 +80,10 @@ def test_a_model_that_fits_nowhere_is_refused_before_any_work(atlas, capsys, siz
 
 def test_without_a_config_json_or_on_cpu_auto_is_one_with_its_reason(atlas, capsys):
     rc, p, out, _ = plan(atlas, "qwen-full", None, 8, capsys)
-    assert rc == 0 and (p["topology"]["tp"], p["topology"]["dp"]) == (1, 8)
+    assert rc == 0 and (p["recipe"]["layout"]["tp"], p["recipe"]["layout"]["dp"]) == (1, 8)
     assert p["sources"]["parallel.tp"] == f"auto -> 1: no {atlas / 'model' / 'config.json'} yet to estimate from"
     rc, p, out, _ = plan(atlas, "tiny-cpu", None, 1, capsys, TP="auto", MODEL_DIR="")  # the tiny default
-    assert rc == 0 and p["topology"]["tp"] == 1
+    assert rc == 0 and p["recipe"]["layout"]["tp"] == 1
     assert p["sources"]["parallel.tp"] == "auto -> 1: CPU workers (the choice is made for NPU memory)"
     assert p["recipe"]["train"]["compile_layers"] is True
     assert "[launcher] train.compile_layers: on: each decoder layer one graph, compiled at the first step (auto)" in out
@@ -102,7 +105,7 @@ def table_row(name: str, method: str) -> dict[str, str]:
 def test_plan_prints_the_size_tables_layout_and_memory(atlas, capsys, name, recipe):
     row = table_row(name, "LoRA" if recipe == "qwen-lora" else "full")
     rc, p, out, _ = plan(atlas, recipe, name, int(row["NPUs"]), capsys)
-    t = p["topology"]
+    t = p["recipe"]["layout"]
     assert rc == 0 and f"TP {t['tp']} x DP {t['dp']}" == row["layout"]
     assert f"= {row['GiB per NPU']} (embedding/LM head" in out and f"{p['memory']['total'] / 2**30:.1f}" == \
         row["GiB per NPU"]
