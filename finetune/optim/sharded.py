@@ -42,8 +42,6 @@ from finetune.parallel.grads import (
     HostSum,
     finish_norm,
     host_fp32,
-    host_norm_partials,
-    host_views,
     norm_partials,
     norm_weights,
 )
@@ -92,7 +90,9 @@ class ShardedAdamW:
         self.gate = StepGate(rank)
         native = native_collectives(rank, rank.dp_group)
         self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
-        self.users_left: dict[int, int] = {}  # parameters whose gradient array serves more buckets this step
+        # how many buckets read each gradient (fixed by the layout); users_left counts them down each step
+        self.users = [sum(i in b for b in self.bucket_params) for i in range(len(self.params))]
+        self.users_left: dict[int, int] = {}
         self.arrays: dict[int, np.ndarray] = {}
         dtypes = {p.dtype for p in self.params}
         host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
@@ -160,7 +160,7 @@ class ShardedAdamW:
         """Gradient ``i`` flat in fp32 as an ndarray, made once per step however many buckets it spans."""
         if i not in self.arrays:
             self.arrays[i] = host_fp32(grads[i])
-            self.users_left[i] = sum(i in b for b in self.bucket_params)
+            self.users_left[i] = self.users[i]
         self.users_left[i] -= 1
         return self.arrays[i] if self.users_left[i] else self.arrays.pop(i)
 
@@ -209,13 +209,8 @@ class ShardedAdamW:
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> ms.Tensor:
-        arrays = host_views(shards) if self.gate.on_host else None
-        if arrays is not None:  # CPU: numpy over the chunks where they are
-            split, rep = host_norm_partials((x[a:b], ws, wr) for x, segs in zip(arrays, self.segs)
-                                            for a, b, _, ws, wr in segs)
-        else:
-            split, rep = norm_partials((g[a:b], ws, wr) for g, segs in zip(shards, self.segs)
-                                       for a, b, _, ws, wr in segs)
+        split, rep = norm_partials(shards, [(k, slice(a, b), ws, wr) for k, segs in enumerate(self.segs)
+                                            for a, b, _, ws, wr in segs], self.gate.on_host)
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 

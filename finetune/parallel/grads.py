@@ -12,6 +12,8 @@ tp > num_key_value_heads), which are counted on their owner rank only. Parameter
 """
 from __future__ import annotations
 
+from typing import Any
+
 import mindspore as ms
 import numpy as np
 from mindspore import ops
@@ -140,18 +142,27 @@ def finish_norm(split: ms.Tensor, replicated: ms.Tensor, rank: RankInfo) -> ms.T
     return ops.sqrt(tree_sum(all_reduce_sum(split, rank.tp_group) + replicated))
 
 
-def norm_partials(pieces) -> tuple[ms.Tensor, ms.Tensor]:
-    """(split, replicated) square partials of ``pieces``: (gradient slice, its split and replicated
-    weights from ``norm_weights``), summed in order; the one accumulation of the whole-model norm."""
-    split = ops.zeros((PARTIALS,), ms.float32)
-    rep = ops.zeros((PARTIALS,), ms.float32)
-    for g, ws, wr in pieces:
-        sq = square_partials(g)
+NormPiece = tuple[int, "slice | None", float, float]  # (tensor index, flat slice or whole, split weight, replicated)
+
+
+def norm_partials(tensors: list, pieces: list[NormPiece], on_host: bool = False) -> tuple[ms.Tensor, ms.Tensor]:
+    """(split, replicated) square partials of ``pieces`` of ``tensors``, summed in order: the one accumulation
+    of the whole-model norm. Weights from ``norm_weights``. ``on_host`` (CPU, ``StepGate.on_host``): in numpy,
+    one pass over the gradients' own memory instead of MindSpore's square, sum and adds, when every tensor
+    owns its memory."""
+    arrays = host_views(tensors) if on_host else None
+    host = arrays is not None
+    src: list[Any] = arrays if arrays is not None else tensors
+    square = host_square_partials if host else square_partials
+    split, rep = ((np.zeros(PARTIALS, np.float32), np.zeros(PARTIALS, np.float32)) if host
+                  else (ops.zeros((PARTIALS,), ms.float32), ops.zeros((PARTIALS,), ms.float32)))
+    for i, part, ws, wr in pieces:
+        sq = square(src[i] if part is None else src[i][part])
         if ws:
             split = split + sq * ws
         if wr:
             rep = rep + sq * wr
-    return split, rep
+    return (ms.Tensor(split), ms.Tensor(rep)) if host else (split, rep)
 
 
 def host_square_partials(x: np.ndarray) -> np.ndarray:
@@ -170,20 +181,6 @@ def host_square_partials(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def host_norm_partials(pieces) -> tuple[ms.Tensor, ms.Tensor]:
-    """``norm_partials`` of (flat fp32 ndarray, split weight, replicated weight) pieces, in numpy: on CPU,
-    where the gradients own their memory, one pass over them instead of MindSpore's square, sum and adds."""
-    split = np.zeros(PARTIALS, np.float32)
-    rep = np.zeros(PARTIALS, np.float32)
-    for x, ws, wr in pieces:
-        sq = host_square_partials(x)
-        if ws:
-            split += sq * np.float32(ws)
-        if wr:
-            rep += sq * np.float32(wr)
-    return ms.Tensor(split), ms.Tensor(rep)
-
-
 def host_views(tensors: list) -> list[np.ndarray] | None:
     """Every tensor's own memory, flat (``hostmem.own_memory``), or None when one of them has none."""
     out = []
@@ -198,7 +195,5 @@ def host_views(tensors: list) -> list[np.ndarray] | None:
 def global_grad_norm(grads: tuple | list, params: list, rank: RankInfo, on_host: bool = False) -> ms.Tensor:
     """L2 norm of the whole model's (DP-reduced) gradient, a device scalar; each TP slice counted
     once; deterministic. ``on_host`` (CPU, ``StepGate.on_host``): in numpy when every gradient owns its memory."""
-    arrays = host_views(list(grads)) if on_host else None
-    if arrays is not None:
-        return finish_norm(*host_norm_partials((a, *norm_weights(p)) for a, p in zip(arrays, params)), rank)
-    return finish_norm(*norm_partials((g, *norm_weights(p)) for g, p in zip(grads, params)), rank)
+    pieces: list[NormPiece] = [(i, None, *norm_weights(p)) for i, p in enumerate(params)]
+    return finish_norm(*norm_partials(list(grads), pieces, on_host), rank)
