@@ -15,10 +15,13 @@ SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 88, "n
 
 @pytest.fixture(scope="session")
 def ms_cpu():
-    """MindSpore in PyNative mode on CPU (imported only by tests that ask for it)."""
+    """MindSpore in PyNative mode on CPU as the workers set it (imported only by tests that ask for it)."""
     import mindspore as ms
 
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    from finetune.dist import set_device
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    set_device("CPU", None)
     return ms
 
 
