@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from finetune import worker
 from jobspec import checkpoints
 from jobspec.checkpoints import STATE
@@ -110,3 +112,25 @@ def test_a_worker_started_by_hand_does_the_launchers_housekeeping_on_rank_0_only
     monkeypatch.setenv("RANK_ID", "0")
     assert worker.main(["--config", str(plan)]) == 0
     assert not stale.exists() and not (out / "checkpoints").exists() and list(out.glob("checkpoints.old-*"))
+
+
+@pytest.mark.parametrize("target,blocking", [("CPU", True), ("Ascend", False)])
+def test_kernels_run_when_called_on_cpu_only(monkeypatch, target, blocking):
+    """dist.set_device: CPU kernels run when called (PyNative's dispatch threads spin on the cores that compute,
+    docs/speed.md); an NPU keeps MindSpore's asynchronous launch, which overlaps the host with the device."""
+    import mindspore as ms
+
+    from finetune.dist import set_device
+
+    calls = []
+    monkeypatch.setattr(ms, "set_device", lambda t, i=None: calls.append(("set_device", t, i)))
+    monkeypatch.setattr(ms.runtime, "launch_blocking", lambda: calls.append(("launch_blocking",)))
+    set_device(target, 0)
+    assert calls == [("set_device", target, 0)] + ([("launch_blocking",)] if blocking else [])
+
+
+def test_the_cpu_runtime_of_the_tests_is_the_workers(ms_cpu):
+    """The tests' MindSpore runs as the workers' does (conftest's ms_cpu goes through dist.set_device)."""
+    from mindspore._c_expression import RuntimeConf
+
+    assert RuntimeConf.get_instance().is_launch_blocking()
