@@ -19,16 +19,16 @@ from typing import cast
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.checkpoint import MANIFEST, verify  # noqa: E402
-from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir  # noqa: E402
-from finetune.lora_io import export_lora_checkpoint  # noqa: E402
-from finetune.reshard import SavedState  # noqa: E402
-from jobspec.checkpoints import STATE, unhealthy, usable  # noqa: E402
-from jobspec.config import parse_size  # noqa: E402
-from jobspec.fsutil import ForeignDirectory, remove_stale_temps  # noqa: E402
-from jobspec.memory import BUCKET_BYTES  # noqa: E402
-from jobspec.qwen2_layout import full_shapes  # noqa: E402
-from jobspec.rundir import RunDir, is_complete, step_dirs, step_name  # noqa: E402
+from finetune.checkpoint import MANIFEST, verify
+from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir
+from finetune.lora_io import export_lora_checkpoint
+from finetune.reshard import SavedState
+from jobspec.checkpoints import STATE, unhealthy, usable
+from jobspec.config import parse_size
+from jobspec.fsutil import ForeignDirectory, remove_stale_temps
+from jobspec.memory import BUCKET_BYTES
+from jobspec.qwen2_layout import full_shapes
+from jobspec.rundir import RunDir, is_complete, step_dirs, step_name
 
 
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:

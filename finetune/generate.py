@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402  (sys.path set above)
+import numpy as np
 
-from jobspec.config import DataConfig  # noqa: E402  (sys.path set above)
-from jobspec.data.formats import Sample  # noqa: E402  (sys.path set above)
-from jobspec.data.template import QWEN25, chat_format, render  # noqa: E402  (sys.path set above)
-from jobspec.recipe_parse import Problem  # noqa: E402  (sys.path set above)
+from jobspec.config import DataConfig
+from jobspec.data.formats import Sample
+from jobspec.data.template import QWEN25, chat_format, render
+from jobspec.recipe_parse import Problem
 
 if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors before loading MindSpore
     from tokenizers import Tokenizer

@@ -18,13 +18,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.affinity import apply_binding  # noqa: E402
-from jobspec.checkpoints import tidy  # noqa: E402  (sys.path set above)
-from jobspec.config import ConfigError, Recipe  # noqa: E402
-from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, run_rank  # noqa: E402
-from jobspec.planfile import load_run  # noqa: E402
-from jobspec.rerun import rerun_answer  # noqa: E402
-from jobspec.rundir import RunDir  # noqa: E402
+from finetune.affinity import apply_binding
+from jobspec.checkpoints import tidy
+from jobspec.config import ConfigError, Recipe
+from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, run_rank
+from jobspec.planfile import load_run
+from jobspec.rerun import rerun_answer
+from jobspec.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,7 +111,7 @@ def run_rank(log_dir: str | Path, rank: int, main: Callable[[], int]) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         status.finish(code)
         raise
-    except BaseException as e:  # noqa: BLE001 - recorded for the launcher: one line here, the traceback in the file
+    except BaseException as e:  # recorded for the launcher: one line here, the traceback in the file
         status.finish(1, e)
         print(f"[rank {rank}] error: {type(e).__name__}: {e} (traceback in {status.path})", file=sys.stderr,
               flush=True)

@@ -434,7 +434,7 @@ def console_main() -> int:
     """main() with no traceback on the console: an unexpected error is one line, its traceback in a file."""
     try:
         return main()
-    except Exception as e:  # noqa: BLE001 - the last line of defence; every expected error is handled above
+    except Exception as e:  # the last line of defence; every expected error is handled above
         import tempfile
         import traceback
 

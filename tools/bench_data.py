@@ -27,12 +27,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobspec.config import ASSETS_DIR, load_recipe  # noqa: E402
-from jobspec.data import malloc  # noqa: E402
-from jobspec.data.encode import load_tokenizer  # noqa: E402
-from jobspec.data.formats import iter_samples  # noqa: E402
-from jobspec.data.prepare import prepare  # noqa: E402
-from jobspec.data.template import render  # noqa: E402
+from jobspec.config import ASSETS_DIR, load_recipe
+from jobspec.data import malloc
+from jobspec.data.encode import load_tokenizer
+from jobspec.data.formats import iter_samples
+from jobspec.data.prepare import prepare
+from jobspec.data.template import render
 
 _CHILD = """
 import json, sys, time

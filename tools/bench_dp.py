@@ -30,10 +30,10 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_conditions import OtherWork, cpu_info, other_runnable, read_loadavg  # noqa: E402
-from bench_train import SHAPE, write_model  # noqa: E402
+from bench_conditions import OtherWork, cpu_info, other_runnable, read_loadavg
+from bench_train import SHAPE, write_model
 
-from jobspec.config import REPO_ROOT  # noqa: E402
+from jobspec.config import REPO_ROOT
 
 WARMUP_STEPS = 2
 

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_conditions import (  # noqa: E402
+from bench_conditions import (
     LoadWatch,
     OtherWork,
     by_path,

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jobspec.tiny import random_weights  # noqa: E402  (numpy + safetensors only)
+from jobspec.tiny import random_weights
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "finetune" / "golden"
 BASE = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,

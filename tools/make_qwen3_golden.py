@@ -25,10 +25,10 @@ from safetensors.numpy import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from jobspec.config import CleanConfig, DataConfig  # noqa: E402  (pure Python)
-from jobspec.data.encode import Encoder  # noqa: E402
-from jobspec.data.formats import read_samples  # noqa: E402
-from jobspec.tiny import TINY_DEFAULTS, ensure_tiny_model, random_weights  # noqa: E402
+from jobspec.config import CleanConfig, DataConfig
+from jobspec.data.encode import Encoder
+from jobspec.data.formats import read_samples
+from jobspec.tiny import TINY_DEFAULTS, ensure_tiny_model, random_weights
 
 OUT = ROOT / "tests" / "finetune" / "golden" / "qwen3-e2e"
 OVERRIDES = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32, "attention_bias": False,

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.jobspec.data.data_helpers import qwen3_tokenizer_json  # noqa: E402
+from tests.jobspec.data.data_helpers import qwen3_tokenizer_json
 
 OUT = ROOT / "tests" / "finetune" / "data" / "golden_template_qwen3.json"
 SYSTEM = "You are a helpful assistant."

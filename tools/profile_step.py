@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_conditions import LoadWatch, OtherWork, cpu_info, other_runnable  # noqa: E402
-from bench_train import LR, SHAPE, Ours, torch_available, write_inputs  # noqa: E402
+from bench_conditions import LoadWatch, OtherWork, cpu_info, other_runnable
+from bench_train import LR, SHAPE, Ours, torch_available, write_inputs
 
 TORCH_SCRIPT = r'''
 import json, sys, time, statistics
@@ -95,7 +95,7 @@ def ms_ops(tokens: int, ids: np.ndarray, reps: int) -> dict[str, float]:
 
     H, V = SHAPE["hidden_size"], SHAPE["vocab_size"]
     rng = np.random.default_rng(0)
-    f32 = lambda a: ms.Tensor(a.astype(np.float32))  # noqa: E731
+    f32 = lambda a: ms.Tensor(a.astype(np.float32))  # noqa: E731 - a one-line converter
     x, w, head = f32(rng.standard_normal((tokens, H))), f32(np.ones(H)), f32(rng.standard_normal((H, V)))
     logits, tok = ops.matmul(x, head), ms.Tensor(ids.reshape(-1), ms.int32)
     p, m, v = (f32(rng.standard_normal((V, H))), f32(np.zeros((V, H))), f32(np.zeros((V, H))))

@@ -137,7 +137,7 @@ def _attention_ref(q, k, v, ends, rows, scale, dout=None):
 
 
 def _qkv(lay: Layout, dtype, rng):
-    shape = lambda n: (1, lay.tokens, n, lay.head_dim)  # noqa: E731
+    shape = lambda n: (1, lay.tokens, n, lay.head_dim)  # noqa: E731 - a one-line shape
     return [_rand(rng, shape(n), dtype) for n in (lay.heads, lay.kv_heads, lay.kv_heads)]
 
 

@@ -60,7 +60,7 @@ NO_KEY = "no recipe key turns the fused kernels off (launch.device=cpu runs with
 
 def specs(device: str) -> list[Spec]:
     """Every check, in order; the budgets add up to under two minutes on an NPU by design."""
-    heads = lambda lay: f"T={lay.tokens} ({len(lay.ends)} seqs) x N={lay.heads}/{lay.kv_heads} x D={lay.head_dim}"  # noqa: E731
+    heads = lambda lay: f"T={lay.tokens} ({len(lay.ends)} seqs) x N={lay.heads}/{lay.kv_heads} x D={lay.head_dim}"  # noqa: E731 - a one-line label
     out = [
         Spec("rms_norm", "reduce", 3.0, "rms_norm (RmsNorm: x and gamma in x's dtype)", f"{VERSIONS_FIX}; {NO_KEY}",
              checks.check_rms_norm, lambda lay: _tokens(lay, lay.hidden)),
@@ -100,7 +100,7 @@ def _row(name: str, shape: str, dtype, tol: float, budget: float, contract: str,
     err, error = None, ""
     try:
         err = _compare(*fn())
-    except Exception as e:  # noqa: BLE001 - a kernel that refuses the call is this row's failure
+    except Exception as e:  # a kernel that refuses the call is this row's failure
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     seconds = time.perf_counter() - t0
     ok = err is not None and err <= tol

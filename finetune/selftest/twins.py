@@ -245,7 +245,7 @@ def rotary_position_embedding(x, cos, sin, mode=0):
     return (h * cos.astype(ms.float32) + rotated * sin.astype(ms.float32)).astype(x.dtype)
 
 
-def swiglu(input, dim=-1):  # noqa: A002  (MindSpore's argument name)
+def swiglu(input, dim=-1):  # MindSpore's argument name
     op = "swiglu"
     need(op, "dtype", input.dtype in FLOATS, f"input {input.dtype}")
     need(op, "split", input.shape[dim] % 2 == 0, f"shape {input.shape}, dim {dim}")

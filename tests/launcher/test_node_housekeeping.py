@@ -73,7 +73,7 @@ def test_two_nodes_sharing_one_output_dir_race_without_error_or_double_work(tmp_
     def tidy(job):
         try:
             tidy_run_dir(job.recipe, job.plan, print)
-        except Exception as e:  # noqa: BLE001  (the assertion names it)
+        except Exception as e:  # the assertion names it
             errors.append(e)
 
     threads = [threading.Thread(target=tidy, args=(j,)) for j in jobs]

@@ -9,7 +9,7 @@ import pytest
 from tests.finetune.contracts.twins import CONTRACTS, ContractError
 
 
-def T(shape, dtype="float16", seed=0):  # noqa: N802  (short: used in every test)
+def T(shape, dtype="float16", seed=0):  # short: used in every test
     import mindspore as ms
 
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)

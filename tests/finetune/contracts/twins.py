@@ -29,7 +29,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from finetune.selftest.twins import CONTRACTS as FUSED_CONTRACTS
-from finetune.selftest.twins import (  # noqa: F401
+from finetune.selftest.twins import (  # noqa: F401 - re-exported for the contract tests
     ContractError,
     Rule,
     flash_attention_score,
@@ -160,7 +160,7 @@ def reduce_scatter_tensor_twin(all_reduce, group_size, group_rank, calls: dict[s
             chunk = self.total[self.lo:self.hi]
             self.output.copy_(ops.where(Tensor(True), chunk, chunk))  # a slice view: the CPU copy_ wants a tensor
 
-    def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):  # noqa: A002  (MindSpore's names)
+    def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):  # MindSpore's names
         name = "reduce_scatter_tensor"
         calls[name] = calls.get(name, 0) + 1
         need(name, "args", isinstance(output, Tensor) and isinstance(input, Tensor) and output.dtype == input.dtype

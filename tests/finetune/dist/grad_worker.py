@@ -21,18 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mindspore as ms  # noqa: E402  (sys.path set above)
-import numpy as np  # noqa: E402  (sys.path set above)
-from mindspore.communication import get_group_size, get_rank  # noqa: E402  (sys.path set above)
-from mindspore.mint import distributed  # noqa: E402  (sys.path set above)
-from toy_worker import CFG, CLASSES, VOCAB, Toy  # noqa: E402  (sys.path set above)
+import mindspore as ms
+import numpy as np
+from mindspore.communication import get_group_size, get_rank
+from mindspore.mint import distributed
+from toy_worker import CFG, CLASSES, VOCAB, Toy
 
-from finetune.dist import init_distributed, launched_world  # noqa: E402  (sys.path set above)
-from finetune.optim import AdamW, ShardedAdamW  # noqa: E402  (sys.path set above)
-from finetune.parallel.overlap import GradReduction  # noqa: E402  (sys.path set above)
-from finetune.train import accumulate  # noqa: E402  (sys.path set above)
-from jobspec.layout import Layout  # noqa: E402  (sys.path set above)
-from tests.finetune.contracts import twins  # noqa: E402  (sys.path set above)
+from finetune.dist import init_distributed, launched_world
+from finetune.optim import AdamW, ShardedAdamW
+from finetune.parallel.overlap import GradReduction
+from finetune.train import accumulate
+from jobspec.layout import Layout
+from tests.finetune.contracts import twins
 
 MICRO = 8
 

@@ -16,15 +16,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import mindspore as ms  # noqa: E402  (sys.path set above)
-import numpy as np  # noqa: E402  (sys.path set above)
-from mindspore import nn, ops  # noqa: E402  (sys.path set above)
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
 
-from finetune.dist import init_distributed, launched_world  # noqa: E402
-from finetune.optim import ShardedAdamW  # noqa: E402
-from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp  # noqa: E402
-from jobspec.config import TrainConfig  # noqa: E402
-from jobspec.layout import Layout  # noqa: E402
+from finetune.dist import init_distributed, launched_world
+from finetune.optim import ShardedAdamW
+from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp
+from jobspec.config import TrainConfig
+from jobspec.layout import Layout
 
 VOCAB, HID, CLASSES, GLOBAL_BATCH = 50, 16, 7, 8
 CFG = TrainConfig(lr=5e-2, clip_grad=0.5, weight_decay=0.1)

@@ -8,10 +8,10 @@ import pytest
 from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-import harness  # noqa: E402
-from test_msrun_train import WORKER, _assert_same_run, _plan, _run_once  # noqa: E402
+import harness
+from test_msrun_train import WORKER, _assert_same_run, _plan, _run_once
 
-from jobspec.config import load_recipe  # noqa: E402
+from jobspec.config import load_recipe
 
 pytestmark = pytest.mark.slow
 LORA = {"train.method": "lora", "lora.dropout": "0", "lora.r": "4"}

@@ -119,7 +119,7 @@ def test_packed_rows_equal_the_sequences_apart(ms_cpu):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=p.name)
 
 
-def test_fused_path_under_the_twins_gives_peft_s_gradients(twins):  # noqa: F811
+def test_fused_path_under_the_twins_gives_peft_s_gradients(twins):  # noqa: F811 - the imported fixture
     """The Ascend path (fused RMSNorm, RoPE, SwiGLU under their contract twins) with adapters: peft's loss
     and every adapter gradient."""
     import mindspore as ms
@@ -199,7 +199,7 @@ def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_fp16_fused_attention_with_adapters_equals_the_reference_path(twins, recompute):  # noqa: F811
+def test_fp16_fused_attention_with_adapters_equals_the_reference_path(twins, recompute):  # noqa: F811 - the imported fixture
     """fp16 packed rows on the Ascend path (TND flash attention under its twin, one call per layer) with
     adapters on all seven layers, recomputed or not: the loss and every adapter gradient equal the fp16
     reference path's."""
