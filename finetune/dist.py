@@ -168,9 +168,10 @@ def host_group(rank: RankInfo) -> HostGroup:
 
     draw = np.array([secrets.randbelow(1 << 24) if rank.is_main else 0], np.float32)  # exact in fp32
     token = int(all_reduce_sum(ms.Tensor(draw), rank.world_group).asnumpy()[0])
-    where = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    shm = os.access("/dev/shm", os.W_OK)
+    where = "/dev/shm" if shm else tempfile.gettempdir()
     group = HostGroup(os.path.join(where, f"ascend-finetune-{token:06x}-dp{rank.tp_rank}"), rank.dp, rank.dp_rank)
-    rank.log(f"[train] DP sums through shared memory in {where} (parallel.host_collectives)" if where == "/dev/shm"
+    rank.log(f"[train] DP sums through shared memory in {where} (parallel.host_collectives)" if shm
              else f"[train] warning: /dev/shm is not writable, so the DP sums go through files in {where}, which may "
                   "be slower: mount /dev/shm writable (docker run --shm-size=...) or set "
                   "parallel.host_collectives=false")

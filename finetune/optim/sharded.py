@@ -40,6 +40,7 @@ from finetune.hostmem import own_array, snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import (
     HostSum,
+    NormPiece,
     finish_norm,
     host_fp32,
     norm_partials,
@@ -86,6 +87,8 @@ class ShardedAdamW:
         self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
+        self.norm_pieces: list[NormPiece] = [(k, slice(a, b), ws, wr) for k, segs in enumerate(self.segs)
+                                             for a, b, _, ws, wr in segs]  # what the norm reads, fixed
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
         native = native_collectives(rank, rank.dp_group)
@@ -98,8 +101,8 @@ class ShardedAdamW:
         host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         host = rank.dp_host  # set only with layout.host_collectives, i.e. dp > 1
         self.host_rs = host.slots([c * dp for c in self.chunk]) if host else None
-        owned = host is not None and all(own_array(p) is not None for p in self.params)  # weights written in place
-        self.host_ag = host.slots(self.chunk, host_dtype) if host and host_dtype and owned else None
+        self.host_ag = (host.slots(self.chunk, host_dtype)  # the gathered weights are written into their memory
+                        if host and host_dtype and all(own_array(p) is not None for p in self.params) else None)
         rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
                  f"{self._how(self.host_rs, self.native_rs)}, all-gather {self._how(self.host_ag, self.native_ag)}")
 
@@ -209,8 +212,7 @@ class ShardedAdamW:
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _global_norm(self, shards: list) -> ms.Tensor:
-        split, rep = norm_partials(shards, [(k, slice(a, b), ws, wr) for k, segs in enumerate(self.segs)
-                                            for a, b, _, ws, wr in segs], self.gate.on_host)
+        split, rep = norm_partials(shards, self.norm_pieces, self.gate.on_host)
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 

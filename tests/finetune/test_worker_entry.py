@@ -128,9 +128,3 @@ def test_kernels_run_when_called_on_cpu_only(monkeypatch, target, blocking):
     set_device(target, 0)
     assert calls == [("set_device", target, 0)] + ([("launch_blocking",)] if blocking else [])
 
-
-def test_the_cpu_runtime_of_the_tests_is_the_workers(ms_cpu):
-    """The tests' MindSpore runs as the workers' does (conftest's ms_cpu goes through dist.set_device)."""
-    from mindspore._c_expression import RuntimeConf
-
-    assert RuntimeConf.get_instance().is_launch_blocking()
