@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 
 from tests.finetune.contracts.twins import CONTRACTS, ContractError
+from tests.tolerances import assert_fp32_close
+
+ADAMW_OPS = 12  # an AdamW element's chain: two moments (3 ops each), two bias corrections, sqrt, eps, divide, decay
 
 
 def T(shape, dtype="float16", seed=0):  # short: used in every test
@@ -242,6 +245,6 @@ def test_valid_calls_compute_the_reference(ms_cpu):
     twin = _call("adamw_update", kernel)
     assert all(np.array_equal(kernel[k].asnumpy(), inputs[k]) for k in inputs)
     for new, ref, old in zip(ours, twin, outputs):
-        np.testing.assert_allclose(new.asnumpy(), ref.asnumpy(), rtol=1e-6, atol=1e-9)
-        np.testing.assert_allclose(old.asnumpy(), ref.asnumpy(), rtol=1e-6, atol=1e-9)
+        assert_fp32_close(new.asnumpy(), ref.asnumpy(), ADAMW_OPS)  # elementwise: no sums, a chain of ops
+        assert_fp32_close(old.asnumpy(), ref.asnumpy(), ADAMW_OPS)
     assert not np.allclose(ours[0].asnumpy(), inputs["w"])
