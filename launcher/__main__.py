@@ -48,7 +48,7 @@ from jobspec.layout import host_collectives_choice
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
-from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
+from launcher import ascendjob, capacity, cli, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import plan as planlib
@@ -151,7 +151,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
              or recipe.parallel.tp_size * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
-    problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
+    problems = (_needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
+                + capacity.nproc_problems(nproc, device, devs, host.sys_root))
     tp_why, compile_asked = "", recipe.train.compile_layers
     try:
         if recipe.parallel.tp == "auto":  # before resolving: the smallest TP whose estimate fits (jobspec/memory.py)
