@@ -7,9 +7,12 @@ from: ``PP='two' (parallel.pp): expected an integer (e.g. PP=8)`` for a variable
 """
 from __future__ import annotations
 
+import errno
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jobspec.config import ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden, parse_overrides
 
@@ -215,4 +218,24 @@ def load(settings: Settings, extra: dict[str, str] | None = None) -> Recipe:
         raise ConfigError([*settings.problems, *e.items], settings.render) from None
     if settings.problems:
         raise ConfigError(settings.problems)
+    loops = [p for key in PATH_KEYS for p in _loop_problems(recipe, key)]
+    if loops:
+        raise ConfigError(loops, settings.render)
     return recipe
+
+
+def _loop_problems(recipe: Recipe, key: str) -> list[Problem]:
+    """A path of ``key`` that is a symlink loop (it cannot be resolved; the workers get absolute paths)."""
+    *parents, leaf = key.split(".")
+    value = getattr(functools.reduce(getattr, parents, recipe), leaf)
+    out = []
+    for path in value if isinstance(value, list) else [value] if value else []:
+        try:
+            Path(path).expanduser().resolve()
+        except (RuntimeError, OSError) as e:  # Python 3.11: RuntimeError("Symlink loop from ...")
+            if isinstance(e, OSError) and e.errno != errno.ELOOP:
+                raise
+            out.append(Problem(key, f"{path} is a symlink loop ({e}); point it at the real file or directory "
+                                    "(ls -l shows where each link points)", f"/data/{PATH_KEYS[key][1]}",
+                               repr(",".join(value) if isinstance(value, list) else value)))
+    return out

@@ -5,7 +5,10 @@ never ran, OUTPUT_DIR unchanged.
 """
 from __future__ import annotations
 
+import codecs
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,15 +18,56 @@ from test_bad_inputs import test_bad_input_is_refused_before_anything_starts as 
 
 import launcher.__main__ as lm
 from jobspec.config import ConfigError, load_recipe
+from jobspec.data.files import resolve_sources
+from jobspec.data.formats import check_data, iter_samples
+from jobspec.tiny import ensure_tiny_model
 from launcher import cluster
+from launcher.model_check import weight_problems
+
+
+def _config(name: str, change: Callable[[dict], dict], init: dict | None = None):
+    """A model dir whose config.json says otherwise than its weights: the tiny model (``init``: its config),
+    then ``change`` applied to config.json alone."""
+    def make(root: Path) -> None:
+        d = root / name
+        ensure_tiny_model(d, {"num_hidden_layers": 1, **(init or {})})
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(change(cfg)))
+    return make
+
+
+def _bytes(name: str, data: bytes):
+    def make(root: Path) -> None:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return make
+
+
+def _link(name: str, target: str):
+    def make(root: Path) -> None:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(target)
+    return make
 
 
 def _text(name: str, text: str):
-    return lambda root: (root / name).write_text(text)
+    return _bytes(name, text.encode())
 
+
+RECORDS = [{"instruction": "Say hi to Zoë", "output": "hi"}, {"instruction": "Say bye", "output": "bye"}]
+JSONL = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in RECORDS)
 
 FIXTURES = (_model,
+            _config("qwen25-as-qwen3", lambda c: {**c, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}),
+            _config("qwen3-no-head-dim", lambda c: {k: v for k, v in c.items() if k != "head_dim"},
+                    {"model_type": "qwen3", "head_dim": 32}),
+            _config("untied", lambda c: {**c, "tie_word_embeddings": False}),
             _text("a.jsonl", '{"instruction": "Say hi", "output": "hi"}\n'),
+            _link("loop-a", "loop-b"), _link("loop-b", "loop-a"),
+            _text("looped/good.jsonl", JSONL), _link("looped/more.jsonl", "more.jsonl"),
+            _text("splits/README.md", "# a dataset card\n"), _text("splits/dataset_info.json", '{"features": {}}'),
+            _text("splits/data/train-00000-of-00001.jsonl", JSONL), _text("splits/data/test-00000-of-00001.jsonl",
+                                                                          JSONL),
             _text("het.txt", "node-a slots=8\nnode-b slots=4\n"),
             _text("mixed.txt", "node-a slots=2\nnode-b\n"))
 
@@ -55,6 +99,26 @@ CASES = [
      ["train.betas=['0.9', 'x']: entry 'x': expected a finite number", "e.g. train.betas=0.9,0.999"]),
     ("lora-target-typo-in-a-yaml-list", {"RECIPE": "tiny-cpu-lora"}, ["lora.target_modules=[q_projj,v_proj]"], 2,
      ["unknown layer(s) q_projj;", "names are q_proj, k_proj, v_proj"]),
+    ("model-qwen25-weights-labelled-qwen3", {"MODEL_DIR": "{tmp}/qwen25-as-qwen3"}, [], 1,
+     ["tensor model.layers.0.self_attn.q_norm.weight (shape [16]) is missing from the weights",
+      "the weights have q/k/v biases and no q_norm / k_norm: Qwen2 / Qwen2.5 weights, but config.json says "
+      "model_type qwen3", "use the config.json that came with these weights"]),
+    ("model-qwen3-without-head-dim", {"MODEL_DIR": "{tmp}/qwen3-no-head-dim"}, [], 1,
+     ["tensor model.layers.0.self_attn.q_proj.weight has shape [128, 64], config.json gives [64, 64]",
+      "the weights' q_proj has head_dim 32 (128 rows / 4 heads); config.json has no head_dim (so hidden_size / "
+      "num_attention_heads = 16)"]),
+    ("model-untied-config-tied-weights", {"MODEL_DIR": "{tmp}/untied"}, [], 1,
+     ["tensor lm_head.weight (shape [151936, 64]) is missing from the weights", "tie_word_embeddings"]),
+    ("data-symlink-loop", {"DATA": "{tmp}/loop-a"}, [], 2,
+     ["DATA='{tmp}/loop-a' (data.paths): {tmp}/loop-a is a symlink loop", "point it at the real file or directory"]),
+    ("model-dir-symlink-loop", {"MODEL_DIR": "{tmp}/loop-b"}, [], 2,
+     ["MODEL_DIR='{tmp}/loop-b' (model.dir): {tmp}/loop-b is a symlink loop"]),
+    ("data-dir-holding-a-symlink-loop", {"DATA": "{tmp}/looped"}, [], 1,
+     ["looped/more.jsonl: a broken symlink or a symlink loop (data.paths[0]); fix the link, or remove it"]),
+    ("data-hub-snapshot-with-a-test-split", {"DATA": "{tmp}/splits"}, [], 1,
+     ["splits: holds a train split (train-00000-of-00001.jsonl) and held-out splits "
+      "(test-00000-of-00001.jsonl)", "name the train files (e.g. DATA={tmp}/splits/data/train-00000-of-00001.jsonl)",
+      "data.val_paths"]),
     ("lora-settings-with-full", {}, ["lora.r=4", "lora.alpha=32"], 2,
      ["train.method='full': lora.r=4, lora.alpha=32.0 set but train.method=full", "set train.method=lora, or drop "
       "the lora.* settings"]),
@@ -100,3 +164,35 @@ def test_more_workers_than_npus_is_refused(atlas, tmp_path, capsys):
     assert lm.main(["plan"], host) == 2
     assert "NPROC_PER_NODE='16' (launch.nproc_per_node): 16 workers per node" in capsys.readouterr().err
     assert not (tmp_path / "out" / "plan.json").exists()
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16-le-bom", "utf-16-be-bom"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_bom_or_utf16_file_is_read(tmp_path, encoding, suffix):
+    text = JSONL if suffix == ".jsonl" else json.dumps(RECORDS, ensure_ascii=False)
+    bom, codec = {"utf-8-sig": (codecs.BOM_UTF8, "utf-8"), "utf-16-le-bom": (codecs.BOM_UTF16_LE, "utf-16-le"),
+                  "utf-16-be-bom": (codecs.BOM_UTF16_BE, "utf-16-be")}[encoding]
+    f = tmp_path / f"data{suffix}"
+    f.write_bytes(bom + text.encode(codec))
+    samples = list(iter_samples(f))
+    assert [s.turns[0][1] for s in samples] == ["Say hi to Zoë", "Say bye"]
+    assert not any(s.bad_utf8 for s in samples)
+
+
+def test_a_hub_snapshot_directory_reads_its_data_files(tmp_path):
+    """huggingface-cli download of a dataset: README.md, dataset_info.json, .gitattributes, data/*.jsonl."""
+    for name, text in {"README.md": "# card", "dataset_info.json": '{"features": {}}', ".gitattributes": "*",
+                       "data/train-00000-of-00002.jsonl": JSONL, "data/train-00001-of-00002.jsonl": JSONL}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(text.encode())
+    r = load_recipe("tiny-cpu", {"data.paths": str(tmp_path)})
+    assert [s.path.name for s in resolve_sources(r.data)] == ["train-00000-of-00002.jsonl",
+                                                              "train-00001-of-00002.jsonl"]
+    assert check_data(r.data) == []
+
+
+def test_config_and_weights_of_one_model_agree(tmp_path):
+    for i, init in enumerate(({}, {"model_type": "qwen3", "head_dim": 32}, {"tie_word_embeddings": False})):
+        ensure_tiny_model(tmp_path / str(i), {"num_hidden_layers": 1, **init})
+        cfg = json.loads((tmp_path / str(i) / "config.json").read_text())
+        assert weight_problems(tmp_path / str(i), cfg, ["model.safetensors"]) == [], init
