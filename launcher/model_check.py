@@ -1,7 +1,11 @@
-"""A model directory's weights against its config.json, from the safetensors headers only (no tensor data):
-every tensor the layout table (jobspec/qwen2_layout.py) expects, in its shape. Preflight's model row."""
+"""A model directory's weights against its config.json, and a LoRA adapter against its base, from the
+safetensors headers only (no tensor data): every tensor the layout table (jobspec/qwen2_layout.py) expects,
+in its shape. Preflight's model row; ``generate --adapter``."""
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +62,45 @@ def _hints(cfg: dict[str, Any], found: dict[str, tuple[tuple[int, ...], Path]]) 
     if d.tied and "lm_head.weight" in found:
         out.append("the weights hold lm_head.weight but config.json says tie_word_embeddings true")
     return out
+
+
+PEFT_PREFIX = "base_model.model."  # peft's tensor names (finetune/lora_io.py writes them)
+
+
+def adapter_problems(adapter: Path, base: Path) -> list[str]:
+    """A peft adapter directory against the base model it is to be applied to, from adapter_config.json and
+    the adapter's safetensors header: each tensor whose base weight is missing or of another shape."""
+    try:
+        peft = json.loads((adapter / "adapter_config.json").read_text())
+        expected = full_shapes(json.loads((base / "config.json").read_text()))
+        found = header_shapes([adapter / "adapter_model.safetensors"])
+    except (OSError, ValueError, KeyError, TypeError) as e:  # generate itself names a missing file
+        return [] if isinstance(e, FileNotFoundError) else [f"{adapter} or {base}: unreadable ({e})"]
+    trained_on = f" (adapter_config.json: trained on {peft.get('base_model_name_or_path')})"
+    out = []
+    for name, (shape, _) in sorted(found.items()):
+        module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        weight = f"{module}.weight" if kind else name.removeprefix(PEFT_PREFIX)
+        need = expected.get(weight)
+        # lora_A is (r, in features), lora_B (out features, r); a saved module is the base's shape
+        ok = need is not None and (shape[1] == need[1] if kind == "A.weight" else shape[0] == need[0]
+                                   if kind == "B.weight" else shape == need)
+        if not ok:
+            has = f"{weight} of shape {list(need)}" if need else f"no {weight}"
+            out.append(f"{adapter}: {name} has shape {list(shape)}, but the base {base} has {has}")
+    if out:
+        rows = out[:3] + ([f"... and {len(out) - 3} more"] if len(out) > 3 else [])
+        return [*rows, f"this adapter belongs to another model{trained_on}; give --model-dir that model"]
+    return []
+
+
+def adapter_refused(options: list[str], base: str) -> bool:
+    """``generate --adapter DIR`` whose tensors do not fit the base (``--model-dir``, else ``base``): said, True."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--adapter")
+    ap.add_argument("--model-dir")
+    given = ap.parse_known_args(options)[0]
+    problems = adapter_problems(Path(given.adapter), Path(given.model_dir or base)) if given.adapter else []
+    for p in problems:
+        print(f"[launcher] {p}", file=sys.stderr)
+    return bool(problems)

@@ -11,8 +11,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
-from launcher_fakes import recorded_npu_smi
+from launcher_fakes import make_sys, recorded_npu_smi
+from safetensors.numpy import save_file
 from test_bad_inputs import _model
 from test_bad_inputs import test_bad_input_is_refused_before_anything_starts as refused
 
@@ -20,9 +22,10 @@ import launcher.__main__ as lm
 from jobspec.config import ConfigError, load_recipe
 from jobspec.data.files import resolve_sources
 from jobspec.data.formats import check_data, iter_samples
+from jobspec.qwen2_layout import full_shapes
 from jobspec.tiny import ensure_tiny_model
 from launcher import cluster
-from launcher.model_check import weight_problems
+from launcher.model_check import adapter_problems, weight_problems
 
 
 def _config(name: str, change: Callable[[dict], dict], init: dict | None = None):
@@ -196,3 +199,36 @@ def test_config_and_weights_of_one_model_agree(tmp_path):
         ensure_tiny_model(tmp_path / str(i), {"num_hidden_layers": 1, **init})
         cfg = json.loads((tmp_path / str(i) / "config.json").read_text())
         assert weight_problems(tmp_path / str(i), cfg, ["model.safetensors"]) == [], init
+
+
+def _adapter(d: Path, base_cfg: dict, r: int = 4) -> Path:
+    """A peft adapter (q_proj and v_proj of every layer) for a model of ``base_cfg``'s shapes, zeros."""
+    shapes = full_shapes(base_cfg)
+    tensors = {}
+    for name, (out, fan_in) in ((n, s) for n, s in shapes.items() if n.endswith(("q_proj.weight", "v_proj.weight"))):
+        module = "base_model.model." + name.removesuffix(".weight")
+        tensors[module + ".lora_A.weight"] = np.zeros((r, fan_in), np.float32)
+        tensors[module + ".lora_B.weight"] = np.zeros((out, r), np.float32)
+    d.mkdir(parents=True)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8,
+                                                       "base_model_name_or_path": "/models/small"}))
+    return d
+
+
+def test_an_adapter_of_another_model_is_refused_before_loading(tmp_path, capsys):
+    small, big = tmp_path / "small", tmp_path / "big"
+    ensure_tiny_model(small, {"num_hidden_layers": 1})
+    ensure_tiny_model(big, {"num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256})
+    adapter = _adapter(tmp_path / "adapter", json.loads((small / "config.json").read_text()))
+    assert adapter_problems(adapter, small) == []
+    (tmp_path / "dev").mkdir()
+    host = lm.Host(env={"OUTPUT_DIR": str(tmp_path / "out")}, dev_dir=tmp_path / "dev", root=tmp_path,
+                   npu_smi=None, identities=set(), sys_root=make_sys(tmp_path, {0: "0-1"}, cpuset_v2="0-1"))
+    rc = lm.main(["generate", "--model-dir", str(big), "--adapter", str(adapter), "--prompt", "hi"], host)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert (f"{adapter}: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight has shape [4, 64], but the "
+            f"base {big} has model.layers.0.self_attn.q_proj.weight of shape [128, 128]") in err
+    assert "this adapter belongs to another model (adapter_config.json: trained on /models/small); give " \
+           "--model-dir that model" in err and "Traceback" not in err
