@@ -44,9 +44,11 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("MASTER_ADDR", "launch.master_addr", "node 0's address (msrun scheduler)"),
     ("MASTER_PORT", "launch.master_port",
      f"scheduler port, default {LaunchConfig.master_port}, same on every node"),
-    ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1)"),
-    ("HOSTFILE", "launch.hostfile", "`host slots=N` lines (see `hostfiles/`); this node is the line naming one "
-                                    "of its host names or interface addresses, or `NODE_RANK`"),
+    ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1); "
+                                                "more than the NPUs (CPU workers: the allowed CPUs) is refused"),
+    ("HOSTFILE", "launch.hostfile", "`host slots=N` (or MPI's `host:N`) lines, the same slots on every line (see "
+                                    "`hostfiles/`); this node is the line naming one of its host names or interface "
+                                    "addresses, or `NODE_RANK`"),
     ("TP", "parallel.tp", "tensor-parallel size (world = TP x DP x PP), or `auto`: the smallest that fits"),
     ("PP", "parallel.pp", "pipeline-parallel size (1)"),
     ("DP", "parallel.dp", "data-parallel size; `0` derives it from the world size"),
