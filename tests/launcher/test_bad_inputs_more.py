@@ -183,14 +183,18 @@ def test_a_bom_or_utf16_file_is_read(tmp_path, encoding, suffix):
 
 
 def test_a_hub_snapshot_directory_reads_its_data_files(tmp_path):
-    """huggingface-cli download of a dataset: README.md, dataset_info.json, .gitattributes, data/*.jsonl."""
-    for name, text in {"README.md": "# card", "dataset_info.json": '{"features": {}}', ".gitattributes": "*",
-                       "data/train-00000-of-00002.jsonl": JSONL, "data/train-00001-of-00002.jsonl": JSONL}.items():
-        (tmp_path / name).parent.mkdir(exist_ok=True)
+    """huggingface-cli download of a dataset: README.md, dataset_info.json, .gitattributes, data/*.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, text in {"README.md": "# card", "dataset_info.json": '{"features": {}}', ".gitattributes": "*"}.items():
         (tmp_path / name).write_bytes(text.encode())
+    (tmp_path / "data").mkdir()
+    for i in range(2):
+        pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / f"data/train-0000{i}-of-00002.parquet")
     r = load_recipe("tiny-cpu", {"data.paths": str(tmp_path)})
-    assert [s.path.name for s in resolve_sources(r.data)] == ["train-00000-of-00002.jsonl",
-                                                              "train-00001-of-00002.jsonl"]
+    assert [s.path.name for s in resolve_sources(r.data)] == ["train-00000-of-00002.parquet",
+                                                              "train-00001-of-00002.parquet"]
     assert check_data(r.data) == []
 
 
