@@ -142,7 +142,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
     return value
 
 
-def split_list(text: str) -> list[str]:
+def _split_list(text: str) -> list[str]:
     """An override's list: ``a,b`` or YAML's ``[a, b]``, items stripped of spaces and quotes (``''``: empty)."""
     text = text.strip()
     if text.startswith("[") and text.endswith("]"):
@@ -153,7 +153,7 @@ def split_list(text: str) -> list[str]:
 def _coerce_list(value: Any, item: Any, key: str, problems: list[Problem], default: Any) -> list[Any]:
     """A list from YAML or an override string; an empty entry (``DATA=a.jsonl,``) is refused, not read."""
     if isinstance(value, str):
-        value = split_list(value)
+        value = _split_list(value)
     if not isinstance(value, (list, tuple)):
         problems.append(Problem(key, "expected a list", "a,b", repr(value)))
         return []
@@ -164,8 +164,9 @@ def _coerce_list(value: Any, item: Any, key: str, problems: list[Problem], defau
                                 "only the entries you mean", ",".join(given) or "a,b",
                                 repr(",".join("" if v is None else str(v) for v in value))))
         return []
-    out, wrong = [], list[Problem]()
+    out: list[Any] = []
     for v in value:
+        wrong: list[Problem] = []
         out.append(_coerce(v, item, key, wrong))
         if wrong:  # one line naming the entry and the whole list, with an example of the list
             ex = ",".join(map(str, default)) if default else wrong[0].example
