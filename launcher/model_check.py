@@ -79,13 +79,15 @@ def adapter_problems(adapter: Path, base: Path) -> list[str]:
     trained_on = f" (adapter_config.json: trained on {peft.get('base_model_name_or_path')})"
     out = []
     for name, (shape, _) in sorted(found.items()):
-        module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-        weight = f"{module}.weight" if kind else name.removeprefix(PEFT_PREFIX)
+        module, lora, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        weight = f"{module}.weight" if lora else name.removeprefix(PEFT_PREFIX)
         need = expected.get(weight)
-        # lora_A is (r, in features), lora_B (out features, r); a saved module is the base's shape
-        ok = need is not None and (shape[1] == need[1] if kind == "A.weight" else shape[0] == need[0]
-                                   if kind == "B.weight" else shape == need)
-        if not ok:
+        if not lora and need is None:  # a saved module under a name of peft's own: generate reads it
+            continue
+        # lora_A is (r, in features), lora_B (out features, r); a saved module has the base's shape
+        fits = need is not None and (shape[1] == need[1] if kind == "A.weight" else shape[0] == need[0]
+                                     if kind == "B.weight" else shape == need)
+        if not fits:
             has = f"{weight} of shape {list(need)}" if need else f"no {weight}"
             out.append(f"{adapter}: {name} has shape {list(shape)}, but the base {base} has {has}")
     if out:

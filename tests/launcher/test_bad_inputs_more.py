@@ -213,6 +213,7 @@ def _adapter(d: Path, base_cfg: dict, r: int = 4) -> Path:
         module = "base_model.model." + name.removesuffix(".weight")
         tensors[module + ".lora_A.weight"] = np.zeros((r, fan_in), np.float32)
         tensors[module + ".lora_B.weight"] = np.zeros((out, r), np.float32)
+    tensors["base_model.model.model.embed_tokens.weight"] = np.zeros(shapes["model.embed_tokens.weight"], np.float32)
     d.mkdir(parents=True)
     save_file(tensors, str(d / "adapter_model.safetensors"))
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8,
@@ -236,3 +237,9 @@ def test_an_adapter_of_another_model_is_refused_before_loading(tmp_path, capsys)
             f"base {big} has model.layers.0.self_attn.q_proj.weight of shape [128, 128]") in err
     assert "this adapter belongs to another model (adapter_config.json: trained on /models/small); give " \
            "--model-dir that model" in err and "Traceback" not in err
+    deeper = json.loads((small / "config.json").read_text()) | {"num_hidden_layers": 2}
+    assert adapter_problems(_adapter(tmp_path / "deeper", deeper), small)[:2] == [
+        f"{tmp_path / 'deeper'}: base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight has shape [4, 64], "
+        f"but the base {small} has no model.layers.1.self_attn.q_proj.weight",
+        f"{tmp_path / 'deeper'}: base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight has shape [64, 4], "
+        f"but the base {small} has no model.layers.1.self_attn.q_proj.weight"]
