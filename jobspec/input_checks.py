@@ -62,13 +62,14 @@ def unused_lora_problems(method: str, lora: LoraConfig) -> list[Problem]:
     if method == "lora":
         return []
     default = LoraConfig()
-    changed = [f"lora.{f.name}={getattr(lora, f.name)!r}" for f in dataclasses.fields(lora)
+    changed = [(f.name, getattr(lora, f.name)) for f in dataclasses.fields(lora)
                if getattr(lora, f.name) != getattr(default, f.name)]
     if not changed:
         return []
-    return [Problem("train.method", f"{', '.join(changed)} set but train.method={method} trains every weight and "
-                    "ignores the lora section; set train.method=lora, or drop the lora.* settings", "lora",
-                    repr(method))]
+    # under train.method's key: an invalid method (already reported) reports no more
+    return [Problem("train.method", f"{', '.join(f'lora.{k}={v!r}' for k, v in changed)} set, but full fine-tuning "
+                    "trains every weight and ignores the lora section; set train.method=lora, or drop the lora.* "
+                    "settings", value=repr(method))]
 
 
 def _data_source_problems(d: DataSources) -> list[Problem]:

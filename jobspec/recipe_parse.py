@@ -65,6 +65,11 @@ _FALSE = {"0", "false", "no", "off"}
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
+def _short(x: float) -> str:
+    """A float as a user writes it: 2e-5, 0.01, 65536."""
+    return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m.group(1).replace("+", "") + m.group(2), f"{x:g}")
+
+
 def _example(tp: Any) -> str:
     return {int: "8", float: "2e-5", bool: "true", str: "text"}.get(tp, "[...]")
 
@@ -131,7 +136,8 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
         except (TypeError, ValueError):
             what = "an integer" if tp is int else "a finite number"
             # a default of 0 or 1 illustrates nothing
-            ex = str(default) if type(default) is int and default > 1 else _example(tp)
+            ex = str(default) if type(default) is int and default > 1 else _short(default) \
+                if type(default) is float and default > 0 else _example(tp)
             problems.append(Problem(key, f"expected {what}", ex, repr(value)))
             return tp()
     if tp is str:

@@ -123,8 +123,8 @@ CASES = [
       "(test-00000-of-00001.jsonl)", "name the train files (e.g. DATA={tmp}/splits/data/train-00000-of-00001.jsonl)",
       "data.val_paths"]),
     ("lora-settings-with-full", {}, ["lora.r=4", "lora.alpha=32"], 2,
-     ["train.method='full': lora.r=4, lora.alpha=32.0 set but train.method=full", "set train.method=lora, or drop "
-      "the lora.* settings"]),
+     ["train.method='full': lora.r=4, lora.alpha=32.0 set, but full fine-tuning trains every weight",
+      "set train.method=lora, or drop the lora.* settings"]),
 ]
 
 
