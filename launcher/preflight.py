@@ -210,7 +210,8 @@ def check_model(c: Context) -> list[Check]:
     if not d.is_dir():
         return [Check("model", "fail", f"MODEL_DIR={d}: no such directory",
                       "set MODEL_DIR to a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")]
-    missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
+    missing = [f + (" (a broken symlink or loop)" if (d / f).is_symlink() else "") for f in ("config.json",
+               "tokenizer.json") if not (d / f).is_file()]
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -91,8 +91,8 @@ def _data_files(d: Path, where: str) -> list[Path]:
             raise DataError(f"{f}: a broken symlink or a symlink loop ({where}); fix the link, or remove it")
         if f.is_file():
             files.append(f)
-    held_out = [f for f in files if HELD_OUT.match(f.stem)]
-    train = [f for f in files if TRAIN.match(f.stem)]
+    held_out = [f for f in files if HELD_OUT.fullmatch(f.stem)]
+    train = [f for f in files if TRAIN.fullmatch(f.stem)]
     if held_out and train:  # a hub snapshot's splits: its test split is not training data
         raise DataError(f"{d}: holds a train split ({train[0].name}) and held-out splits "
                         f"({', '.join(f.name for f in held_out[:3])}) ({where}); name the train files (e.g. "

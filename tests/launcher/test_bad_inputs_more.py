@@ -67,6 +67,7 @@ FIXTURES = (_model,
             _config("untied", lambda c: {**c, "tie_word_embeddings": False}),
             _text("a.jsonl", '{"instruction": "Say hi", "output": "hi"}\n'),
             _link("loop-a", "loop-b"), _link("loop-b", "loop-a"),
+            _text("loopcfg/tokenizer.json", "{}"), _link("loopcfg/config.json", "config.json"),
             _text("looped/good.jsonl", JSONL), _link("looped/more.jsonl", "more.jsonl"),
             _text("splits/README.md", "# a dataset card\n"), _text("splits/dataset_info.json", '{"features": {}}'),
             _text("splits/data/train-00000-of-00001.jsonl", JSONL), _text("splits/data/test-00000-of-00001.jsonl",
@@ -116,6 +117,8 @@ CASES = [
      ["DATA='{tmp}/loop-a' (data.paths): {tmp}/loop-a is a symlink loop", "point it at the real file or directory"]),
     ("model-dir-symlink-loop", {"MODEL_DIR": "{tmp}/loop-b"}, [], 2,
      ["MODEL_DIR='{tmp}/loop-b' (model.dir): {tmp}/loop-b is a symlink loop"]),
+    ("model-config-a-symlink-loop", {"MODEL_DIR": "{tmp}/loopcfg"}, [], 1,
+     ["loopcfg: missing config.json (a broken symlink or loop), *.safetensors"]),
     ("data-dir-holding-a-symlink-loop", {"DATA": "{tmp}/looped"}, [], 1,
      ["looped/more.jsonl: a broken symlink or a symlink loop (data.paths[0]); fix the link, or remove it"]),
     ("data-hub-snapshot-with-a-test-split", {"DATA": "{tmp}/splits"}, [], 1,
@@ -243,3 +246,10 @@ def test_an_adapter_of_another_model_is_refused_before_loading(tmp_path, capsys)
         f"but the base {small} has no model.layers.1.self_attn.q_proj.weight",
         f"{tmp_path / 'deeper'}: base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight has shape [64, 4], "
         f"but the base {small} has no model.layers.1.self_attn.q_proj.weight"]
+
+
+def test_only_split_names_count_as_splits(tmp_path):
+    for name in ("trainer.jsonl", "devops.jsonl", "valuable.jsonl"):
+        (tmp_path / name).write_bytes(JSONL.encode())
+    r = load_recipe("tiny-cpu", {"data.paths": str(tmp_path)})
+    assert [s.path.name for s in resolve_sources(r.data)] == ["devops.jsonl", "trainer.jsonl", "valuable.jsonl"]
