@@ -132,8 +132,11 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
         if n_skipped:
             rank.log(f"[train] {n_skipped:.0f} step(s) up to step {t.step} skipped: non-finite gradients (loss scale "
                      f"{scale:g})")
-        if longest >= tc.max_bad_steps:
-            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled, t.newest_healthy()))
+        ended_bad = last and t.bad_streak and not (t.scaler.enabled and np.isfinite(loss_sum))
+        if longest >= tc.max_bad_steps or ended_bad:
+            t.condemn_start_of_streak()
+            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled, t.newest_healthy(),
+                                      ended=bool(ended_bad) and longest < tc.max_bad_steps))
             return EXIT_DIVERGED
         record = reporter.step_record(t, loss_sum / scale, lr, norm, scale) if logged else {"step": t.step}
         if evaluating:
@@ -159,13 +162,15 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     return 0
 
 
-def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healthy: Path | None) -> str:
-    """Why the run stopped and what usually causes it."""
+def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healthy: Path | None,
+                     ended: bool = False) -> str:
+    """Why the run stopped and what usually causes it (``ended``: it reached its last step in the bad streak)."""
     causes = "a learning rate too high for this model (train.lr), too little warmup (train.warmup_steps), " \
              "corrupt data (check the prepared samples)"
     if scaled:
         causes += ", fp16 overflow that loss scaling cannot absorb (train.precision=bf16 on Ascend)"
-    return (f"[train] error: {bad} consecutive steps with non-finite gradients, found at step {step} (loss "
+    found = f"up to its last step, {step}" if ended else f"found at step {step}"
+    return (f"[train] error: {bad} consecutive steps with non-finite gradients, {found} (loss "
             f"scale {loss_scale:g}); stopping without a checkpoint or export. A rerun resumes "
             + (f"the newest healthy checkpoint, {healthy}" if healthy else "from step 0 (no healthy checkpoint)")
             + f" and diverges again unless a setting changes. Likely causes: {causes}. Raise train.max_bad_steps "
@@ -199,6 +204,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
             rank.log(f"[train] Hugging Face model written to {hf_dir}")
         from finetune.generate import sample_check
 
+        t.model.set_train(False)  # inference: no LoRA dropout (its masks drawn ahead have the training shape)
         # collective; tokenizer from the base (every node has it)
         sample_check(t.model, t.model_dir, recipe, rank, run.samples)
     barrier(rank)

@@ -19,7 +19,7 @@ from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoin
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from jobspec.checkpoints import run_identity, usable, ways_out
+from jobspec.checkpoints import condemn, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
 from jobspec.data.batching import BatchLoader
 from jobspec.rerun import changed_settings, run_settings
@@ -115,6 +115,12 @@ class Trainer:
         self.started = time.time()
         self.rank.log(f"[train] resumed from {path} at step {self.step}" + (
             f" ({self.skipped_steps} non-finite steps skipped so far)" if self.skipped_steps else ""))
+
+    def condemn_start_of_streak(self) -> None:
+        """The run stops in a bad streak: the checkpoint of the weights it started from, if any, is marked
+        unhealthy (their update made every later loss non-finite); one rank per node marks its copy."""
+        if self.bad_streak and self.rank.local_rank == 0:
+            condemn(self.run.checkpoint(self.step - self.bad_streak), self.bad_streak)
 
     def newest_healthy(self) -> Path | None:
         """The checkpoint a rerun would resume (the newest complete and healthy one), if any."""

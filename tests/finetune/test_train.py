@@ -7,6 +7,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from finetune.train import run
+from jobspec.checkpoints import unhealthy
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
@@ -281,8 +282,27 @@ def test_no_checkpoint_during_a_run_of_bad_steps_and_the_healthy_one_is_kept(tmp
                                "train.keep_checkpoints": "1", "train.log_every": "1"})) == 3
     text = capsys.readouterr().out
     assert "no checkpoint at step 2: the last 1 steps had non-finite gradients" in text
-    assert f"A rerun resumes the newest healthy checkpoint, {out / 'checkpoints' / 'step_00000001'}" in text
+    # step 1's update made every later loss non-finite (|w| ~ 1e37, finite): its checkpoint is kept but marked
+    # unhealthy (issue 31), so a rerun starts over instead of resuming it
+    assert "A rerun resumes from step 0 (no healthy checkpoint)" in text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+    assert "unhealthy" in (unhealthy(out / "checkpoints" / "step_00000001") or "")
+
+
+@pytest.mark.slow  # a whole training run
+def test_a_run_ending_in_a_bad_streak_exits_diverged_and_ships_nothing(tmp_path, capsys):
+    """Issue 31: with train.lr=1e38 the first step blows the weights up (finite), every later step is skipped,
+    and the run reaches max_steps before max_bad_steps: exit 3, the divergence message, no final checkpoint, no
+    hf/, no summary.json; a rerun says the same instead of shipping it."""
+    out = tmp_path / "diverged"
+    recipe = _recipe(out, **{"train.lr": "1e38", "train.save_every": "0", "train.max_steps": "4"})
+    assert run(recipe) == 3
+    text = capsys.readouterr().out
+    assert "3 consecutive steps with non-finite gradients, up to its last step, 4" in text
+    assert "A rerun resumes from step 0 (no healthy checkpoint)" in text
+    assert not list(out.glob("checkpoints/step_*")) and not (out / "hf").exists()
+    assert not (out / "summary.json").exists()
+    assert run(recipe) == 3 and not (out / "hf").exists()
 
 
 def test_too_little_data_for_a_global_batch_gives_the_numbers_and_the_fix(tmp_path):

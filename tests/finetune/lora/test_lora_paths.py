@@ -227,3 +227,32 @@ def test_fp16_fused_attention_with_adapters_equals_the_reference_path(twins, rec
     for name, g in grads_r.items():
         assert np.abs(g).max() > 0, name
         np.testing.assert_allclose(grads_f[name], g, atol=3e-2 * np.abs(g).max(), rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_eval_mode_applies_no_dropout_after_training_steps(ms_cpu, compiled):
+    """Issue 31: after training steps with dropout (compiled layers: masks drawn ahead for the training batch's
+    shape), eval mode applies no mask at all: the loss is peft's without dropout at the training shape, and
+    generation (other shapes) runs."""
+    from finetune.generate import Sampling, generate
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.lora import apply_lora
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from jobspec.lora_config import LoraConfig
+
+    ms = ms_cpu
+    batch, n = _batch(ms)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
+    load_weights(model, BASE)
+    if compiled:
+        model.model.compile_layers()
+    params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.5), seed=0)
+    golden_init(ms, params)
+    model.set_train(True)
+    model.lora_masks.advance(1, tuple(batch[0].shape))
+    trained = _loss_grads(ms, model, params, batch)[0]
+    assert abs(trained / n - float(np.load(G)["loss"])) > 1e-4  # the masks acted in training
+    model.set_train(False)
+    np.testing.assert_allclose(float(model(*batch).asnumpy()) / n, float(np.load(G)["loss"]), rtol=1e-5)
+    out = generate(model, [[1, 2, 3], [4, 5]], set(), Sampling(temperature=0.0, max_new_tokens=3))
+    assert [len(o) for o in out] == [3, 3]
