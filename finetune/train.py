@@ -25,6 +25,7 @@ from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
 from finetune.trainer import Trainer, batch_tensors, setup
+from jobspec.checkpoints import condemn
 from jobspec.config import Recipe
 from jobspec.rundir import RunDir, run_dir_of
 
@@ -188,20 +189,17 @@ def finish(t: Trainer, reporter: Reporter) -> int:
     checkpoint = t.save(finished=True)
     hf_dir = run.hf
     if recipe.export.enabled:
-        from finetune.hf_io import export_hf
+        from finetune.hf_io import NonFiniteWeights
         from jobspec.config import parse_size
 
-        rank.log(f"[train] writing the Hugging Face model to {hf_dir} ({recipe.export.dtype})")
-        if recipe.train.method == "lora":  # adapter/ in peft's format; hf/: the merged model (export.merge)
-            from finetune.lora_io import export_lora
-
-            export_lora(t.model, t.params, recipe.lora, t.model_dir, run, recipe.export.dtype,
-                        parse_size(recipe.export.shard_size), recipe.export.merge, rank)
-            rank.log(f"[train] LoRA adapter written to {run.adapter}"
-                     + (f", merged model to {hf_dir}" if recipe.export.merge else ""))
-        else:
-            export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
-            rank.log(f"[train] Hugging Face model written to {hf_dir}")
+        try:
+            export_final(t, parse_size(recipe.export.shard_size))
+        except NonFiniteWeights as e:  # LoRA merged weights, or the export dtype's range
+            if rank.local_rank == 0:
+                condemn(checkpoint, 0)
+            rank.log(f"[train] error: {e} (step {t.step}; {checkpoint} marked unhealthy); lower train.lr, or "
+                     "export.dtype=fp32 when the weights only overflow a 16-bit dtype")
+            return EXIT_DIVERGED
         from finetune.generate import sample_check
 
         t.model.set_train(False)  # inference: no LoRA dropout (its masks drawn ahead have the training shape)
@@ -215,3 +213,21 @@ def finish(t: Trainer, reporter: Reporter) -> int:
                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
                  f"{summary['wall_time_s']:.0f}s; metrics in {run.metrics}, curve in {run.loss_plot}")
     return 0
+
+
+def export_final(t: Trainer, shard_size: int) -> None:
+    """The run's export: hf/, and for LoRA adapter/ in peft's format with hf/ the merged model (export.merge)."""
+    rank, run, recipe = t.rank, t.run, t.recipe
+    rank.log(f"[train] writing the Hugging Face model to {run.hf} ({recipe.export.dtype})")
+    if recipe.train.method == "lora":
+        from finetune.lora_io import export_lora
+
+        export_lora(t.model, t.params, recipe.lora, t.model_dir, run, recipe.export.dtype, shard_size,
+                    recipe.export.merge, rank)
+        merged = f", merged model to {run.hf}" if recipe.export.merge else ""
+        rank.log(f"[train] LoRA adapter written to {run.adapter}{merged}")
+    else:
+        from finetune.hf_io import export_hf
+
+        export_hf(t.model, t.model_dir, run.hf, recipe.export.dtype, shard_size, rank)
+        rank.log(f"[train] Hugging Face model written to {run.hf}")
