@@ -19,10 +19,8 @@ from safetensors import TensorSpec, serialize_file
 
 from finetune.dist import RankInfo
 from jobspec.fsutil import atomic_dir
-from jobspec.hf_files import read_header
+from jobspec.hf_files import INDEX, SINGLE, read_header
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}

@@ -29,13 +29,12 @@ from finetune.hf_io import (
     write_hf_dir,
 )
 from jobspec.fsutil import atomic_dir
-from jobspec.hf_files import read_header
+from jobspec.hf_files import ADAPTER_CONFIG, ADAPTER_FILE, read_header
 from jobspec.lora_config import TARGETS, LoraConfig
 from jobspec.qwen2_layout import full_shapes
 from jobspec.rundir import RunDir
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 def adapter_identity(cfg: LoraConfig) -> str:

@@ -186,7 +186,8 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED
-    checkpoint = t.save(finished=True)
+    # resumed from the final checkpoint with no step to train: an interrupted export is redone from it
+    checkpoint = t.finished_at if t.finished_at == run.checkpoint(t.step) else t.save(finished=True)
     hf_dir = run.hf
     if recipe.export.enabled:
         from finetune.hf_io import NonFiniteWeights

@@ -62,6 +62,7 @@ class Trainer:
     evals_without_gain: int = 0  # and the evaluations since it
     skipped_steps: int = 0  # steps skipped for non-finite gradients, over this run and those it resumed
     bad_streak: int = 0  # consecutive non-finite steps up to the last sync point (no checkpoint while > 0)
+    finished_at: Path | None = None  # the run's final checkpoint when it resumed one (its export is redone)
 
     def elapsed_s(self) -> float:
         """Training wall time over this run and the runs it resumed."""
@@ -112,6 +113,7 @@ class Trainer:
         self.best_eval = math.inf if state.best_eval is None else state.best_eval
         self.evals_without_gain = state.evals_without_gain
         self.skipped_steps = state.skipped_steps
+        self.finished_at = path if state.finished else None
         self.started = time.time()
         self.rank.log(f"[train] resumed from {path} at step {self.step}" + (
             f" ({self.skipped_steps} non-finite steps skipped so far)" if self.skipped_steps else ""))

@@ -29,9 +29,9 @@ def test_a_shipped_cpu_recipe_trains_and_writes_every_listed_output(tmp_path, re
                         f"OVERRIDES={SHORT}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lora = "lora" in recipe
-    want = [attr for attr, _, _ in ENTRIES if attr not in ELSEWHERE and (lora or attr != "adapter")]
-    run = RunDir(out)
-    missing = [attr for attr in want if not getattr(run, attr).exists()]
+    want = [rel.split("/")[0] for attr, rel, _ in ENTRIES if attr not in ELSEWHERE and (lora or attr != "adapter")]
+    missing = [name for name in want if not (out / name).exists()]
     assert not missing, missing
+    run = RunDir(out)
     assert (run.hf / "config.json").is_file() and (run.samples.read_text().count("\n") > 0)
     assert list(run.checkpoints.glob("step_*")) and "[train] done:" in r.stdout
