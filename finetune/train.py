@@ -223,8 +223,8 @@ def export_final(t: Trainer, shard_size: int) -> None:
     if recipe.train.method == "lora":
         from finetune.lora_io import export_lora
 
-        export_lora(t.model, t.params, recipe.lora, t.model_dir, run, recipe.export.dtype, shard_size,
-                    recipe.export.merge, rank)
+        export_lora(t.model, t.params, recipe.lora, t.model_dir, t.identity.get("model", ""), run, recipe.export.dtype,
+                    shard_size, recipe.export.merge, rank)
         merged = f", merged model to {run.hf}" if recipe.export.merge else ""
         rank.log(f"[train] LoRA adapter written to {run.adapter}{merged}")
     else:

@@ -71,6 +71,19 @@ def model_hash(model_dir: str | Path, hashes: Path | None = None, log: Callable[
     return h.hexdigest()[:16]
 
 
+def other_base(recorded: dict[str, Any], model_dir: str | Path, hashes: Path | None, what: str) -> str | None:
+    """Why ``model_dir`` is not the base model ``recorded`` (a run identity's or an adapter's ``model`` hash and
+    ``model_dir``) names, with the fix; None when it is, or when nothing was recorded (older versions).
+    ``what``: the thing trained on that base, for the message."""
+    if not recorded.get("model") or not (Path(model_dir) / "config.json").is_file():
+        return None
+    if model_hash(model_dir, hashes) == recorded["model"]:
+        return None
+    was = recorded.get("model_dir") or "another directory"
+    return (f"{what} was trained on the base model {was} (identity {recorded['model']}), not on {model_dir} (other "
+            f"weights or config.json); give the model it was trained on: --model-dir {was} (MODEL_DIR={was})")
+
+
 def _file_key(f: Path) -> str:
     st = f.stat()
     return f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
