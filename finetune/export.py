@@ -38,7 +38,7 @@ def newest_intact(root: Path) -> Path | None:
         problem = verify(path, hashes=False)
         if problem is None:
             return path
-        print(f"[export] skipping {problem}; trying the previous checkpoint", file=sys.stderr)
+        print(f"[export] skipping {problem}; trying an older checkpoint", file=sys.stderr)
     return None
 
 
