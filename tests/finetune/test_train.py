@@ -324,3 +324,27 @@ def test_a_worker_runs_the_plans_layout_or_refuses_it_before_any_work(tmp_path, 
     with pytest.raises(ConfigError, match=r"made for 2 worker\(s\) on cpu .*this job has 1 on cpu.*launcher plan"):
         run(plan)
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.slow  # a whole training run's fixture
+def test_a_rerun_after_a_killed_export_exports_from_the_final_checkpoint(straight, tmp_path, capsys):
+    """Issue 31 item 3: the final checkpoint written, the export killed (no hf/, a stale .hf.tmp-<host>-<pid>):
+    the rerun said "already finished" with no hf/. Now the rerun check sees hf/ missing, the worker resumes the
+    final checkpoint, trains no step, saves nothing again and exports it; then the run is finished."""
+    from jobspec.rerun import finished_already
+
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "hf")
+    final = out / "checkpoints" / "step_00000006"
+    written = final.stat().st_mtime_ns
+    recipe = _recipe(out, **{"train.profile_steps": "2,3"})
+    assert finished_already(recipe) is None
+    assert "finished at step 6 but" in capsys.readouterr().out
+    assert run(recipe) == 0
+    assert final.stat().st_mtime_ns == written  # the final checkpoint exported as it was, not saved again
+    for name in ("model.safetensors", "config.json"):
+        assert (out / "hf" / name).is_file()
+    a, b = load_file(str(straight / "hf" / "model.safetensors")), load_file(str(out / "hf" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert finished_already(recipe).startswith("already finished at step 6")

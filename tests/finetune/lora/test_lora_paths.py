@@ -256,3 +256,38 @@ def test_eval_mode_applies_no_dropout_after_training_steps(ms_cpu, compiled):
     np.testing.assert_allclose(float(model(*batch).asnumpy()) / n, float(np.load(G)["loss"]), rtol=1e-5)
     out = generate(model, [[1, 2, 3], [4, 5]], set(), Sampling(temperature=0.0, max_new_tokens=3))
     assert [len(o) for o in out] == [3, 3]
+
+
+def test_on_ascend_each_adapter_reseeds_one_generator_instead_of_making_one_per_forward(ms_cpu, monkeypatch):
+    """Issue 30 item 7: the Ascend dropout path made a new ms.Generator per adapter per forward. Now each adapter
+    makes one and seeds it again with the mask's key ((seed, step, micro-batch, module, rank): the same masks).
+    mint.bernoulli (BernoulliExt, Ascend only) is a stand-in here that records the generator and its seed."""
+    import mindspore as ms
+    from mindspore import mint, ops
+
+    from finetune.lora import LoraAdapter, MaskKey
+
+    drawn = []
+
+    def bernoulli(p, generator):
+        drawn.append((id(generator), generator.initial_seed()))
+        return ops.ones_like(p)
+
+    monkeypatch.setattr(mint, "bernoulli", bernoulli)
+    made = []
+    real = ms.Generator
+    monkeypatch.setattr(ms, "Generator", lambda: made.append(1) or real())
+    masks = MaskKey(seed=3)
+    base = type("Base", (), {"dtype": ms.float32})()
+    a = ms.Parameter(ms.Tensor(np.ones((2, 4), np.float32)), name="a")
+    b = ms.Parameter(ms.Tensor(np.ones((4, 2), np.float32)), name="b")
+    adapter = LoraAdapter(a, b, 1.0, 0.1, True, base, RankInfo(device_target="Ascend"), masks, "m")
+    adapter.set_train(True)
+    x = ms.Tensor(np.ones((1, 3, 4), np.float32))
+    keys = []
+    for step in (0, 0, 1):
+        masks.advance(step, (1, 3))
+        keys.append(masks.of("m", adapter.rank_key))
+        adapter(x)
+    assert len(made) == 1 and len({g for g, _ in drawn}) == 1
+    assert [seed for _, seed in drawn] == keys and len(set(keys)) == 3
