@@ -118,9 +118,12 @@ def data_changes_of(recipe: Recipe, state: dict[str, Any]) -> list[str]:
 
 def missing_outputs(recipe: Recipe) -> list[Path]:
     """The outputs a finished run of ``recipe`` exports that are not there (an export killed or out of space):
-    hf/'s config and weight files (with export.merge for LoRA), a LoRA run's adapter/."""
+    hf/'s config and weight files (with export.merge for LoRA), a LoRA run's adapter/. Rank 0 alone writes
+    them, so only nodes that see its OUTPUT_DIR look (one node, or data.shared_storage): every node decides alike."""
     run, e = run_dir_of(recipe), recipe.export
     want: list[Path] = []
+    if recipe.launch.nnodes > 1 and not recipe.data.shared_storage:
+        return want
     if e.enabled and recipe.train.method == "lora":
         want += [run.adapter / ADAPTER_CONFIG, run.adapter / ADAPTER_FILE]
     if e.enabled and (recipe.train.method != "lora" or e.merge):

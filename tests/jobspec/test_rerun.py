@@ -104,3 +104,6 @@ def test_finished_means_the_outputs_exist(tmp_path, lost):
     assert finished_already(recipe) is not None
     shutil.rmtree(out / lost) if (out / lost).is_dir() else (out / lost).unlink()
     assert finished_already(recipe) is None
+    # two nodes, node-local OUTPUT_DIRs: node 1 never has rank 0's export, so no node looks (all decide alike)
+    local = load_recipe("tiny-cpu", {"output_dir": str(out), "train.method": "lora", "launch.nnodes": "2"})
+    assert finished_already(local) is not None
