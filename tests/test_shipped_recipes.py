@@ -21,12 +21,15 @@ def test_the_cpu_recipes_are_found():
 
 
 @pytest.mark.slow  # a whole training run per recipe
-@pytest.mark.parametrize("recipe", CPU_RECIPES)
-def test_a_shipped_cpu_recipe_trains_and_writes_every_listed_output(tmp_path, recipe):
+@pytest.mark.parametrize("recipe, extra", [(r, "") for r in CPU_RECIPES] + [("tiny-cpu-lora",
+                                                                             " train.compile_layers=false")])
+def test_a_shipped_cpu_recipe_trains_and_writes_every_listed_output(tmp_path, recipe, extra):
+    """As shipped (compiled layers on CPU), and LoRA op by op too (its dropout drawn in the forward)."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL_DIR", "DATA", "OVERRIDES", "RECIPE")}
     r = subprocess.run(["make", "--no-print-directory", "train", f"RECIPE={recipe}", f"OUTPUT_DIR={out}",
-                        f"OVERRIDES={SHORT}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1500)
+                        f"OVERRIDES={SHORT}{extra}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                       timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lora = "lora" in recipe
     want = [rel.split("/")[0] for attr, rel, _ in ENTRIES if attr not in ELSEWHERE and (lora or attr != "adapter")]
