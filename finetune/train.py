@@ -197,7 +197,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
             export_final(t, parse_size(recipe.export.shard_size))
         except NonFiniteWeights as e:  # LoRA merged weights, or the export dtype's range
             if rank.local_rank == 0:
-                condemn(checkpoint, 0)
+                condemn(checkpoint, f"its weights are not exportable: {e}")
             rank.log(f"[train] error: {e} (step {t.step}; {checkpoint} marked unhealthy); lower train.lr, or "
                      "export.dtype=fp32 when the weights only overflow a 16-bit dtype")
             return EXIT_DIVERGED

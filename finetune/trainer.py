@@ -122,7 +122,8 @@ class Trainer:
         """The run stops in a bad streak: the checkpoint of the weights it started from, if any, is marked
         unhealthy (their update made every later loss non-finite); one rank per node marks its copy."""
         if self.bad_streak and self.rank.local_rank == 0:
-            condemn(self.run.checkpoint(self.step - self.bad_streak), self.bad_streak)
+            condemn(self.run.checkpoint(self.step - self.bad_streak), f"every one of the {self.bad_streak} steps after "
+                    "it had non-finite gradients until the run stopped (its weights are finite but blown up)")
 
     def newest_healthy(self) -> Path | None:
         """The checkpoint a rerun would resume (the newest complete and healthy one), if any."""

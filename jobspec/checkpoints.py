@@ -18,7 +18,7 @@ from jobspec.fsutil import remove_stale_temps
 from jobspec.rundir import MANIFEST, RunDir, is_complete, step_dirs
 
 STATE = "trainer_state.json"
-CONDEMNED = "unhealthy.json"  # written into a checkpoint whose weights made every later step non-finite
+CONDEMNED = "unhealthy.json"  # written into a checkpoint whose finite weights proved bad (condemn)
 
 
 def _sha256(path: Path) -> str:
@@ -144,19 +144,22 @@ def _complete(root: Path) -> list[Path]:
     return [p for p in step_dirs(root) if is_complete(p)]
 
 
-def condemn(path: Path, streak: int) -> None:
-    """Mark the published checkpoint at ``path`` unhealthy: the steps after it, ``streak`` of them, all had
-    non-finite gradients, so its weights made the next loss non-finite (finite but blown up)."""
+def condemn(path: Path, why: str) -> None:
+    """Mark the published checkpoint at ``path`` unhealthy, saying ``why`` (finite weights that proved bad later:
+    every later step non-finite, or not finite in the export dtype); resume and export then pass over it."""
     if is_complete(path):
-        _write_json(path / CONDEMNED, {"bad_steps_after": streak})
+        _write_json(path / CONDEMNED, {"why": why})
 
 
 def unhealthy(path: Path) -> str | None:
     """Why the checkpoint at ``path`` must not be resumed or exported (written during a run of non-finite
     steps, or :func:`condemn`-ed), else None; an unreadable state is left to verification."""
     if (path / CONDEMNED).is_file():
-        return (f"{path}: unhealthy, the steps after it had non-finite gradients until the run stopped (its "
-                "weights are finite but blown up)")
+        try:
+            why = str(json.loads((path / CONDEMNED).read_text())["why"])
+        except (OSError, ValueError, TypeError, KeyError):
+            why = "marked so by its run"
+        return f"{path}: unhealthy, {why}"
     try:
         streak = int(json.loads((path / STATE).read_text()).get("bad_streak", 0))
     except (OSError, ValueError, TypeError, AttributeError):

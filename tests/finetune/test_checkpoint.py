@@ -18,7 +18,7 @@ from finetune.checkpoint import (
     save_checkpoint,
 )
 from finetune.dist import RankInfo
-from jobspec.checkpoints import find_latest, run_identity, verify
+from jobspec.checkpoints import condemn, find_latest, run_identity, verify
 
 
 def _params(seed):
@@ -239,6 +239,12 @@ def test_unhealthy_and_manifestless_checkpoints_are_passed_over_with_the_reason(
     assert path.name == "step_00000010" and state.skipped_steps == 5
     assert "step_00000030: no manifest.json" in said[0]
     assert "step_00000020: unhealthy, written during 3 consecutive steps with non-finite gradients" in said[1]
+    condemn(root / "step_00000010", "every one of the 2 steps after it had non-finite gradients")  # issue 31
+    said.clear()
+    assert load_latest(root, _params(1), RankInfo(), False, log=said.append) is None
+    assert any("step_00000010: unhealthy, every one of the 2 steps after it had non-finite gradients" in line
+               for line in said), said
+    assert verify(root / "step_00000010") is None  # the mark is beside the manifest's files, not among them
 
 
 def test_a_base_model_edited_in_the_middle_is_another_model(tmp_path, tiny_hf_dir):
