@@ -207,7 +207,8 @@ def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], ba
 
 
 def pick_model(args: argparse.Namespace) -> tuple[Path, str]:
-    """(model directory, what it is): ``--model-dir``, else ``--base``'s base model, else the fine-tuned one."""
+    """(model directory, what it is): ``--model-dir``, else with ``--adapter`` or ``--base`` the base model, else the
+    fine-tuned one."""
     if args.model_dir:
         return Path(args.model_dir), "the model"
     if args.adapter and args.base_model:  # never the run's hf/: with export.merge it holds the adapter already
