@@ -86,8 +86,8 @@ def finished_already(recipe: Recipe) -> str | None:
         raise _refusal(recipe, path, "on other data", data)
     missing = missing_outputs(recipe)
     if missing:
-        print(f"[rerun] the run finished at step {state['step']} but {missing[0]} is missing (its export was "
-              "interrupted): exporting it from the final checkpoint", flush=True)
+        print(f"[rerun] the run finished at step {state['step']} but {missing[0]} is missing (its export or "
+              "inference check was interrupted): doing them again from the final checkpoint", flush=True)
         return None
     return (f"already finished at step {state['step']} ({run_dir_of(recipe).hf}); nothing to do "
             "(raise train.max_steps or train.epochs to train on from there)")
@@ -118,7 +118,7 @@ def data_changes_of(recipe: Recipe, state: dict[str, Any]) -> list[str]:
 
 def missing_outputs(recipe: Recipe) -> list[Path]:
     """The outputs a finished run of ``recipe`` exports that are not there (an export killed or out of space):
-    hf/'s config and weight files (with export.merge for LoRA), a LoRA run's adapter/. Rank 0 alone writes
+    hf/'s config and weight files (with export.merge for LoRA), a LoRA run's adapter/, summary.json. Rank 0 alone writes
     them, so only nodes that see its OUTPUT_DIR look (one node, or data.shared_storage): every node decides alike."""
     run, e = run_dir_of(recipe), recipe.export
     want: list[Path] = []
@@ -133,6 +133,7 @@ def missing_outputs(recipe: Recipe) -> list[Path]:
             want += [run.hf / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             want.append(run.hf / SINGLE)
+    want.append(run.summary)  # written last, after the inference check: the run's end was reached
     return [p for p in want if not p.is_file()]
 
 

@@ -28,6 +28,7 @@ def _finished_plan(out, model_hash="", **over):
     (out / "hf").mkdir()
     for name in ("config.json", "model.safetensors"):  # its export, there: finished (contents not read)
         (out / "hf" / name).write_text("{}")
+    (out / "summary.json").write_text("{}")
     plan = out / "plan.json"
     recipe = load_recipe("tiny-cpu", {"output_dir": str(out), **over})
     plan.write_text(json.dumps({"recipe": to_dict(recipe), "model_hash": model_hash}, default=str))

@@ -24,6 +24,7 @@ def _finished_run(out, **over) -> None:
     (out / "hf").mkdir()
     for name in ("config.json", "model.safetensors"):  # its export (contents not read by the rerun check)
         (out / "hf" / name).write_text("{}")
+    (out / "summary.json").write_text("{}")
 
 
 def test_the_same_settings_finished_longer_continues_other_refused(tmp_path):
@@ -90,7 +91,7 @@ def test_a_lora_run_continued_with_other_lora_settings_is_refused(tmp_path, key,
                                                   "train.max_steps": "120"}))
 
 
-@pytest.mark.parametrize("lost", ["hf/model.safetensors", "hf", "adapter/adapter_config.json"])
+@pytest.mark.parametrize("lost", ["hf/model.safetensors", "hf", "adapter/adapter_config.json", "summary.json"])
 def test_finished_means_the_outputs_exist(tmp_path, lost):
     """Issue 31 item 3: a final checkpoint whose export was killed is not "finished": the rerun exports it."""
     import shutil
