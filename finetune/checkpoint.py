@@ -114,6 +114,9 @@ def _free_bytes(root: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
+WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports ENOSPC as its own error, not an OSError
+
+
 def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_state: dict[str, np.ndarray],
                     rank: RankInfo, keep: int, owns_model: bool = True, owns_optim: bool = True) -> Path:
     """Write this rank's share; rank 0 writes the manifest, publishes the directory and prunes.
@@ -149,22 +152,30 @@ def save_checkpoint(root: Path, state: TrainerState, model_params: list, optim_s
             save_file(arrays, str(tmp / name))
             entries[name] = _entry(tmp / name)
         (tmp / f".files_{r}.json").write_text(json.dumps(entries))
-    except OSError as e:  # e.g. ENOSPC although the estimate fitted: no rank publishes
+    except WRITE_ERRORS as e:  # e.g. ENOSPC although the estimate fitted: no rank publishes
         error = e
     if _world_sum([1.0 if error else 0.0], rank)[0]:
-        if rank.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise InsufficientSpace(f"writing the checkpoint of step {state.step} under {root} failed "
-                                f"({error or 'on another rank'}); nothing was published, older checkpoints "
-                                "are untouched") from error
+        raise _unpublished(tmp, state.step, error, rank)
     if rank.is_main:
-        _write_manifest(tmp, state, rank)
-        publish(tmp, final, owned=True)  # a step directory under checkpoints/ is this project's
+        try:
+            _write_manifest(tmp, state, rank)
+            publish(tmp, final, owned=True)  # a step directory under checkpoints/ is this project's
+        except WRITE_ERRORS as e:  # the other ranks stop with this rank (msrun ends the job)
+            raise _unpublished(tmp, state.step, e, rank) from e
         _prune(root, keep)
     barrier(rank)
     if rank.local_rank == 0 and tmp.exists() and not final.exists():  # node-local storage
         tmp.rename(final)
     return final
+
+
+def _unpublished(tmp: Path, step: int, error: BaseException | None, rank: RankInfo) -> InsufficientSpace:
+    """A write of the checkpoint at ``tmp`` failed: its temporary directory removed (rank 0), the error to raise."""
+    if rank.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return InsufficientSpace(f"writing the checkpoint of step {step} under {tmp.parent} failed "
+                             f"({error or 'on another rank'}); nothing was published, older checkpoints "
+                             "are untouched")
 
 
 def _write_manifest(tmp: Path, state: TrainerState, rank: RankInfo) -> None:

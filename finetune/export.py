@@ -23,7 +23,7 @@ from finetune.checkpoint import MANIFEST, verify
 from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir
 from finetune.lora_io import export_lora_checkpoint
 from finetune.reshard import SavedState
-from jobspec.checkpoints import STATE, unhealthy, usable
+from jobspec.checkpoints import STATE, other_base, unhealthy, usable
 from jobspec.config import parse_size
 from jobspec.fsutil import ForeignDirectory, remove_stale_temps
 from jobspec.memory import BUCKET_BYTES
@@ -31,13 +31,23 @@ from jobspec.qwen2_layout import full_shapes
 from jobspec.rundir import RunDir, is_complete, step_dirs, step_name
 
 
+def newest_intact(root: Path) -> Path | None:
+    """The newest complete, healthy checkpoint whose files are all there at their sizes: a newer one truncated or
+    missing a file is passed over, saying why (its hashes are verified before the export as for any other)."""
+    for path in usable(root, lambda line: print(line, file=sys.stderr)):
+        problem = verify(path, hashes=False)
+        if problem is None:
+            return path
+        print(f"[export] skipping {problem}; trying an older checkpoint", file=sys.stderr)
+    return None
+
+
 def resolve_checkpoint(name: str, output_dir: str | Path) -> Path:
     """A checkpoint directory from a path, ``step_N`` / ``N`` (under ``<output_dir>/checkpoints``) or ``latest``."""
     root = RunDir(output_dir).checkpoints
     m = re.fullmatch(r"(?:step_)?(\d+)", name)
     if name == "latest":
-        found = usable(root, lambda line: print(line, file=sys.stderr))
-        path = found[0] if found else None
+        path = newest_intact(root)
         if path is not None:
             print(f"[export] latest: {path.name}, the newest complete and healthy checkpoint", file=sys.stderr)
     else:
@@ -98,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--checkpoint {args.checkpoint}: {problem}; export an older checkpoint "
                              f"(--checkpoint step_N)")
         identity = json.loads((ckpt / STATE).read_text()).get("identity", {})
+        hashes = RunDir(args.output_dir).hashes
+        base = other_base(identity, args.model_dir, hashes if hashes.is_file() else None, f"the checkpoint {ckpt}")
+        if base:  # the run's tokenizer, template and weights, never another model's
+            raise ValueError(base)
         if "method" in identity:  # train.method=lora: the checkpoint holds the adapters only
             remove_stale_temps(out)
             export_lora_checkpoint(ckpt, identity, args.model_dir, out, args.dtype, shard_size, args.merge)

@@ -207,9 +207,12 @@ def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], ba
 
 
 def pick_model(args: argparse.Namespace) -> tuple[Path, str]:
-    """(model directory, what it is): ``--model-dir``, else ``--base``'s base model, else the fine-tuned one."""
+    """(model directory, what it is): ``--model-dir``, else with ``--adapter`` or ``--base`` the base model, else the
+    fine-tuned one."""
     if args.model_dir:
         return Path(args.model_dir), "the model"
+    if args.adapter and args.base_model:  # never the run's hf/: with export.merge it holds the adapter already
+        return Path(args.base_model), "the base model"
     if args.base and args.base_model:
         return Path(args.base_model), "the base model (--base)"
     if args.finetuned and (Path(args.finetuned) / "config.json").is_file():
@@ -335,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                  for f in dataclasses.fields(Sampling)
                                                                  if getattr(args, f.name) is not None})
         fmt = chat_format(model_dir / "tokenizer.json")  # before the model loads: an unknown family is refused
+        if args.adapter:
+            from finetune.lora_io import check_adapter_base
+
+            check_adapter_base(args.adapter, model_dir)
         model, tokenizer, target = load_model(model_dir, args.device)
         if args.adapter:
             from finetune.lora_io import load_adapter

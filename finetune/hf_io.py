@@ -19,10 +19,8 @@ from safetensors import TensorSpec, serialize_file
 
 from finetune.dist import RankInfo
 from jobspec.fsutil import atomic_dir
-from jobspec.hf_files import read_header
+from jobspec.hf_files import INDEX, SINGLE, read_header
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
@@ -186,6 +184,20 @@ def _convert(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float16 if dtype == "fp16" else np.float32)
 
 
+class NonFiniteWeights(ValueError):
+    """An export would hold non-finite weights (in its dtype); nothing was written."""
+
+
+def _finite(tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """Raise :class:`NonFiniteWeights` naming the first tensor with a non-finite value once converted to
+    ``dtype`` (bf16: the bits of an exponent of all ones)."""
+    for name, a in tensors.items():
+        bad = int(((a & 0x7F80) == 0x7F80).sum()) if dtype == "bf16" else int((~np.isfinite(a)).sum())
+        if bad:
+            raise NonFiniteWeights(f"{name}: {bad:,} non-finite values in {dtype}: the weights are blown up or "
+                                   f"out of {dtype}'s range; nothing was exported")
+
+
 def _write_shard(path: Path, tensors: dict[str, np.ndarray], st_dtype: str) -> None:
     specs = {n: TensorSpec(dtype=st_dtype, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
              for n, a in tensors.items()}
@@ -216,7 +228,8 @@ def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os
     like ``save_pretrained``, with the configs and tokenizer of ``src_model_dir``.
 
     ``out_dir`` None: only fetch, in the same order (a rank taking part in collective gathers).
-    Readable by others (directory 0755, files 0644), e.g. by a non-root serving container.
+    Readable by others (directory 0755, files 0644), e.g. by a non-root serving container. Non-finite
+    weights raise :class:`NonFiniteWeights` before the directory is published.
     """
     _check_dtype(dtype)
     st_dtype, itemsize = EXPORT_DTYPES[dtype]
@@ -227,6 +240,7 @@ def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os
     with atomic_dir(Path(out_dir), "hf-export") if out_dir is not None else nullcontext(None) as tmp:
         for file, members in zip(names, shards):
             tensors = {n: _convert(fetch(n), dtype) for n in members}
+            _finite(tensors, dtype)  # every rank fetches the same tensors: every rank stops
             if tmp is not None:
                 _write_shard(tmp / file, tensors, st_dtype)
         if tmp is None:

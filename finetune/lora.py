@@ -51,16 +51,15 @@ class MaskKey:
         return zlib.crc32(f"{self.seed}/{self.step}/{self.micro}/{module}/{rank}".encode()) & 0x7FFFFFFF
 
 
-def keyed_mask(x, keep: float, key: int, ascend: bool):
+def keyed_mask(x, keep: float, key: int, generator: ms.Generator | None):
     """A {0, 1} mask like ``x`` (1 with probability ``keep``) drawn from ``key`` alone: the Bernoulli
-    primitive seeded with it (CPU, GPU), or on Ascend BernoulliExt with a generator seeded with it (not run
-    on this project's CPU tests)."""
-    if ascend:
+    primitive seeded with it (CPU, GPU), or on Ascend (``generator``: the adapter's own, made once) BernoulliExt
+    with that generator seeded again with it (not run on this project's CPU tests)."""
+    if generator is not None:
         from mindspore import mint
 
-        g = ms.Generator()
-        g.manual_seed(key)
-        return mint.bernoulli(ops.full_like(x, keep), generator=g)
+        generator.manual_seed(key)
+        return mint.bernoulli(ops.full_like(x, keep), generator=generator)
     return Bernoulli(key)(x, ms.Tensor([keep], ms.float32))  # a new primitive: its cache would keep every seed
 
 
@@ -76,7 +75,9 @@ class LoraAdapter(nn.Cell):
                  masks: MaskKey, module: str):
         super().__init__()
         self.lora_A, self.lora_B, self.scale, self.dtype = a, b, scale, base.dtype
-        self.dropout, self.masks, self.module, self.ascend = dropout, masks, module, rank.device_target == "Ascend"
+        self.dropout, self.masks, self.module = dropout, masks, module
+        # Ascend: one generator per adapter, seeded again for each mask (not a new one per forward)
+        self.generator = ms.Generator() if rank.device_target == "Ascend" and dropout > 0 else None
         # x is whole and the same on every TP rank of a column-parallel layer: the same mask there
         self.rank_key = f"dp{rank.dp_rank}" + ("" if column or rank.tp == 1 else f"tp{rank.tp_rank}")
         self.comm = (CopyToTP if column else ReduceFromTP)(rank) if rank.tp > 1 else None
@@ -89,7 +90,7 @@ class LoraAdapter(nn.Cell):
         shape (a graph compiled for a shape reads that shape's Parameter)."""
         shape = (*rows, self.lora_A.shape[1])
         mask = keyed_mask(ops.zeros(shape, self.dtype), 1.0 - self.dropout, self.masks.of(self.module, self.rank_key),
-                          self.ascend)
+                          self.generator)
         if shape in self.by_shape:
             ops.assign(self.by_shape[shape], mask)
         else:
@@ -100,7 +101,7 @@ class LoraAdapter(nn.Cell):
         if self.dropout > 0 and self.training:
             keep = 1.0 - self.dropout
             mask = self.drop if self.pre_draw else keyed_mask(x, keep, self.masks.of(self.module, self.rank_key),
-                                                              self.ascend)
+                                                              self.generator)
             x = x * mask * (1.0 / keep)
         h = linear(x, self.lora_A, None, self.dtype)
         if self.comm is not None:

@@ -28,14 +28,14 @@ from finetune.hf_io import (
     weight_files,
     write_hf_dir,
 )
+from jobspec.checkpoints import other_base
 from jobspec.fsutil import atomic_dir
-from jobspec.hf_files import read_header
+from jobspec.hf_files import ADAPTER_BASE, ADAPTER_CONFIG, ADAPTER_FILE, read_header
 from jobspec.lora_config import TARGETS, LoraConfig
 from jobspec.qwen2_layout import full_shapes
 from jobspec.rundir import RunDir
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 def adapter_identity(cfg: LoraConfig) -> str:
@@ -69,12 +69,14 @@ def adapter_tensors(model, params: list, rank: RankInfo) -> dict[str, np.ndarray
 
 
 def write_adapter(out_dir: str | Path, tensors: dict[str, np.ndarray], cfg: LoraConfig, base_dir: str | Path,
-                  dtype: str = "fp32") -> Path:
-    """``out_dir`` in peft's layout (written whole or not at all); tokenizer files from the base."""
+                  base_hash: str, dtype: str = "fp32") -> Path:
+    """``out_dir`` in peft's layout (written whole or not at all); tokenizer files from the base, and its identity
+    (``base_hash``: checkpoints.model_hash of ``base_dir``) in ADAPTER_BASE, checked where the adapter is applied."""
     st_dtype = EXPORT_DTYPES[dtype][0]
     with atomic_dir(out_dir, "lora-adapter") as tmp:
         _write_shard(tmp / ADAPTER_FILE, {PEFT_PREFIX + n: _convert(a, dtype) for n, a in tensors.items()}, st_dtype)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, str(base_dir)), indent=2, sort_keys=True) + "\n")
+        (tmp / ADAPTER_BASE).write_text(json.dumps({"model": base_hash, "model_dir": str(base_dir)}) + "\n")
         for name in TOKENIZER_FILES:
             if (Path(base_dir) / name).is_file():
                 shutil.copyfile(Path(base_dir) / name, tmp / name)
@@ -108,13 +110,13 @@ def merged_weights(model, tensors: dict[str, np.ndarray], cfg: LoraConfig, rank:
     return merge_fetch(lambda name: gather_full(model, name, state[name], rank), tensors, cfg.scale)
 
 
-def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, run: RunDir, dtype: str,
+def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, base_hash: str, run: RunDir, dtype: str,
                 shard_size_bytes: int, merge: bool, rank: RankInfo) -> None:
     """``run.adapter`` (peft, fp32) and, with ``merge``, the merged model as ``run.hf`` in ``dtype``.
     Every rank calls it; only the main rank writes."""
     tensors = adapter_tensors(model, params, rank)
     if rank.is_main:
-        write_adapter(run.adapter, tensors, cfg, base_dir)
+        write_adapter(run.adapter, tensors, cfg, base_dir, base_hash)
     if merge:
         full = model.hf_shapes()
         write_hf_dir(run.hf if rank.is_main else None, base_dir, {n: full[n] for n in model.hf_state()},
@@ -139,7 +141,7 @@ def export_lora_checkpoint(checkpoint: Path, identity: dict, model_dir: str | Pa
     full = {n: shapes.get(n) or adapter_shape(n, shapes, cfg.r) for n in names}
     saved = SavedState(checkpoint, names, full, BUCKET_BYTES)
     tensors = {n: saved.weights(n) for n in names}
-    write_adapter(RunDir(out).adapter, tensors, cfg, model_dir)
+    write_adapter(RunDir(out).adapter, tensors, cfg, model_dir, identity.get("model", ""))
     if merge:
         files = weight_files(model_dir)
         fetch = merge_fetch(lambda n: read_tensor(files[n], n), tensors, cfg.scale)
@@ -171,6 +173,19 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, np.ndar
                      modules_to_save=list(raw.get("modules_to_save") or []))
     names = read_header(d / ADAPTER_FILE)[0]
     return cfg, {n.removeprefix(PEFT_PREFIX): read_tensor(d / ADAPTER_FILE, n) for n in names}
+
+
+def check_adapter_base(adapter_dir: str | Path, model_dir: str | Path) -> None:
+    """ValueError when the adapter at ``adapter_dir`` records another base model than ``model_dir`` (e.g. a run's
+    merged hf/); the run's remembered file hashes are used when the adapter is a run's adapter/."""
+    try:
+        recorded = json.loads((Path(adapter_dir) / ADAPTER_BASE).read_text())
+    except (OSError, ValueError):
+        return  # an adapter of peft's or an older version: nothing recorded
+    hashes = RunDir(Path(adapter_dir).parent).hashes
+    problem = other_base(recorded, model_dir, hashes if hashes.is_file() else None, f"the adapter {adapter_dir}")
+    if problem:
+        raise ValueError(problem)
 
 
 def load_adapter(model, adapter_dir: str | Path) -> list:

@@ -25,6 +25,7 @@ from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
 from finetune.progress import Reporter, evaluate
 from finetune.trainer import Trainer, batch_tensors, setup
+from jobspec.checkpoints import condemn
 from jobspec.config import Recipe
 from jobspec.rundir import RunDir, run_dir_of
 
@@ -132,8 +133,11 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
         if n_skipped:
             rank.log(f"[train] {n_skipped:.0f} step(s) up to step {t.step} skipped: non-finite gradients (loss scale "
                      f"{scale:g})")
-        if longest >= tc.max_bad_steps:
-            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled, t.newest_healthy()))
+        ended_bad = last and t.bad_streak and not (t.scaler.enabled and np.isfinite(loss_sum))
+        if longest >= tc.max_bad_steps or ended_bad:
+            t.condemn_start_of_streak()
+            rank.log(diverged_message(t.step, int(longest), scale, t.scaler.enabled, t.newest_healthy(),
+                                      ended=bool(ended_bad) and longest < tc.max_bad_steps))
             return EXIT_DIVERGED
         record = reporter.step_record(t, loss_sum / scale, lr, norm, scale) if logged else {"step": t.step}
         if evaluating:
@@ -159,13 +163,15 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     return 0
 
 
-def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healthy: Path | None) -> str:
-    """Why the run stopped and what usually causes it."""
+def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healthy: Path | None,
+                     ended: bool = False) -> str:
+    """Why the run stopped and what usually causes it (``ended``: it reached its last step in the bad streak)."""
     causes = "a learning rate too high for this model (train.lr), too little warmup (train.warmup_steps), " \
              "corrupt data (check the prepared samples)"
     if scaled:
         causes += ", fp16 overflow that loss scaling cannot absorb (train.precision=bf16 on Ascend)"
-    return (f"[train] error: {bad} consecutive steps with non-finite gradients, found at step {step} (loss "
+    found = f"up to its last step, {step}" if ended else f"found at step {step}"
+    return (f"[train] error: {bad} consecutive steps with non-finite gradients, {found} (loss "
             f"scale {loss_scale:g}); stopping without a checkpoint or export. A rerun resumes "
             + (f"the newest healthy checkpoint, {healthy}" if healthy else "from step 0 (no healthy checkpoint)")
             + f" and diverges again unless a setting changes. Likely causes: {causes}. Raise train.max_bad_steps "
@@ -180,25 +186,24 @@ def finish(t: Trainer, reporter: Reporter) -> int:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
         return EXIT_DIVERGED
-    checkpoint = t.save(finished=True)
+    # resumed from the final checkpoint with no step to train: an interrupted export is redone from it
+    checkpoint = t.finished_at if t.finished_at == run.checkpoint(t.step) else t.save(finished=True)
     hf_dir = run.hf
     if recipe.export.enabled:
-        from finetune.hf_io import export_hf
+        from finetune.hf_io import NonFiniteWeights
         from jobspec.config import parse_size
 
-        rank.log(f"[train] writing the Hugging Face model to {hf_dir} ({recipe.export.dtype})")
-        if recipe.train.method == "lora":  # adapter/ in peft's format; hf/: the merged model (export.merge)
-            from finetune.lora_io import export_lora
-
-            export_lora(t.model, t.params, recipe.lora, t.model_dir, run, recipe.export.dtype,
-                        parse_size(recipe.export.shard_size), recipe.export.merge, rank)
-            rank.log(f"[train] LoRA adapter written to {run.adapter}"
-                     + (f", merged model to {hf_dir}" if recipe.export.merge else ""))
-        else:
-            export_hf(t.model, t.model_dir, hf_dir, recipe.export.dtype, parse_size(recipe.export.shard_size), rank)
-            rank.log(f"[train] Hugging Face model written to {hf_dir}")
+        try:
+            export_final(t, parse_size(recipe.export.shard_size))
+        except NonFiniteWeights as e:  # LoRA merged weights, or the export dtype's range
+            if rank.local_rank == 0:
+                condemn(checkpoint, f"its weights are not exportable: {e}")
+            rank.log(f"[train] error: {e} (step {t.step}; {checkpoint} marked unhealthy); lower train.lr, or "
+                     "export.dtype=fp32 when the weights only overflow a 16-bit dtype")
+            return EXIT_DIVERGED
         from finetune.generate import sample_check
 
+        t.model.set_train(False)  # inference: no LoRA dropout (its masks drawn ahead have the training shape)
         # collective; tokenizer from the base (every node has it)
         sample_check(t.model, t.model_dir, recipe, rank, run.samples)
     barrier(rank)
@@ -209,3 +214,21 @@ def finish(t: Trainer, reporter: Reporter) -> int:
                  f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({drop:.0f}% lower), "
                  f"{summary['wall_time_s']:.0f}s; metrics in {run.metrics}, curve in {run.loss_plot}")
     return 0
+
+
+def export_final(t: Trainer, shard_size: int) -> None:
+    """The run's export: hf/, and for LoRA adapter/ in peft's format with hf/ the merged model (export.merge)."""
+    rank, run, recipe = t.rank, t.run, t.recipe
+    rank.log(f"[train] writing the Hugging Face model to {run.hf} ({recipe.export.dtype})")
+    if recipe.train.method == "lora":
+        from finetune.lora_io import export_lora
+
+        export_lora(t.model, t.params, recipe.lora, t.model_dir, t.identity.get("model", ""), run, recipe.export.dtype,
+                    shard_size, recipe.export.merge, rank)
+        merged = f", merged model to {run.hf}" if recipe.export.merge else ""
+        rank.log(f"[train] LoRA adapter written to {run.adapter}{merged}")
+    else:
+        from finetune.hf_io import export_hf
+
+        export_hf(t.model, t.model_dir, run.hf, recipe.export.dtype, shard_size, rank)
+        rank.log(f"[train] Hugging Face model written to {run.hf}")

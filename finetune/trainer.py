@@ -19,7 +19,7 @@ from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoin
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from jobspec.checkpoints import run_identity, usable, ways_out
+from jobspec.checkpoints import condemn, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
 from jobspec.data.batching import BatchLoader
 from jobspec.rerun import changed_settings, run_settings
@@ -62,6 +62,7 @@ class Trainer:
     evals_without_gain: int = 0  # and the evaluations since it
     skipped_steps: int = 0  # steps skipped for non-finite gradients, over this run and those it resumed
     bad_streak: int = 0  # consecutive non-finite steps up to the last sync point (no checkpoint while > 0)
+    finished_at: Path | None = None  # the run's final checkpoint when it resumed one (its export is redone)
 
     def elapsed_s(self) -> float:
         """Training wall time over this run and the runs it resumed."""
@@ -112,9 +113,17 @@ class Trainer:
         self.best_eval = math.inf if state.best_eval is None else state.best_eval
         self.evals_without_gain = state.evals_without_gain
         self.skipped_steps = state.skipped_steps
+        self.finished_at = path if state.finished else None
         self.started = time.time()
         self.rank.log(f"[train] resumed from {path} at step {self.step}" + (
             f" ({self.skipped_steps} non-finite steps skipped so far)" if self.skipped_steps else ""))
+
+    def condemn_start_of_streak(self) -> None:
+        """The run stops in a bad streak: the checkpoint of the weights it started from, if any, is marked
+        unhealthy (their update made every later loss non-finite); one rank per node marks its copy."""
+        if self.bad_streak and self.rank.local_rank == 0:
+            condemn(self.run.checkpoint(self.step - self.bad_streak), f"every one of the {self.bad_streak} steps after "
+                    "it had non-finite gradients until the run stopped (its weights are finite but blown up)")
 
     def newest_healthy(self) -> Path | None:
         """The checkpoint a rerun would resume (the newest complete and healthy one), if any."""

@@ -18,6 +18,7 @@ from jobspec.fsutil import remove_stale_temps
 from jobspec.rundir import MANIFEST, RunDir, is_complete, step_dirs
 
 STATE = "trainer_state.json"
+CONDEMNED = "unhealthy.json"  # written into a checkpoint whose finite weights proved bad (condemn)
 
 
 def _sha256(path: Path) -> str:
@@ -68,6 +69,19 @@ def model_hash(model_dir: str | Path, hashes: Path | None = None, log: Callable[
     if hashes and todo:
         _write_json(hashes, keep)
     return h.hexdigest()[:16]
+
+
+def other_base(recorded: dict[str, Any], model_dir: str | Path, hashes: Path | None, what: str) -> str | None:
+    """Why ``model_dir`` is not the base model ``recorded`` (a run identity's or an adapter's ``model`` hash and
+    ``model_dir``) names, with the fix; None when it is, or when nothing was recorded (older versions).
+    ``what``: the thing trained on that base, for the message."""
+    if not recorded.get("model") or not (Path(model_dir) / "config.json").is_file():
+        return None
+    if model_hash(model_dir, hashes) == recorded["model"]:
+        return None
+    was = recorded.get("model_dir") or "another directory"
+    return (f"{what} was trained on the base model {was} (identity {recorded['model']}), not on {model_dir} (other "
+            f"weights or config.json); give the model it was trained on: --model-dir {was} (MODEL_DIR={was})")
 
 
 def _file_key(f: Path) -> str:
@@ -130,9 +144,22 @@ def _complete(root: Path) -> list[Path]:
     return [p for p in step_dirs(root) if is_complete(p)]
 
 
+def condemn(path: Path, why: str) -> None:
+    """Mark the published checkpoint at ``path`` unhealthy, saying ``why`` (finite weights that proved bad later:
+    every later step non-finite, or not finite in the export dtype); resume and export then pass over it."""
+    if is_complete(path):
+        _write_json(path / CONDEMNED, {"why": why})
+
+
 def unhealthy(path: Path) -> str | None:
     """Why the checkpoint at ``path`` must not be resumed or exported (written during a run of non-finite
-    steps), else None; an unreadable state is left to verification."""
+    steps, or :func:`condemn`-ed), else None; an unreadable state is left to verification."""
+    if (path / CONDEMNED).is_file():
+        try:
+            why = str(json.loads((path / CONDEMNED).read_text())["why"])
+        except (OSError, ValueError, TypeError, KeyError):
+            why = "marked so by its run"
+        return f"{path}: unhealthy, {why}"
     try:
         streak = int(json.loads((path / STATE).read_text()).get("bad_streak", 0))
     except (OSError, ValueError, TypeError, AttributeError):

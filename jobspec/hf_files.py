@@ -6,6 +6,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"  # an export's weights: one file, or an index
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's adapter directory
+ADAPTER_BASE = "base_model.json"  # ours, beside peft's files: the identity of the base model the adapter trained on
+
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """Safetensors header (name -> dtype/shape/data_offsets) and the byte offset of the data."""

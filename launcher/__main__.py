@@ -270,7 +270,7 @@ def prepare_data(recipe: Recipe) -> int:
     """prepare-data: build the token cache unless a fresh one exists (jobspec.data.prepare decides)."""
     from jobspec.data.prepare import main as prepare_main
 
-    return prepare_main(recipe, table_when_fresh=False)
+    return prepare_main(rundir_prep.cleaned(recipe, log), table_when_fresh=False)
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -307,7 +307,7 @@ def cmd_selftest(job: Job, args: argparse.Namespace, host: Host) -> int:
 def cmd_train(job: Job, args: argparse.Namespace, host: Host) -> int:
     if job.recipe.launch.dry_run:
         return cmd_plan(job, args, host)
-    answer = rerun_answer(job.recipe, "launcher")  # before any work: nothing to do, or other settings
+    answer = rerun_answer(rundir_prep.cleaned(job.recipe, log), "launcher")  # before any work
     if answer is not None:
         return answer
     if not pin_master(job, host):
@@ -364,7 +364,7 @@ def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
 
 
 def cmd_export(job: Job, args: argparse.Namespace, host: Host) -> int:
-    r = job.recipe  # the tool's own options come last and win (--dtype fp32)
+    r = rundir_prep.cleaned(job.recipe, log)  # the tool's own options come last and win (--dtype fp32)
     return subprocess.call([sys.executable, str(TOOLS["export"]), "--output-dir", r.output_dir, "--model-dir",
                             resolved_model_dir(r), "--dtype", r.export.dtype, "--shard-size", r.export.shard_size,
                             "--merge" if r.export.merge else "--no-merge", *args.rest], env=job.env)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from jobspec.checkpoints import model_hash, tidy
 from jobspec.config import Recipe, resolved_model_dir
+from jobspec.fsutil import remove_stale_temps
+from jobspec.rundir import run_dir_of
 from launcher.plan import Plan
 
 
@@ -27,3 +29,11 @@ def tidy_run_dir(recipe: Recipe, plan: Plan, log: Callable[[str], None]) -> None
     model_dir = Path(resolved_model_dir(recipe))
     if (model_dir / "config.json").is_file():
         plan.model_hash = model_hash(model_dir, run.hashes, log)
+
+
+def cleaned(recipe: Recipe, log: Callable[[str], None]) -> Recipe:
+    """``recipe``, after removing the temporary directories an interrupted export, save or prepare of this host
+    left in its run directory (only those of dead processes: a live job's are its own, see
+    jobspec.fsutil.remove_stale_temps). Every command that writes there (train, prepare-data, export) starts so."""
+    remove_stale_temps(*run_dir_of(recipe).temp_parents, log=lambda m: log(m.removeprefix("[cleanup] ")))
+    return recipe

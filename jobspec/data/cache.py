@@ -6,7 +6,7 @@ Layout of ``data.cache_dir`` (default ``<output_dir>/data``)::
     labels.npy   int32 [T]      aligned labels (-100 = none)
     index.npy    int64 [N, 4]   start, length, shifted label count (labels[1:] != -100), labels[0] != -100
     val_index.npy int64 [V, 4]  the same for the validation set (data.val_size / data.val_paths), if any
-    manifest.json               fingerprint: sources (size, mtime, sha256), tokenizer hash, settings
+    manifest.json               fingerprint: sources (size, mtime, change time, sha256), tokenizer hash, settings
     data_report.json            kept/dropped per rule, token-length percentiles, packing efficiency
 
 A sample of a file with weight 2 has two index rows pointing at the same tokens. This module only
@@ -78,7 +78,8 @@ def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict[str, Any]:
 
 def source_entry(src: Source, with_hash: bool = True) -> dict[str, Any]:
     st = src.path.stat()
-    e = {"path": str(src.path.resolve()), "weight": src.weight, "size": st.st_size, "mtime": st.st_mtime}
+    e = {"path": str(src.path.resolve()), "weight": src.weight, "size": st.st_size, "mtime": st.st_mtime,
+         "ctime_ns": st.st_ctime_ns}
     if with_hash:
         e["sha256"] = file_hash(src.path)
     return e
@@ -95,7 +96,8 @@ def read_manifest(cache_dir: Path) -> dict[str, Any] | None:
 def cache_is_fresh(recipe: Recipe, tokenizer_path: str | Path) -> bool:
     """True when the cache exists and matches the current inputs and settings.
 
-    A source whose size and mtime are unchanged is trusted; otherwise its hash decides.
+    A source whose size, mtime and change time are unchanged is trusted (:func:`same_stat`); otherwise its hash
+    decides.
     """
     m = read_manifest(cache_dir_for(recipe))
     if not m or m.get("settings") != settings_of(recipe, tokenizer_path):
@@ -111,9 +113,16 @@ def cache_is_fresh(recipe: Recipe, tokenizer_path: str | Path) -> bool:
         now = source_entry(src, with_hash=False)
         if (now["path"], now["weight"], now["size"]) != (o["path"], o["weight"], o["size"]):
             return False
-        if now["mtime"] != o["mtime"] and file_hash(src.path) != o["sha256"]:
+        if not same_stat(o, now) and file_hash(src.path) != o["sha256"]:
             return False
     return True
+
+
+def same_stat(old: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a source's file is untouched since its manifest ``old`` entry: the same mtime and inode change
+    time. A content edit that restores the size and mtime (``touch -d``, ``cp -p``) still moves the change time,
+    which no user can set, so its hash decides; a manifest without it (older versions) is hashed again."""
+    return bool(old.get("mtime") == now["mtime"] and old.get("ctime_ns") == now["ctime_ns"])
 
 
 def load_info(cache_dir: Path) -> CacheInfo:

@@ -44,7 +44,7 @@ def data_changes(old: dict[str, Any], recipe: Recipe, tokenizer_path: str | Path
     for o, n in zip(before, after):
         if o.get("size") != n["size"]:
             changes.append(f"{n['path']} changed since the run read it ({o.get('size', 0):,} -> {n['size']:,} bytes)")
-        elif o.get("mtime") != n["mtime"] and cache.file_hash(Path(n["path"])) != o.get("sha256"):
+        elif not cache.same_stat(o, n) and cache.file_hash(Path(n["path"])) != o.get("sha256"):
             changes.append(f"{n['path']} changed since the run read it (same size, other contents)")
     return changes
 

@@ -18,7 +18,7 @@ from finetune.checkpoint import (
     save_checkpoint,
 )
 from finetune.dist import RankInfo
-from jobspec.checkpoints import find_latest, run_identity, verify
+from jobspec.checkpoints import condemn, find_latest, run_identity, verify
 
 
 def _params(seed):
@@ -239,6 +239,12 @@ def test_unhealthy_and_manifestless_checkpoints_are_passed_over_with_the_reason(
     assert path.name == "step_00000010" and state.skipped_steps == 5
     assert "step_00000030: no manifest.json" in said[0]
     assert "step_00000020: unhealthy, written during 3 consecutive steps with non-finite gradients" in said[1]
+    condemn(root / "step_00000010", "every one of the 2 steps after it had non-finite gradients")  # issue 31
+    said.clear()
+    assert load_latest(root, _params(1), RankInfo(), False, log=said.append) is None
+    assert any("step_00000010: unhealthy, every one of the 2 steps after it had non-finite gradients" in line
+               for line in said), said
+    assert verify(root / "step_00000010") is None  # the mark is beside the manifest's files, not among them
 
 
 def test_a_base_model_edited_in_the_middle_is_another_model(tmp_path, tiny_hf_dir):
@@ -258,3 +264,29 @@ def test_a_base_model_edited_in_the_middle_is_another_model(tmp_path, tiny_hf_di
     with pytest.raises(CheckpointMismatch, match=f"base model is .*\\({model}\\).*\\({model}, same directory, "
                                                  "other contents\\)"):
         load_latest(root, _params(1), RankInfo(), False, identity=after)
+
+
+@pytest.mark.parametrize("where", ["weights", "manifest", "publish"])
+def test_a_disk_full_inside_the_write_publishes_nothing_and_leaves_no_tmp(tmp_path, monkeypatch, where):
+    """Issue 31: ENOSPC while the checkpoint is written (safetensors raises SafetensorError, not OSError; the
+    manifest and the publishing rename raise OSError) gives "nothing was published", no step_N.tmp, the older
+    checkpoint untouched."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import finetune.checkpoint as ck
+
+    root = tmp_path / "checkpoints"
+    _save(root, 10)
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def fail(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)") \
+            if where == "weights" else full
+
+    monkeypatch.setattr(ck, {"weights": "save_file", "manifest": "_write_manifest", "publish": "publish"}[where], fail)
+    with pytest.raises(InsufficientSpace, match="No space left on device.*nothing was published"):
+        _save(root, 20)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010"]
+    assert verify(root / "step_00000010") is None

@@ -154,3 +154,21 @@ def test_tp1_checkpoint_resumes_under_tp2_and_dp2(ms_cpu, tmp_path, tiny_hf_dir,
     joined = np.concatenate([c for pair in zip(*chunks) for c in pair])
     np.testing.assert_array_equal(joined[:flat.size], flat)
     assert not joined[flat.size:].any()  # the last chunk's padding
+
+
+def test_latest_falls_back_past_a_truncated_newest_checkpoint(ms_cpu, tmp_path, tiny_hf_dir, capsys):
+    """Issue 31: ``export --checkpoint latest`` on a truncated newest checkpoint stopped instead of taking the one
+    before, as resume does; it now names the skipped one and exports the older."""
+    from finetune.checkpoint import TrainerState, save_checkpoint
+    from finetune.export import main
+
+    src = tiny_hf_dir()
+    path, model, moments = _checkpoint(ms_cpu, tmp_path, src)
+    newer = save_checkpoint(tmp_path / "run" / "checkpoints", TrainerState(9, {}, {"scale": 1.0, "good_steps": 0}, 0),
+                            model.trainable_params(), {"t": np.array(9, np.int64), **moments}, RankInfo(), keep=2)
+    weights = newer / "model_rank00000.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["--checkpoint", "latest", "--output-dir", str(tmp_path / "run"), "--model-dir", str(src)]) == 0
+    err = capsys.readouterr().err
+    assert f"skipping {weights}" in err and "truncated" in err and "latest: step_00000007" in err
+    assert (tmp_path / "run" / "hf-step_00000007" / "config.json").is_file()

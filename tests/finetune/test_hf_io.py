@@ -175,3 +175,21 @@ def test_reads_bf16_shards_written_by_transformers(ms_cpu):
     assert state.keys() == fp32.keys()
     for name, value in fp32.items():
         np.testing.assert_array_equal(state[name], bf16_to_fp32(fp32_to_bf16(value)), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype, value", [("fp32", np.inf), ("fp32", np.nan), ("bf16", 3.4e38), ("fp16", 7e4)])
+def test_non_finite_weights_are_never_exported(tmp_path, tiny_hf_dir, dtype, value):
+    """Issue 31: an export (full or LoRA merged, both through write_hf_dir) refuses weights that are not finite
+    in the export dtype (3.4e38 rounds to inf in bf16, 7e4 overflows fp16), naming the tensor; nothing published,
+    no temporary directory left. The same finite weights in fp32 are written."""
+    from finetune.hf_io import NonFiniteWeights, write_hf_dir
+
+    shapes = {"a.weight": (2, 3), "b.weight": (4,)}
+    bad = {"a.weight": np.ones((2, 3), np.float32), "b.weight": np.array([1, value, 2, 3], np.float32)}
+    base, out = tiny_hf_dir(), tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(NonFiniteWeights, match=f"b.weight: 1 non-finite values in {dtype}"):
+        write_hf_dir(out / "hf", base, shapes, bad.__getitem__, dtype)
+    assert list(out.iterdir()) == []
+    if np.isfinite(value):
+        assert write_hf_dir(out / "hf", base, shapes, bad.__getitem__, "fp32") == out / "hf"

@@ -131,8 +131,11 @@ def test_cli_checks_options_before_the_model_loads(ms_cpu, tiny_hf_dir, tmp_path
         assert line in err
     hf = tiny_hf_dir("hf")
     picked = finetune.generate.pick_model(argparse.Namespace(model_dir=None, base=True, base_model=str(d),
-                                                             finetuned=str(hf)))
+                                                             finetuned=str(hf), adapter=None))
     assert picked == (d, "the base model (--base)")  # even though the fine-tuned export exists
+    picked = finetune.generate.pick_model(argparse.Namespace(model_dir=None, base=False, base_model=str(d),
+                                                             finetuned=str(hf), adapter="adapter"))
+    assert picked == (d, "the base model")  # issue 31: an adapter never goes on the (merged) fine-tuned export
 
 
 def test_cli_refuses_a_model_of_another_family_before_building(ms_cpu, tmp_path, capsys):

@@ -7,6 +7,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from finetune.train import run
+from jobspec.checkpoints import unhealthy
 from jobspec.config import load_recipe, resolved_model_dir
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
@@ -281,8 +282,27 @@ def test_no_checkpoint_during_a_run_of_bad_steps_and_the_healthy_one_is_kept(tmp
                                "train.keep_checkpoints": "1", "train.log_every": "1"})) == 3
     text = capsys.readouterr().out
     assert "no checkpoint at step 2: the last 1 steps had non-finite gradients" in text
-    assert f"A rerun resumes the newest healthy checkpoint, {out / 'checkpoints' / 'step_00000001'}" in text
+    # step 1's update made every later loss non-finite (|w| ~ 1e37, finite): its checkpoint is kept but marked
+    # unhealthy (issue 31), so a rerun starts over instead of resuming it
+    assert "A rerun resumes from step 0 (no healthy checkpoint)" in text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+    assert "unhealthy" in (unhealthy(out / "checkpoints" / "step_00000001") or "")
+
+
+@pytest.mark.slow  # a whole training run
+def test_a_run_ending_in_a_bad_streak_exits_diverged_and_ships_nothing(tmp_path, capsys):
+    """Issue 31: with train.lr=1e38 the first step blows the weights up (finite), every later step is skipped,
+    and the run reaches max_steps before max_bad_steps: exit 3, the divergence message, no final checkpoint, no
+    hf/, no summary.json; a rerun says the same instead of shipping it."""
+    out = tmp_path / "diverged"
+    recipe = _recipe(out, **{"train.lr": "1e38", "train.save_every": "0", "train.max_steps": "4"})
+    assert run(recipe) == 3
+    text = capsys.readouterr().out
+    assert "3 consecutive steps with non-finite gradients, up to its last step, 4" in text
+    assert "A rerun resumes from step 0 (no healthy checkpoint)" in text
+    assert not list(out.glob("checkpoints/step_*")) and not (out / "hf").exists()
+    assert not (out / "summary.json").exists()
+    assert run(recipe) == 3 and not (out / "hf").exists()
 
 
 def test_too_little_data_for_a_global_batch_gives_the_numbers_and_the_fix(tmp_path):
@@ -304,3 +324,27 @@ def test_a_worker_runs_the_plans_layout_or_refuses_it_before_any_work(tmp_path, 
     with pytest.raises(ConfigError, match=r"made for 2 worker\(s\) on cpu .*this job has 1 on cpu.*launcher plan"):
         run(plan)
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.slow  # a whole training run's fixture
+def test_a_rerun_after_a_killed_export_exports_from_the_final_checkpoint(straight, tmp_path, capsys):
+    """Issue 31 item 3: the final checkpoint written, the export killed (no hf/, a stale .hf.tmp-<host>-<pid>):
+    the rerun said "already finished" with no hf/. Now the rerun check sees hf/ missing, the worker resumes the
+    final checkpoint, trains no step, saves nothing again and exports it; then the run is finished."""
+    from jobspec.rerun import finished_already
+
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "hf")
+    final = out / "checkpoints" / "step_00000006"
+    written = final.stat().st_mtime_ns
+    recipe = _recipe(out, **{"train.profile_steps": "2,3"})
+    assert finished_already(recipe) is None
+    assert "finished at step 6 but" in capsys.readouterr().out
+    assert run(recipe) == 0
+    assert final.stat().st_mtime_ns == written  # the final checkpoint exported as it was, not saved again
+    for name in ("model.safetensors", "config.json"):
+        assert (out / "hf" / name).is_file()
+    a, b = load_file(str(straight / "hf" / "model.safetensors")), load_file(str(out / "hf" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert finished_already(recipe).startswith("already finished at step 6")

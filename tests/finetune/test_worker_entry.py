@@ -25,6 +25,10 @@ def _finished_plan(out, model_hash="", **over):
     trained = load_recipe("tiny-cpu", {"output_dir": str(out)})
     (ckpt / STATE).write_text(json.dumps({"step": 80, "settings": run_settings(trained), "finished": True}))
     (ckpt / MANIFEST).write_text(json.dumps({"step": 80, "files": {}}))
+    (out / "hf").mkdir()
+    for name in ("config.json", "model.safetensors"):  # its export, there: finished (contents not read)
+        (out / "hf" / name).write_text("{}")
+    (out / "summary.json").write_text("{}")
     plan = out / "plan.json"
     recipe = load_recipe("tiny-cpu", {"output_dir": str(out), **over})
     plan.write_text(json.dumps({"recipe": to_dict(recipe), "model_hash": model_hash}, default=str))
@@ -41,7 +45,7 @@ def test_a_worker_started_by_hand_on_a_finished_run_has_nothing_to_do(tmp_path):
     p = _worker(_finished_plan(tmp_path / "run"))
     assert p.returncode == 0, p.stderr
     assert f"already finished at step 80 ({tmp_path / 'run' / 'hf'}); nothing to do" in p.stdout
-    assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "logs").exists()  # no rank started
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started
 
 
 def test_a_worker_started_by_hand_with_other_settings_is_refused_in_one_message(tmp_path):

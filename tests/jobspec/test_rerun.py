@@ -21,6 +21,10 @@ def _finished_run(out, **over) -> None:
     recipe = load_recipe("tiny-cpu", {"output_dir": str(out), **over})
     (ckpt / STATE).write_text(json.dumps({"step": 80, "settings": run_settings(recipe), "finished": True}))
     (ckpt / MANIFEST).write_text(json.dumps({"step": 80, "files": {}}))
+    (out / "hf").mkdir()
+    for name in ("config.json", "model.safetensors"):  # its export (contents not read by the rerun check)
+        (out / "hf" / name).write_text("{}")
+    (out / "summary.json").write_text("{}")
 
 
 def test_the_same_settings_finished_longer_continues_other_refused(tmp_path):
@@ -58,3 +62,49 @@ def test_the_launcher_answers_a_rerun_before_any_work(tmp_path):
     r = _launcher(out, "train.lr=1e-5")
     assert r.returncode == 2 and "train.lr was" in r.stderr and "Traceback" not in r.stderr
     assert sorted(str(p) for p in out.rglob("*")) == before  # no model, cache, plan or lock written
+
+
+@pytest.mark.parametrize("over, said", [
+    ({"train.method": "lora"}, "train.method was 'full', now 'lora'"),
+    ({"train.micro_batch_size": "4"}, "train.micro_batch_size was 2, now 4"),
+    ({"train.method": "lora", "train.max_steps": "120"}, "train.method was 'full', now 'lora'")])
+def test_method_and_micro_batch_changes_are_refused_even_with_more_steps(tmp_path, over, said):
+    """Issue 31 wrong answer 1 and the late answers: these were "already finished" (the same max_steps) or failed
+    in the worker after 24-34 s (more steps); now refused before any work, naming old and new value and the fix."""
+    out = tmp_path / "run"
+    _finished_run(out)
+    with pytest.raises(RunSettingsChanged) as e:
+        finished_already(load_recipe("tiny-cpu", {"output_dir": str(out), **over}))
+    assert said in str(e.value) and "train.resume=never" in str(e.value)
+
+
+@pytest.mark.parametrize("key, value, said", [("lora.alpha", "32", "lora.alpha was 16.0, now 32.0"),
+                                              ("lora.dropout", "0.2", "lora.dropout was 0.05, now 0.2"),
+                                              ("lora.r", "4", "lora.r was 8, now 4")])
+def test_a_lora_run_continued_with_other_lora_settings_is_refused(tmp_path, key, value, said):
+    """Issue 31 wrong answer 2: lora.alpha=32 lora.dropout=0.2 train.max_steps=6 continued with the adapter's
+    scale doubled mid-run; every lora.* key is a training setting of a LoRA run."""
+    out = tmp_path / "run"
+    _finished_run(out, **{"train.method": "lora"})
+    with pytest.raises(RunSettingsChanged, match=said):
+        finished_already(load_recipe("tiny-cpu", {"output_dir": str(out), "train.method": "lora", key: value,
+                                                  "train.max_steps": "120"}))
+
+
+@pytest.mark.parametrize("lost", ["hf/model.safetensors", "hf", "adapter/adapter_config.json", "summary.json"])
+def test_finished_means_the_outputs_exist(tmp_path, lost):
+    """Issue 31 item 3: a final checkpoint whose export was killed is not "finished": the rerun exports it."""
+    import shutil
+
+    out = tmp_path / "run"
+    _finished_run(out, **{"train.method": "lora"})
+    (out / "adapter").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (out / "adapter" / name).write_text("{}")
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(out), "train.method": "lora"})
+    assert finished_already(recipe) is not None
+    shutil.rmtree(out / lost) if (out / lost).is_dir() else (out / lost).unlink()
+    assert finished_already(recipe) is None
+    # two nodes, node-local OUTPUT_DIRs: node 1 never has rank 0's export, so no node looks (all decide alike)
+    local = load_recipe("tiny-cpu", {"output_dir": str(out), "train.method": "lora", "launch.nnodes": "2"})
+    assert finished_already(local) is not None

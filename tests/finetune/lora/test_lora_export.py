@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 from test_lora_golden import BASE, G, golden_init, lora_model
 
@@ -23,7 +24,8 @@ def _model(path):
 
 def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     from finetune.dist import RankInfo
-    from finetune.lora_io import export_lora, load_adapter
+    from finetune.lora_io import check_adapter_base, export_lora, load_adapter
+    from jobspec.checkpoints import model_hash
     from jobspec.lora_config import LoraConfig
 
     ms = ms_cpu
@@ -33,8 +35,8 @@ def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     golden_init(ms, params)
     ours = model.logits(ids).asnumpy()
     np.testing.assert_allclose(ours, g["logits"], atol=1e-5, rtol=0)  # peft's forward with these adapters
-    export_lora(model, params, LoraConfig(r=4, alpha=8, dropout=0.0), BASE, RunDir(tmp_path), "fp32", 10**9, True,
-                RankInfo())
+    export_lora(model, params, LoraConfig(r=4, alpha=8, dropout=0.0), BASE, model_hash(BASE), RunDir(tmp_path), "fp32",
+                10**9, True, RankInfo())
     np.save(tmp_path / "adapter" / "logits.npy", ours)  # for tools/make_lora_golden.py --check
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"], cfg["bias"]) == \
@@ -47,6 +49,9 @@ def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     fresh = _model(BASE)
     load_adapter(fresh, tmp_path / "adapter")
     np.testing.assert_allclose(fresh.logits(ids).asnumpy(), ours, atol=1e-6, rtol=0)
+    check_adapter_base(tmp_path / "adapter", BASE)  # the adapter records its base (issue 31)
+    with pytest.raises(ValueError, match=f"trained on the base model {BASE} .*--model-dir {BASE}"):
+        check_adapter_base(tmp_path / "adapter", tmp_path / "hf")  # the merged model is another base
     merged = _model(tmp_path / "hf")
     assert not [p.name for p in merged.get_parameters() if ".lora_" in p.name]
     np.testing.assert_allclose(merged.logits(ids).asnumpy(), ours, atol=1e-5, rtol=0)

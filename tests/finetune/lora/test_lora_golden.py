@@ -111,6 +111,10 @@ def test_dropout_acts_in_training_only(ms_cpu):
     np.testing.assert_allclose(float(model(*batch).asnumpy()) / n, float(np.load(G)["loss"]), rtol=1e-5)
 
 
+def head_weight(model):
+    return model.hf_state()["lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"]
+
+
 @pytest.mark.parametrize("saved", [[], ["lm_head"]])
 def test_a_frozen_lm_head_gets_no_weight_gradient_matmul(ms_cpu, saved):
     """Issue 20 (speed): with the head frozen the backward skips its weight-gradient matmul (two of the
@@ -126,5 +130,7 @@ def test_a_frozen_lm_head_gets_no_weight_gradient_matmul(ms_cpu, saved):
     batch, _ = _batch(ms)
     _, grads = ms.value_and_grad(lambda *a: model(*a), None, params)(*batch)
     assert head.weight_grad == bool(saved) and len(calls) == (3 if saved else 2)
+    zero = head._weight_grad(None, head_weight(model))  # issue 30 item 7: a frozen head's gradient is one zero
+    assert zero.shape == () and float(zero.asnumpy()) == 0.0
     if saved:
         assert float(np.abs(grads[-1].asnumpy()).max()) > 0  # lm_head's own gradient

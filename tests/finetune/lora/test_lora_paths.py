@@ -227,3 +227,67 @@ def test_fp16_fused_attention_with_adapters_equals_the_reference_path(twins, rec
     for name, g in grads_r.items():
         assert np.abs(g).max() > 0, name
         np.testing.assert_allclose(grads_f[name], g, atol=3e-2 * np.abs(g).max(), rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_eval_mode_applies_no_dropout_after_training_steps(ms_cpu, compiled):
+    """Issue 31: after training steps with dropout (compiled layers: masks drawn ahead for the training batch's
+    shape), eval mode applies no mask at all: the loss is peft's without dropout at the training shape, and
+    generation (other shapes) runs."""
+    from finetune.generate import Sampling, generate
+    from finetune.hf_io import load_hf_config, load_weights
+    from finetune.lora import apply_lora
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from jobspec.lora_config import LoraConfig
+
+    ms = ms_cpu
+    batch, n = _batch(ms)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
+    load_weights(model, BASE)
+    if compiled:
+        model.model.compile_layers()
+    params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.5), seed=0)
+    golden_init(ms, params)
+    model.set_train(True)
+    model.lora_masks.advance(1, tuple(batch[0].shape))
+    trained = _loss_grads(ms, model, params, batch)[0]
+    assert abs(trained / n - float(np.load(G)["loss"])) > 1e-4  # the masks acted in training
+    model.set_train(False)
+    np.testing.assert_allclose(float(model(*batch).asnumpy()) / n, float(np.load(G)["loss"]), rtol=1e-5)
+    out = generate(model, [[1, 2, 3], [4, 5]], set(), Sampling(temperature=0.0, max_new_tokens=3))
+    assert [len(o) for o in out] == [3, 3]
+
+
+def test_on_ascend_each_adapter_reseeds_one_generator_instead_of_making_one_per_forward(ms_cpu, monkeypatch):
+    """Issue 30 item 7: the Ascend dropout path made a new ms.Generator per adapter per forward. Now each adapter
+    makes one and seeds it again with the mask's key ((seed, step, micro-batch, module, rank): the same masks).
+    mint.bernoulli (BernoulliExt, Ascend only) is a stand-in here that records the generator and its seed."""
+    import mindspore as ms
+    from mindspore import mint, ops
+
+    from finetune.lora import LoraAdapter, MaskKey
+
+    drawn = []
+
+    def bernoulli(p, generator):
+        drawn.append((id(generator), generator.initial_seed()))
+        return ops.ones_like(p)
+
+    monkeypatch.setattr(mint, "bernoulli", bernoulli)
+    made = []
+    real = ms.Generator
+    monkeypatch.setattr(ms, "Generator", lambda: made.append(1) or real())
+    masks = MaskKey(seed=3)
+    base = type("Base", (), {"dtype": ms.float32})()
+    a = ms.Parameter(ms.Tensor(np.ones((2, 4), np.float32)), name="a")
+    b = ms.Parameter(ms.Tensor(np.ones((4, 2), np.float32)), name="b")
+    adapter = LoraAdapter(a, b, 1.0, 0.1, True, base, RankInfo(device_target="Ascend"), masks, "m")
+    adapter.set_train(True)
+    x = ms.Tensor(np.ones((1, 3, 4), np.float32))
+    keys = []
+    for step in (0, 0, 1):
+        masks.advance(step, (1, 3))
+        keys.append(masks.of("m", adapter.rank_key))
+        adapter(x)
+    assert len(made) == 1 and len({g for g, _ in drawn}) == 1
+    assert [seed for _, seed in drawn] == keys and len(set(keys)) == 3

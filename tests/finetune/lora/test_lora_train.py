@@ -89,6 +89,32 @@ def test_generate_with_the_adapter_answers_as_the_merged_model(lora_run, tmp_pat
     assert "adapter_config.json" in capsys.readouterr().err
 
 
+def test_an_adapter_is_applied_only_to_its_base_and_export_only_from_the_run_s_model(lora_run, tmp_path, capsys):
+    """Issue 31 wrong answers 3 and 7: ``generate --adapter OUTPUT_DIR/adapter`` without --model-dir applied the
+    adapter to the merged hf/ (twice); ``export`` with another MODEL_DIR shipped that model's tokenizer and merged
+    the adapter onto it. Now the adapter goes on its base (the launcher's --base-model), another base is refused
+    naming the right one, and export refuses a model directory the run did not train on."""
+    from finetune.export import main as export
+    from finetune.generate import main
+
+    base, adapter = lora_run / "base-model", lora_run / "adapter"
+    common = ["--prompt", "Name a color.", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
+    assert main(["--model-dir", str(lora_run / "hf"), *common]) == 0
+    merged = capsys.readouterr().out
+    assert main(["--finetuned", str(lora_run / "hf"), "--base-model", str(base), "--adapter", str(adapter),
+                 *common]) == 0
+    out = capsys.readouterr()
+    assert out.out == merged and f"the base model with the LoRA adapter {adapter}: {base}" in out.err
+    assert main(["--model-dir", str(lora_run / "hf"), "--adapter", str(adapter), *common]) == 2
+    assert f"--model-dir {base}" in capsys.readouterr().err
+    other = tmp_path / "other"
+    ensure_tiny_model(other, {**load_recipe("tiny-cpu-lora").model.init}, 7)  # the same shapes, other weights
+    assert export(["--checkpoint", "latest", "--output-dir", str(lora_run), "--model-dir", str(other),
+                   "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"trained on the base model {base}" in err and not (tmp_path / "x").exists()
+
+
 def test_export_of_a_checkpoint_equals_the_run_s_final_export(lora_run, tmp_path, capsys, ms_cpu):
     """``export --checkpoint`` of a LoRA checkpoint: adapter/ and merged hf/ tensor-equal to the run's final
     export of the same step; the merged model loads and gives the same logits; --no-merge: adapter/ only."""

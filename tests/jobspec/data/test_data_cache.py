@@ -61,6 +61,24 @@ def test_fresh_then_invalidated_by_input_and_settings(tmp_path, data):
     assert not cache.cache_is_fresh(r, TOKENIZER)
 
 
+def test_an_edit_that_keeps_size_and_mtime_is_not_trusted(tmp_path, data):
+    """Issue 31: a data file edited with its size and mtime restored (``touch -d``) resumed on the old cache
+    silently; its change time moves, so its hash decides: not fresh, and a run's data check names the file."""
+    from jobspec.data.runcheck import data_changes
+
+    r = recipe_for(tmp_path, [data])
+    prepare(r, TOKENIZER, progress=False)
+    st = data.stat()
+    text = data.read_text()
+    i = text.index("0")  # one digit of a sample, replaced by another: the same size
+    data.write_text(text[:i] + ("1" if text[i] != "1" else "2") + text[i + 1:])
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert data.stat().st_size == st.st_size and data.stat().st_mtime_ns == st.st_mtime_ns
+    assert not cache.cache_is_fresh(r, TOKENIZER)
+    changes = data_changes(cache.read_manifest(cache.cache_dir_for(r)), r, TOKENIZER)
+    assert changes == [f"{data.resolve()} changed since the run read it (same size, other contents)"]
+
+
 def test_weights_repeat_and_subsample(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [alpaca(i) for i in range(10)])
     b = write_jsonl(tmp_path / "b.jsonl", [alpaca(100 + i) for i in range(10)])
