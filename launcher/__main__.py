@@ -48,7 +48,7 @@ from jobspec.layout import host_collectives_choice
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
-from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
+from launcher import ascendjob, cli, evaluate, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import plan as planlib
@@ -390,6 +390,7 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
     "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
     "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
+    "eval": (lambda job, args, host: evaluate.run_eval(job.recipe, job.env), evaluate.HELP, False),
     "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
     "selftest": (cmd_selftest, "check every fused op, the optimizer and the collectives on this host's devices "
                                "against fp32 references (--quick: one NPU)", True),

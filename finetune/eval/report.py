@@ -1,0 +1,94 @@
+"""Run every model on every task and write the results: ``<out>/<label>.json`` per model, ``samples_<task>.jsonl``
+(every model's per-document records), ``summary.json`` and the printed before/after table."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.eval.runner import Scorer, score_task
+from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
+from jobspec.eval_config import EvalConfig, task_base
+
+
+def chat_renderer(model_dir: str) -> ChatRender:
+    """The model's own chat template (``tokenizer_config.json``) as transformers renders it, generation prompt on."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    template = env.from_string(cfg["chat_template"])
+    return lambda messages: template.render(messages=messages, add_generation_prompt=True,
+                                            **{k: cfg[k] for k in ("bos_token", "eos_token") if k in cfg})
+
+
+def load_scorer(model_dir: str, device: str, chat: bool) -> Scorer:
+    """The model of ``model_dir`` on ``device`` with its tokenizer, stops, context length and generation penalty."""
+    from finetune.generate import Sampling, load_model, stop_ids
+    from finetune.hf_io import load_hf_config
+
+    model, tok, _ = load_model(model_dir, device)
+    return Scorer(model, tok, stop_ids(tok, model_dir),
+                  int(load_hf_config(model_dir).get("max_position_embeddings", 2048)),
+                  chat_renderer(model_dir) if chat else None, Sampling.of_model(model_dir).repetition_penalty)
+
+
+def headline(name: str) -> list[tuple[str, str]]:
+    """(row name, metric) of the table for task ``name``: its metrics, and for mmlu its groups' accuracy."""
+    metrics = SPECS[task_base(name)].metrics
+    return [(name, m) for m in metrics] + ([(g, "acc") for g in MMLU_GROUPS] if name == "mmlu" else [])
+
+
+def table(by_model: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """One row per task (and mmlu group) and metric: each model's value, and the last minus the first."""
+    labels = list(by_model)
+    rows = []
+    for name in names:
+        for task, metric in headline(name):
+            if task not in by_model[labels[0]]:  # an mmlu group without subjects here
+                continue
+            row: dict[str, Any] = {"task": task, "metric": metric, "n": by_model[labels[0]][task]["n"]}
+            row.update({label: by_model[label][task][metric] for label in labels})
+            if len(labels) > 1:
+                row["delta"] = row[labels[-1]] - row[labels[0]]
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], labels: list[str]) -> None:
+    cols = labels + (["delta"] if len(labels) > 1 else [])
+    print(f"{'task':<24} {'metric':<30} {'n':>6} " + " ".join(f"{c:>9}" for c in cols), flush=True)
+    for r in rows:
+        print(f"{r['task']:<24} {r['metric']:<30} {r['n']:>6} " + " ".join(f"{r[c]:>+9.4f}" if c == "delta"
+                                                                             else f"{r[c]:>9.4f}" for c in cols))
+
+
+def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: EvalConfig, out: Path,
+                 device: str) -> dict[str, Any]:
+    """Score each model (loaded one at a time) and write the results; returns summary.json's content."""
+
+    out.mkdir(parents=True, exist_ok=True)
+    by_model: dict[str, dict[str, Any]] = {}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in tasks}
+    settings = {k: v for k, v in dataclasses.asdict(c).items() if k != "after_training"}
+    for label, model_dir in models.items():
+        print(f"[eval] loading {label}: {model_dir}", flush=True)
+        scorer = load_scorer(model_dir, device, c.apply_chat_template)
+        results: dict[str, Any] = {}
+        for name, subs in tasks.items():
+            res, recs = score_task(scorer, name, subs, c, print)
+            results.update(res)
+            samples[name] += [{"model": label, **r} for r in recs]
+        by_model[label] = results
+        (out / f"{label}.json").write_text(json.dumps({"model": label, "model_dir": str(model_dir),
+                                                       "settings": settings, "results": results}, indent=1) + "\n")
+    for name, recs in samples.items():
+        with (out / f"samples_{name}.jsonl").open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
+    rows = table(by_model, list(tasks))
+    print_table(rows, list(models))
+    summary = {"models": models, "settings": settings, "table": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary

@@ -1,0 +1,114 @@
+"""Score Hugging Face model directories on lm-eval tasks and write ``<out>/<label>.json``, ``samples_<task>.jsonl``
+and the before/after table (``<out>/summary.json``).
+
+Every task's files are read and checked, and every model directory's weights and tokenizer, before the
+first model loads; a problem is one line naming the file and exits 2.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.eval import scoring
+from finetune.eval.tasks import GSM8K_UNTIL, SPECS, ChatRender, Subtask, choices, context, gen_scores, mc_scores
+from jobspec.eval_config import EvalConfig
+
+
+@dataclass
+class Scorer:
+    """A loaded model and what scoring needs of it: tokenizer, stop tokens, context length, chat template and
+    the repetition penalty of its generation_config.json (transformers applies it to greedy answers too)."""
+
+    model: Any
+    tok: Any
+    stops: set[int]
+    max_length: int
+    chat: ChatRender | None = None
+    repetition_penalty: float = 1.0
+
+
+def stderr(values: list[float]) -> float | None:
+    """lm-eval's mean_stderr: the sample standard deviation over sqrt(n); None below two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mu = sum(values) / n
+    return math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1)) / math.sqrt(n)
+
+
+def aggregate(parts: list[dict[str, Any]], metrics: tuple[str, ...]) -> dict[str, Any]:
+    """A group's numbers as lm-eval weights them by size: mean of the parts, pooled stderr."""
+    sizes = [p["n"] for p in parts]
+    out: dict[str, Any] = {"n": sum(sizes), "num_fewshot": parts[0]["num_fewshot"]}
+    for m in metrics:
+        out[m] = sum(p[m] * n for p, n in zip(parts, sizes)) / sum(sizes)
+        errs = [p.get(f"{m}_stderr") for p in parts]
+        if None not in errs and sum(sizes) > len(sizes):
+            var = sum((n - 1) * e ** 2 * n for n, e in zip(sizes, errs)) / (sum(sizes) - len(sizes))  # type: ignore
+            out[f"{m}_stderr"] = math.sqrt(var / sum(sizes))
+        else:
+            out[f"{m}_stderr"] = None
+    return out
+
+
+def _summary(per_doc: list[dict[str, float]], metrics: tuple[str, ...], k: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"n": len(per_doc), "num_fewshot": k}
+    for m in metrics:
+        values = [d[m] for d in per_doc]
+        out[m], out[f"{m}_stderr"] = sum(values) / max(len(values), 1), stderr(values)
+    return out
+
+
+def score_subtask(m: Scorer, sub: Subtask, c: EvalConfig,
+                  log: Callable[[str], None]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One subject's numbers and its per-document records."""
+    spec = SPECS[sub.task]
+    contexts = [context(sub, i, m.chat) for i in range(len(sub.docs))]
+    meter = scoring.Meter(sub.name, log=log)
+    records: list[dict[str, Any]] = []
+    per_doc: list[dict[str, float]] = []
+    if spec.kind == "mc":
+        conts = choices(sub, m.chat is not None)
+        reqs = [scoring.encode_pair(m.tok, ctx, cont) for ctx in contexts for cont in conts]
+        lls = scoring.loglikelihoods(m.model, reqs, c.batch_size, m.max_length, meter)
+        for i, doc in enumerate(sub.docs):
+            mine = lls[i * len(conts):(i + 1) * len(conts)]
+            per_doc.append(mc_scores([ll for ll, _ in mine], doc["answer"]))
+            records.append({"doc_id": i, "subtask": sub.name, "target": doc["answer"],
+                            "loglikelihoods": [ll for ll, _ in mine], "is_greedy": [g for _, g in mine], **per_doc[-1]})
+    else:
+        texts = scoring.generate_until(m.model, m.tok, contexts, [*GSM8K_UNTIL], c.max_gen_toks, m.max_length,
+                                       m.stops, c.batch_size, m.repetition_penalty, meter)
+        for i, (doc, text) in enumerate(zip(sub.docs, texts)):
+            scores, got = gen_scores(text, doc)
+            per_doc.append(scores)
+            records.append({"doc_id": i, "subtask": sub.name, "target": doc["answer"], "response": text,
+                            "filtered": got, **scores})
+    k = len(sub.shots[0]) if sub.shots else 0
+    return _summary(per_doc, spec.metrics, k), records
+
+
+def score_task(m: Scorer, name: str, subs: list[Subtask], c: EvalConfig,
+               log: Callable[[str], None]) -> tuple[dict[str, Any], list]:
+    """Every subtask of ``name`` plus its averages (mmlu: its four groups too), lm-eval's names as keys."""
+    results: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
+    start = time.time()
+    for sub in subs:
+        results[sub.name], recs = score_subtask(m, sub, c, log)
+        records += recs
+    metrics = SPECS[subs[0].task].metrics
+    if len(subs) > 1 or subs[0].name != name:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for sub in subs:
+            if sub.group:
+                groups.setdefault(sub.group, []).append(results[sub.name])
+        if SPECS[subs[0].task].groups:
+            results.update({g: aggregate(parts, metrics) for g, parts in sorted(groups.items())})
+        results[name] = aggregate([results[s.name] for s in subs], metrics)
+    log(f"[eval] {name}: " + ", ".join(f"{m} {results[name][m]:.4f}" for m in metrics)
+        + f" (n={results[name]['n']}, {time.time() - start:.1f} s)")
+    return results, records

@@ -1,0 +1,62 @@
+"""``ascend-finetune eval`` (``make eval``): the run's base model and its ``hf/`` export on the tasks of ``eval.tasks``
+(``EVAL_TASKS``) with the benchmark files of ``eval.data_dir`` (``EVAL_DATA``), side by side, into
+``OUTPUT_DIR/eval/``; the before/after table also goes into the run's ``summary.json`` under ``eval``.
+
+The worker side is ``finetune/eval`` (started as a process: the launcher never imports it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from jobspec.config import REPO_ROOT, Recipe, resolved_model_dir
+from jobspec.rundir import run_dir_of
+
+HELP = "score the base model and the hf/ export on lm-eval's tasks (EVAL_TASKS, EVAL_DATA) into OUTPUT_DIR/eval"
+TOOL = REPO_ROOT / "finetune" / "eval" / "__main__.py"
+
+
+def eval_argv(r: Recipe, models: dict[str, str]) -> list[str]:
+    """The evaluator's command line for ``models`` (label -> directory) from the recipe's ``eval`` section."""
+    c = r.eval
+    argv = [sys.executable, str(TOOL), "--data-dir", c.data_dir, "--out", str(Path(r.output_dir) / "eval"),
+            "--tasks", ",".join(c.tasks), "--num-fewshot", str(c.num_fewshot), "--batch-size", str(c.batch_size),
+            "--limit", str(c.limit), "--max-gen-toks", str(c.max_gen_toks), "--device", r.launch.device]
+    argv += ["--apply-chat-template"] if c.apply_chat_template else []
+    return argv + [a for label, d in models.items() for a in ("--model", f"{label}={d}")]
+
+
+def models_of(r: Recipe) -> dict[str, str]:
+    """base: the run's base model; hf: its export, where one exists."""
+    hf = run_dir_of(r).hf
+    return {"base": resolved_model_dir(r), **({"hf": str(hf)} if (hf / "config.json").is_file() else {})}
+
+
+def merge_summary(r: Recipe) -> None:
+    """Put ``eval/summary.json`` into the run's ``summary.json`` (key ``eval``) when the run wrote one."""
+    run_summary, ours = run_dir_of(r).summary, Path(r.output_dir) / "eval" / "summary.json"
+    if run_summary.is_file() and ours.is_file():
+        data: dict[str, Any] = json.loads(run_summary.read_text())
+        data["eval"] = json.loads(ours.read_text())
+        tmp = run_summary.with_name(run_summary.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, run_summary)
+
+
+def run_eval(r: Recipe, env: dict[str, str]) -> int:
+    """Evaluate base and export; exit 2 naming EVAL_DATA when no benchmark folder is set."""
+    if not r.eval.data_dir:
+        print("[launcher] eval.data_dir (EVAL_DATA) is not set: the folder with one subfolder per task in its "
+              "published layout (README \"Evaluating a fine-tune\"), e.g. EVAL_DATA=/data/benchmarks", file=sys.stderr)
+        return 2
+    models = models_of(r)
+    if "hf" not in models:
+        print(f"[launcher] eval: no export at {run_dir_of(r).hf} yet; evaluating the base model only", flush=True)
+    rc = subprocess.call(eval_argv(r, models), env=env)
+    if rc == 0:
+        merge_summary(r)
+    return rc
