@@ -382,8 +382,8 @@ TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py",
          "selftest": REPO_ROOT / "finetune" / "selftest" / "__main__.py"}
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
-    "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
-                         "and supervise it", False),
+    "train": (evaluate.after_training(cmd_train), "preflight, create the tiny model if asked, prepare data, write "
+                                                  "plan.json, run msrun and supervise it (eval.after_training)", False),
     "plan": (cmd_plan, "resolve env + recipe + cluster into OUTPUT_DIR/plan.json and print it; start nothing",
              False),
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),

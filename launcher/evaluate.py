@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ def eval_argv(r: Recipe, models: dict[str, str]) -> list[str]:
             "--tasks", ",".join(c.tasks), "--num-fewshot", str(c.num_fewshot), "--batch-size", str(c.batch_size),
             "--limit", str(c.limit), "--max-gen-toks", str(c.max_gen_toks), "--device", r.launch.device]
     argv += ["--apply-chat-template"] if c.apply_chat_template else []
+    argv += ["--reuse", "base"]  # the base model's results stay valid while its settings do
     return argv + [a for label, d in models.items() for a in ("--model", f"{label}={d}")]
 
 
@@ -45,6 +47,19 @@ def merge_summary(r: Recipe) -> None:
         tmp = run_summary.with_name(run_summary.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, run_summary)
+
+
+def after_training(train: Callable[[Any, Any, Any], int]) -> Callable[[Any, Any, Any], int]:
+    """``train``, then on node 0 with ``eval.after_training`` the evaluation of export and base (its results
+    reused while the settings are the same), so the run's summary.json says what the fine-tune changed."""
+    def run(job: Any, args: Any, host: Any) -> int:
+        rc = train(job, args, host)
+        r = job.recipe
+        if rc != 0 or not r.eval.after_training or r.launch.node_rank != 0 or r.launch.dry_run:
+            return rc
+        print("[launcher] eval.after_training: scoring the export and the base model", flush=True)
+        return run_eval(r, job.env)
+    return run
 
 
 def run_eval(r: Recipe, env: dict[str, str]) -> int:

@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=d.limit)
     ap.add_argument("--max-gen-toks", type=int, default=d.max_gen_toks)
     ap.add_argument("--device", default="auto", choices=["auto", "npu", "cpu"])
+    ap.add_argument("--reuse", action="append", default=[], metavar="LABEL",
+                    help="keep <out>/LABEL.json's results when its model directory and settings are the same")
     return ap.parse_args(argv)
 
 
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from finetune.eval.report import evaluate_all
 
-    evaluate_all(models, tasks, c, Path(args.out), args.device)
+    evaluate_all(models, tasks, c, Path(args.out), args.device, set(args.reuse))
     return 0
 
 

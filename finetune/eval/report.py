@@ -65,15 +65,48 @@ def print_table(rows: list[dict[str, Any]], labels: list[str]) -> None:
                                                                              else f"{r[c]:>9.4f}" for c in cols))
 
 
+def reusable(out: Path, label: str, model_dir: str, settings: dict[str, Any], tasks: list[str]) -> bool:
+    """Whether ``<out>/<label>.json`` holds this model's results for these settings and tasks."""
+    path = out / f"{label}.json"
+    if not path.is_file():
+        return False
+    old = json.loads(path.read_text())
+    same = old["model_dir"] == str(model_dir) and old["settings"] == settings
+    return same and all(t in old["results"] for t in tasks)
+
+
+def earlier_samples(out: Path, task: str, label: str) -> list[dict[str, Any]]:
+    path = out / f"samples_{task}.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+    return [r for r in rows if r["model"] == label]
+
+
+def write_scalars(logdir: Path, rows: list[dict[str, Any]], labels: list[str]) -> None:
+    """The table as TensorBoard scalars, one run per model (``eval/<task>/<metric>``), so runs compare side by side."""
+    from tensorboardX import SummaryWriter
+
+    for label in labels:
+        with SummaryWriter(str(logdir / label)) as tb:
+            for r in rows:
+                tb.add_scalar(f"eval/{r['task']}/{r['metric']}", r[label], 0)
+
+
 def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: EvalConfig, out: Path,
-                 device: str) -> dict[str, Any]:
-    """Score each model (loaded one at a time) and write the results; returns summary.json's content."""
+                 device: str, reuse: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    """Score each model (loaded one at a time) and write the results; returns summary.json's content. Models
+    in ``reuse`` keep their earlier results where :func:`reusable` allows."""
 
     out.mkdir(parents=True, exist_ok=True)
     by_model: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in tasks}
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k != "after_training"}
     for label, model_dir in models.items():
+        if label in reuse and reusable(out, label, model_dir, settings, list(tasks)):
+            print(f"[eval] {label}: the results of {out / (label + '.json')} (same model and settings)", flush=True)
+            by_model[label] = json.loads((out / f"{label}.json").read_text())["results"]
+            for name in tasks:
+                samples[name] += earlier_samples(out, name, label)
+            continue
         print(f"[eval] loading {label}: {model_dir}", flush=True)
         scorer = load_scorer(model_dir, device, c.apply_chat_template)
         results: dict[str, Any] = {}
@@ -89,6 +122,7 @@ def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: Eva
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
     rows = table(by_model, list(tasks))
     print_table(rows, list(models))
+    write_scalars(out / "tensorboard", rows, list(models))
     summary = {"models": models, "settings": settings, "table": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

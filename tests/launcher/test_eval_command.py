@@ -60,7 +60,7 @@ def test_a_file_of_another_layout_is_refused_before_any_model_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_make_eval_on_the_embedded_defaults_output(tmp_path, capsys):
+def test_make_eval_on_the_embedded_defaults_output(tmp_path, capfd):
     out = tmp_path / "o"
     ensure_tiny_model(out / "base-model", TINY, seed=0)
     ensure_tiny_model(out / "hf", TINY, seed=1)  # stands in for the fine-tune's export
@@ -79,3 +79,34 @@ def test_make_eval_on_the_embedded_defaults_output(tmp_path, capsys):
     assert rows[("mmlu", "acc")]["delta"] == pytest.approx(rows[("mmlu", "acc")]["hf"] - rows[("mmlu", "acc")]["base"])
     assert set(rows) == {("mmlu", "acc"), ("mmlu_stem", "acc"), ("ceval-valid_accountant", "acc"),
                          ("ceval-valid_accountant", "acc_norm")}
+    assert {p.name for p in (out / "eval" / "tensorboard").iterdir()} == {"base", "hf"}
+    capfd.readouterr()
+    assert lm.main(["eval", f"OUTPUT_DIR={out}", f"EVAL_DATA={DATA}", "EVAL_TASKS=mmlu,ceval-valid_accountant",
+                    "eval.limit=2"], cpu_host(tmp_path)) == 0  # again: the base model's results are reused
+    assert "[eval] base: the results of" in capfd.readouterr().out
+    assert json.loads((out / "eval" / "base.json").read_text()) == base
+    samples = [json.loads(line) for line in (out / "eval" / "samples_mmlu.jsonl").read_text().splitlines()]
+    assert [s["model"] for s in samples] == ["base"] * 4 + ["hf"] * 4
+
+
+def test_after_training_scores_only_a_successful_run_on_node_0(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from jobspec.config import load_recipe
+
+    calls = []
+    monkeypatch.setattr(evaluate, "run_eval", lambda r, env: calls.append(r.output_dir) or 0)
+    on = load_recipe("tiny-cpu", {"eval.after_training": "true", "eval.data_dir": str(DATA)})
+    for rc, recipe, node, expected in ((0, on, 0, 1), (3, on, 0, 0), (0, on, 1, 0),
+                                       (0, load_recipe("tiny-cpu"), 0, 0)):
+        calls.clear()
+        recipe.launch.node_rank = node
+        run = evaluate.after_training(lambda job, args, host, rc=rc: rc)
+        assert run(SimpleNamespace(recipe=recipe, env={}), None, None) == rc and len(calls) == expected
+
+
+def test_after_training_needs_the_benchmark_folder():
+    from jobspec.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match="eval.data_dir"):
+        load_recipe("tiny-cpu", {"eval.after_training": "true"})
