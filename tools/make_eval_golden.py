@@ -2,7 +2,7 @@
 
 Run with a torch venv holding lm-eval (``pip install torch transformers lm-eval``), never by ``make test``:
 
-    HF_DATASETS_OFFLINE=1 /work/torchvenv/bin/python tools/make_eval_golden.py
+    HF_DATASETS_OFFLINE=1 /work/torchvenv/bin/python tools/make_eval_golden.py [CASE ...]
 
 It builds the seeded tiny model of :data:`MODEL` (jobspec.tiny, the real Qwen2.5 tokenizer), and runs lm-eval's
 ``hf`` model (fp32) on the synthetic files of tests/finetune/eval/data through tasks whose prompts, sampling
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +37,9 @@ MODEL = {"overrides": {"hidden_size": 64, "intermediate_size": 176, "num_hidden_
 SUBJECTS = {"mmlu": ["anatomy", "high_school_physics"], "ceval-valid": ["accountant", "high_school_physics"]}
 # case -> (tasks, num_fewshot or None for the task's own, apply_chat_template)
 CASES = {"zero-shot": (["mmlu", "ceval-valid"], 0, False), "two-shot": (["mmlu", "ceval-valid"], 2, False),
-         "chat": (["mmlu"], 0, True), "gsm8k": (["gsm8k"], None, False)}
+         "chat": (["mmlu"], 0, True), "gsm8k": (["gsm8k"], None, False),
+         "choice-texts": (["arc_easy", "hellaswag"], 2, False), "perplexity": (["perplexity"], 0, False)}
+PERPLEXITY_MAX_LENGTH = 16  # the model's context in the perplexity case, so documents span several windows
 
 
 def lm_eval_yaml(folder: str, name: str) -> dict:
@@ -76,6 +79,37 @@ def task_yamls(tmp: Path) -> dict[str, list[str]]:
         cfg.pop("dataset_name", None)
         names.setdefault("ceval-valid", []).append(cfg["task"])
         (tmp / f"{cfg['task']}.yaml").write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    cfg = lm_eval_yaml("arc", "arc_easy.yaml")
+    cfg.update(task="golden_arc_easy", dataset_path="json", tag=[], dataset_kwargs={
+        "data_files": {sp: str(DATA / "arc_easy" / f"{sp}.jsonl") for sp in ("train", "validation", "test")}})
+    cfg.pop("dataset_name", None)
+    names["arc_easy"] = [cfg["task"]]
+    (tmp / "golden_arc_easy.yaml").write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    # hellaswag's YAML names its process_docs as !function utils.process_docs: the installed file is copied beside it
+    shutil.copy(TASKS / "hellaswag" / "utils.py", tmp / "utils.py")
+    text = (TASKS / "hellaswag" / "hellaswag.yaml").read_text()
+    files = {"train": str(DATA / "hellaswag" / "hellaswag_train.jsonl"),
+             "validation": str(DATA / "hellaswag" / "hellaswag_val.jsonl")}
+    text = text.replace("task: hellaswag", "task: golden_hellaswag").replace("dataset_path: Rowan/hellaswag",
+                                                                            "dataset_path: json")
+    text = text.replace("tag:\n  - multiple_choice\n", "")
+    text += "dataset_kwargs:\n  data_files: " + json.dumps(files) + "\n"
+    names["hellaswag"] = ["golden_hellaswag"]
+    (tmp / "golden_hellaswag.yaml").write_text(text)
+    # perplexity: our documents as wikitext's "page", scored by wikitext's own process_results and metrics
+    shutil.copy(TASKS / "wikitext" / "preprocess_wikitext.py", tmp / "preprocess_wikitext.py")
+    pages = [(DATA / "perplexity" / "notes.txt").read_text()] + [
+        json.loads(line)["text"] for line in (DATA / "perplexity" / "val.jsonl").read_text().splitlines()]
+    (tmp / "pages.jsonl").write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
+    text = (TASKS / "wikitext" / "wikitext.yaml").read_text()
+    text = text.replace("task: wikitext", "task: golden_perplexity").replace(
+        "dataset_path: EleutherAI/wikitext_document_level", "dataset_path: json").replace(
+        "dataset_name: wikitext-2-raw-v1\n", "").replace("training_split: train\n", "").replace(
+        "validation_split: validation\n", "").replace(
+        "doc_to_target: !function preprocess_wikitext.wikitext_detokenizer", 'doc_to_target: "{{page}}"')
+    names["perplexity"] = ["golden_perplexity"]
+    (tmp / "golden_perplexity.yaml").write_text(text + "dataset_kwargs:\n  data_files: "
+                                                + json.dumps({"test": str(tmp / "pages.jsonl")}) + "\n")
     cfg = lm_eval_yaml("gsm8k", "gsm8k.yaml")
     cfg.update(task="golden_gsm8k", dataset_path="json", tag=[],
                dataset_kwargs={"data_files": {sp: str(DATA / "gsm8k" / f"{sp}.jsonl") for sp in ("train", "test")}})
@@ -93,7 +127,8 @@ def first_arg(arguments: list | dict) -> str:
 
 def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str) -> dict:
     tasks, shots, chat = CASES[case]
-    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32",
+    extra = f",max_length={PERPLEXITY_MAX_LENGTH}" if case == "perplexity" else ""
+    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32{extra}",
                                   device="cpu",
                                   tasks=[t for task in tasks for t in names[task]], num_fewshot=shots,
                                   apply_chat_template=chat, log_samples=True, batch_size=4,
@@ -108,7 +143,9 @@ def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str)
             entry = {"metrics": {k.removesuffix(",none"): v for k, v in res["results"][t].items()
                                  if isinstance(v, float) and "stderr" not in k},
                      "n": len(docs), "num_fewshot": res["n-shot"][t]}
-            if task == "gsm8k":
+            if task == "perplexity":
+                entry["loglikelihoods"] = [d["resps"][0][0] for d in docs]
+            elif task == "gsm8k":
                 entry["responses"] = [d["resps"][0][0] for d in docs]
             else:
                 entry["loglikelihoods"] = [[r[0][0] for r in d["resps"]] for d in docs]
@@ -119,13 +156,16 @@ def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str)
 
 
 def main() -> None:
+    only = sys.argv[1:] or list(CASES)  # case names: rerun only these, keeping the others' numbers
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         model_dir = tmp / "model"
         ensure_tiny_model(model_dir, MODEL["overrides"], MODEL["seed"], MODEL["std"])
         names = task_yamls(tmp)
+        kept = json.loads(OUT.read_text())["cases"] if OUT.is_file() and only != list(CASES) else {}
         golden = {"lm_eval": lm_eval.__version__, "transformers": transformers.__version__, "model": MODEL,
-                  "cases": {case: run_case(model_dir, tmp, names, case) for case in CASES}}
+                  "cases": {case: run_case(model_dir, tmp, names, case) if case in only else kept[case]
+                            for case in CASES}}
     OUT.write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n")
     print(OUT)
 

@@ -12,12 +12,18 @@ it expects, so a wrong layout is refused before any model loads. Documents keep 
 | ceval-valid | ``{dev,val}/<subject>_{dev,val}.csv`` with header id, question, A, B, C, D, answer |
 | cmmlu | ``{dev,test}/<subject>.csv`` with header Question, A, B, C, D, Answer |
 | gsm8k | ``{train,test}.jsonl`` or the hub's ``[main/]{train,test}-*.parquet`` (question, answer "... #### N") |
+| arc_easy, arc_challenge | the hub's ``[ARC-Easy/ or ARC-Challenge/]{train,validation,test}-*.parquet`` or ``.jsonl``
+  (question, choices {text, label}, answerKey) |
+| hellaswag | the hub's ``[data/]{train,validation}-*.parquet`` or ``hellaswag_{train,val}.jsonl`` (activity_label,
+  ctx_a, ctx_b, endings, label) |
+| perplexity | any ``*.txt`` (a document each) and ``*.jsonl`` (a document per line's ``text``) |
 """
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -88,8 +94,8 @@ def labelled_csv(path: Path, subject: str, names: tuple[str, ...]) -> list[Doc]:
     return [_mc(r[q], [r[o] for o in opts], _letter(path, i, r[ans]), subject) for i, r in enumerate(rows)]
 
 
-def gsm8k_rows(paths: list[Path]) -> list[Doc]:
-    """GSM8K JSONL (openai/grade-school-math) or the hub's parquet: question, answer."""
+def records(paths: list[Path], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """JSON lines or parquet records holding ``fields`` (GSM8K, ARC, HellaSwag, perplexity's JSONL)."""
     rows: list[dict[str, Any]] = []
     for p in paths:
         if p.suffix == ".parquet":
@@ -98,15 +104,61 @@ def gsm8k_rows(paths: list[Path]) -> list[Doc]:
             try:
                 rows += [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
             except json.JSONDecodeError as e:
-                raise EvalDataError(f"{p}: not JSON lines ({e}); expected one object a line with question, "
-                                    "answer") from None
+                raise EvalDataError(f"{p}: not JSON lines ({e}); expected one object a line with "
+                                    f"{', '.join(fields)}") from None
         if rows:
-            _need(p, list(rows[-1]), ("question", "answer"))
-    return [{"question": r["question"], "answer": r["answer"]} for r in rows]
+            _need(p, list(rows[-1]), fields)
+    return rows
 
 
-def _split_files(root: Path, split: str, pattern: str) -> list[Path]:
-    return sorted(root.glob(pattern.format(split=split)))
+def arc_doc(r: dict[str, Any]) -> Doc:
+    labels = list(r["choices"]["label"])
+    return {"question": r["question"], "choices": list(r["choices"]["text"]), "answer": labels.index(r["answerKey"])}
+
+
+def _hellaswag_clean(text: str) -> str:
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
+
+
+def hellaswag_doc(r: dict[str, Any]) -> Doc:
+    """lm-eval's hellaswag ``process_docs``."""
+    ctx = r["ctx_a"] + " " + r["ctx_b"].capitalize()
+    return {"question": _hellaswag_clean(r["activity_label"] + ": " + ctx),
+            "choices": [_hellaswag_clean(e) for e in r["endings"]], "answer": int(r["label"])}
+
+
+def _split_reader(base: Path, names: Mapping[str, tuple[str, ...]], fields: tuple[str, ...],
+                  make: Callable[[dict[str, Any]], Doc]) -> Callable[[str], list[Doc]]:
+    """A reader of split -> the first of its file patterns that matches under ``base``."""
+    def read(split: str) -> list[Doc]:
+        for pattern in names[split]:
+            files = sorted(base.glob(pattern))
+            if files:
+                return [make(r) for r in records(files, fields)]
+        raise EvalDataError(f"{base}: no {' or '.join(names[split])}; expected records with {', '.join(fields)}")
+    return read
+
+
+def _patterns(*forms: str) -> dict[str, tuple[str, ...]]:
+    return {s: tuple(f.format(s=s) for f in forms) for s in ("train", "validation", "test")}
+
+
+def _qa(r: dict[str, Any]) -> Doc:
+    return {"question": r["question"], "answer": r["answer"]}
+
+
+def perplexity_docs(root: Path) -> list[Doc]:
+    """Every ``*.txt`` (one document) and ``*.jsonl`` line (its ``text``) under ``root``, sorted by path."""
+    docs: list[Doc] = []
+    for p in sorted(root.rglob("*")):
+        if p.suffix == ".txt":
+            docs.append({"text": p.read_text(encoding="utf-8")})
+        elif p.suffix == ".jsonl":
+            docs += [{"text": r["text"]} for r in records([p], ("text",))]
+    if not docs:
+        raise EvalDataError(f"{root}: no *.txt or *.jsonl (one document per line, field text) files")
+    return docs
 
 
 def _find(root: Path, task: str, what: str) -> None:
@@ -149,14 +201,23 @@ def subjects_of(root: Path, task: str) -> dict[str, Callable[[str], list[Doc]]]:
     if task == "gsm8k":
         _find(root, task, "test.jsonl and train.jsonl (or [main/]test-*.parquet)")
         base = root / "main" if (root / "main").is_dir() else root
-
-        def splits(split: str) -> list[Doc]:
-            files = _split_files(base, split, "{split}.jsonl") or _split_files(base, split, "{split}-*.parquet")
-            if not files:
-                raise EvalDataError(f"{base}: no {split}.jsonl or {split}-*.parquet; expected GSM8K's files "
-                                    "with the fields question, answer")
-            return gsm8k_rows(files)
-        return {"": splits}
+        return {"": _split_reader(base, _patterns("{s}.jsonl", "{s}-*.parquet"), ("question", "answer"), _qa)}
+    if task in ("arc_easy", "arc_challenge"):
+        _find(root, task, "test-*.parquet (the hub's ai2_arc) or test.jsonl")
+        sub = root / ("ARC-Easy" if task == "arc_easy" else "ARC-Challenge")
+        base = sub if sub.is_dir() else root
+        return {"": _split_reader(base, _patterns("{s}-*.parquet", "{s}.jsonl"), ("question", "choices", "answerKey"),
+                                  arc_doc)}
+    if task == "hellaswag":
+        _find(root, task, "validation-*.parquet (the hub's Rowan/hellaswag) or hellaswag_val.jsonl")
+        base = root / "data" if (root / "data").is_dir() else root
+        patterns = {"validation": ("validation-*.parquet", "hellaswag_val.jsonl"),
+                    "train": ("train-*.parquet", "hellaswag_train.jsonl")}
+        return {"": _split_reader(base, patterns, ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+                                  hellaswag_doc)}
+    if task == "perplexity":
+        _find(root, task, "*.txt or *.jsonl files")
+        return {"": lambda split: perplexity_docs(root)}
     raise EvalDataError(f"{task}: no loader for this task")
 
 

@@ -30,9 +30,12 @@ def load_scorer(model_dir: str, device: str, chat: bool) -> Scorer:
     from finetune.hf_io import load_hf_config
 
     model, tok, _ = load_model(model_dir, device)
+    cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    prefix = tok.token_to_id(cfg.get("bos_token") or cfg.get("eos_token") or "<|endoftext|>")
     return Scorer(model, tok, stop_ids(tok, model_dir),
                   int(load_hf_config(model_dir).get("max_position_embeddings", 2048)),
-                  chat_renderer(model_dir) if chat else None, Sampling.of_model(model_dir).repetition_penalty)
+                  chat_renderer(model_dir) if chat else None, Sampling.of_model(model_dir).repetition_penalty,
+                  prefix if prefix is not None else 0)
 
 
 def headline(name: str) -> list[tuple[str, str]]:

@@ -13,7 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.eval import scoring
-from finetune.eval.tasks import GSM8K_UNTIL, SPECS, ChatRender, Subtask, choices, context, gen_scores, mc_scores
+from finetune.eval.tasks import (
+    GSM8K_UNTIL,
+    SPECS,
+    ChatRender,
+    Subtask,
+    choice_texts,
+    choices,
+    context,
+    gen_scores,
+    mc_scores,
+    perplexities,
+    rolling_windows,
+)
 from jobspec.eval_config import EvalConfig
 
 
@@ -28,6 +40,7 @@ class Scorer:
     max_length: int
     chat: ChatRender | None = None
     repetition_penalty: float = 1.0
+    prefix_id: int = 0  # the token before a perplexity document: the tokenizer's BOS, else its EOS (lm-eval's)
 
 
 def stderr(values: list[float]) -> float | None:
@@ -66,17 +79,20 @@ def score_subtask(m: Scorer, sub: Subtask, c: EvalConfig,
                   log: Callable[[str], None]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One subject's numbers and its per-document records."""
     spec = SPECS[sub.task]
-    contexts = [context(sub, i, m.chat) for i in range(len(sub.docs))]
     meter = scoring.Meter(sub.name, log=log)
+    if spec.kind == "rolling":
+        return score_rolling(m, sub, c, meter)
+    contexts = [context(sub, i, m.chat) for i in range(len(sub.docs))]
     records: list[dict[str, Any]] = []
     per_doc: list[dict[str, float]] = []
     if spec.kind == "mc":
-        conts = choices(sub, m.chat is not None)
-        reqs = [scoring.encode_pair(m.tok, ctx, cont) for ctx in contexts for cont in conts]
+        conts = [choices(sub.task, doc, m.chat is not None) for doc in sub.docs]
+        reqs = [scoring.encode_pair(m.tok, ctx, cont) for ctx, cs in zip(contexts, conts) for cont in cs]
         lls = scoring.loglikelihoods(m.model, reqs, c.batch_size, m.max_length, meter)
+        start = 0
         for i, doc in enumerate(sub.docs):
-            mine = lls[i * len(conts):(i + 1) * len(conts)]
-            per_doc.append(mc_scores([ll for ll, _ in mine], doc["answer"]))
+            mine, start = lls[start:start + len(conts[i])], start + len(conts[i])
+            per_doc.append(mc_scores([ll for ll, _ in mine], choice_texts(sub.task, doc), doc["answer"]))
             records.append({"doc_id": i, "subtask": sub.name, "target": doc["answer"],
                             "loglikelihoods": [ll for ll, _ in mine], "is_greedy": [g for _, g in mine], **per_doc[-1]})
     else:
@@ -89,6 +105,22 @@ def score_subtask(m: Scorer, sub: Subtask, c: EvalConfig,
                             "filtered": got, **scores})
     k = len(sub.shots[0]) if sub.shots else 0
     return _summary(per_doc, spec.metrics, k), records
+
+
+def score_rolling(m: Scorer, sub: Subtask, c: EvalConfig,
+                  meter: scoring.Meter) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Perplexity: each document's log-likelihood over rolling windows, pooled as lm-eval's wikitext pools it."""
+    windows = [rolling_windows(m.tok.encode(d["text"], add_special_tokens=False).ids, m.prefix_id, m.max_length)
+               for d in sub.docs]
+    lls = scoring.loglikelihoods(m.model, [w for ws in windows for w in ws], c.batch_size, m.max_length, meter)
+    per_doc, start = [], 0
+    for ws in windows:
+        per_doc.append(sum(ll for ll, _ in lls[start:start + len(ws)]))
+        start += len(ws)
+    records = [{"doc_id": i, "subtask": sub.name, "loglikelihood": ll, "tokens": sum(len(w[1]) for w in ws)}
+               for i, (ll, ws) in enumerate(zip(per_doc, windows))]
+    out = {"n": len(sub.docs), "num_fewshot": 0, **perplexities(per_doc, sub.docs)}
+    return {**out, **{f"{k}_stderr": None for k in SPECS[sub.task].metrics}}, records
 
 
 def score_task(m: Scorer, name: str, subs: list[Subtask], c: EvalConfig,

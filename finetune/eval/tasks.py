@@ -8,6 +8,7 @@ the description is the system turn, the rest one user turn, and the choices lose
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from collections.abc import Callable
@@ -24,13 +25,15 @@ FEWSHOT_SEED = 1234  # lm-eval's --fewshot_random_seed default
 GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>"]
 GSM8K_FILTERS = {"strict-match": (r"#### (\-?[0-9\.\,]+)", 0), "flexible-extract": (r"(-?[$0-9.,]{2,})|(-?[0-9]+)", -1)}
 GSM8K_IGNORE = [",", "\\$", "(?s).*#### ", "\\.$"]
+ARC = "Question: {question}\nAnswer:"
+PERPLEXITY = ("word_perplexity", "byte_perplexity", "bits_per_byte")  # lm-eval's wikitext metrics
 
 
 @dataclass(frozen=True)
 class Spec:
     """One lm-eval task family: which split is scored, where shots come from and how they are drawn."""
 
-    kind: str  # "mc" (log-likelihood of each choice) | "gen" (generate, extract, exact match)
+    kind: str  # "mc" (log-likelihood of each choice) | "gen" (generate, extract, exact match) | "rolling" (perplexity)
     test_split: str
     fewshot_split: str
     sampler: str  # "first_n" | "default" (random.Random(1234).sample per document, in document order)
@@ -38,12 +41,19 @@ class Spec:
     cue: str  # what closes a question
     metrics: tuple[str, ...]
     groups: bool = False  # mmlu: stem / humanities / social_sciences / other averages too
+    text: str = ""  # doc_to_text of tasks whose choices are their own texts (arc, hellaswag); "": A-D letters
+    exclude_doc: bool = False  # lm-eval draws k + 1 shots and drops the scored doc (hellaswag: no test split)
 
 
 SPECS = {"mmlu": Spec("mc", "test", "dev", "first_n", 0, "\nAnswer:", ("acc",), groups=True),
          "ceval-valid": Spec("mc", "val", "dev", "first_n", 0, "\n答案：", ("acc", "acc_norm")),
          "cmmlu": Spec("mc", "test", "dev", "first_n", 0, "\n答案：", ("acc", "acc_norm")),
-         "gsm8k": Spec("gen", "test", "train", "default", 5, "", tuple(f"exact_match,{f}" for f in GSM8K_FILTERS))}
+         "gsm8k": Spec("gen", "test", "train", "default", 5, "", tuple(f"exact_match,{f}" for f in GSM8K_FILTERS)),
+         "arc_easy": Spec("mc", "test", "train", "default", 0, "", ("acc", "acc_norm"), text=ARC),
+         "arc_challenge": Spec("mc", "test", "train", "default", 0, "", ("acc", "acc_norm"), text=ARC),
+         "hellaswag": Spec("mc", "validation", "train", "default", 0, "", ("acc", "acc_norm"), text="{question}",
+                           exclude_doc=True),
+         "perplexity": Spec("rolling", "", "", "first_n", 0, "", PERPLEXITY)}
 
 
 @dataclass
@@ -93,7 +103,9 @@ def load_task(name: str, c: EvalConfig) -> list[Subtask]:
             raise EvalDataError(f"{root}: {k}-shot needs {k} {spec.fewshot_split} examples of {subject or task}, "
                                 f"found {len(pool)}; set eval.num_fewshot lower")
         rnd = random.Random(FEWSHOT_SEED)
-        shots = [pool[:k] if spec.sampler == "first_n" else rnd.sample(pool, k) for _ in docs]
+        shots = [pool[:k] if spec.sampler == "first_n" else
+                 [d for d in rnd.sample(pool, k + 1) if d != doc][:k] if spec.exclude_doc else rnd.sample(pool, k)
+                 for doc in docs] if k else [[] for _ in docs]
         out.append(Subtask(task, f"{task}_{subject}" if subject else task, group, description, docs, shots))
     return out
 
@@ -102,13 +114,17 @@ def question(task: str, doc: Doc) -> str:
     """lm-eval's doc_to_text."""
     if SPECS[task].kind == "gen":
         return f"Question: {doc['question']}\nAnswer:"
+    if SPECS[task].text:
+        return SPECS[task].text.format(question=doc["question"])
     opts = "".join(f"\n{letter}. {c}" for letter, c in zip(LETTERS, doc["choices"]))
     return doc["question"].strip() + opts + SPECS[task].cue
 
 
 def target(task: str, doc: Doc) -> str:
     """lm-eval's doc_to_target as text."""
-    return doc["answer"] if SPECS[task].kind == "gen" else LETTERS[doc["answer"]]
+    if SPECS[task].kind == "gen":
+        return doc["answer"]
+    return doc["choices"][doc["answer"]] if SPECS[task].text else LETTERS[doc["answer"]]
 
 
 ChatRender = Callable[[list[dict[str, str]]], str]
@@ -124,15 +140,36 @@ def context(sub: Subtask, i: int, chat: ChatRender | None) -> str:
                 + [{"role": "user", "content": body}])
 
 
-def choices(sub: Subtask, chat: bool) -> list[str]:
+def choice_texts(task: str, doc: Doc) -> list[str]:
+    """lm-eval's doc_to_choice: the letters A-D, or the document's own choices (arc, hellaswag)."""
+    return list(doc["choices"]) if SPECS[task].text else list(LETTERS)
+
+
+def choices(task: str, doc: Doc, chat: bool) -> list[str]:
     """The continuations scored: target delimiter + each choice (no delimiter under the chat template)."""
-    return [("" if chat else " ") + letter for letter in LETTERS]
+    return [("" if chat else " ") + c for c in choice_texts(task, doc)]
 
 
-def mc_scores(lls: list[float], gold: int) -> dict[str, float]:
-    """acc and acc_norm (log-likelihood over the choice's length in characters, here all one)."""
-    norm = [ll / len(letter) for ll, letter in zip(lls, LETTERS)]
+def mc_scores(lls: list[float], texts: list[str], gold: int) -> dict[str, float]:
+    """acc and acc_norm (log-likelihood over the choice's length in characters)."""
+    norm = [ll / len(t) for ll, t in zip(lls, texts)]
     return {"acc": float(lls.index(max(lls)) == gold), "acc_norm": float(norm.index(max(norm)) == gold)}
+
+
+def rolling_windows(tokens: list[int], prefix: int, max_length: int) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's disjoint rolling windows (context_len 1) as (context, continuation) requests: each scores up to
+    ``max_length`` tokens given what precedes them (the first given ``prefix``)."""
+    seq = [prefix, *tokens]
+    return [(seq[:start + 1], tokens[start:start + max_length]) for start in range(0, len(tokens), max_length)]
+
+
+def perplexities(lls: list[float], docs: list[Doc]) -> dict[str, float]:
+    """wikitext's metrics over all documents: exp(-ll / words), exp(-ll / bytes), -ll / bytes / ln 2."""
+    total = sum(lls)
+    words = sum(len(re.split(r"\s+", d["text"])) for d in docs)
+    nbytes = sum(len(d["text"].encode("utf-8")) for d in docs)
+    return {"word_perplexity": math.exp(-total / words), "byte_perplexity": math.exp(-total / nbytes),
+            "bits_per_byte": -total / nbytes / math.log(2)}
 
 
 def _clean(s: str) -> str:

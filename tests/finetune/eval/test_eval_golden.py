@@ -36,21 +36,24 @@ def loaded(model_dir):
     return load_scorer(str(model_dir), "cpu", chat=False)
 
 
-def run(loaded, model_dir, task: str, shots: int, chat: bool) -> tuple[dict, list, list]:
+def run(loaded, model_dir, task: str, shots: int, chat: bool, max_length: int = 4096) -> tuple[dict, list, list]:
     from finetune.eval.report import chat_renderer
 
     c = EvalConfig(tasks=[task], data_dir=str(DATA), num_fewshot=shots, apply_chat_template=chat, batch_size=3)
     subs = load_task(task, c)
-    scorer = dataclasses.replace(loaded, chat=chat_renderer(str(model_dir)) if chat else None)
+    scorer = dataclasses.replace(loaded, chat=chat_renderer(str(model_dir)) if chat else None, max_length=max_length)
     results, records = score_task(scorer, task, subs, c, print)
-    return results, records, [context(s, i, scorer.chat) for s in subs for i in range(len(s.docs))]
+    contexts = [] if task == "perplexity" else [context(s, i, scorer.chat) for s in subs for i in range(len(s.docs))]
+    return results, records, contexts
 
 
 @pytest.mark.parametrize("case,task", [("zero-shot", "mmlu"), ("zero-shot", "ceval-valid"), ("two-shot", "mmlu"),
-                                       ("two-shot", "ceval-valid"), ("chat", "mmlu")])
+                                       ("two-shot", "ceval-valid"), ("chat", "mmlu"), ("choice-texts", "arc_easy"),
+                                       ("choice-texts", "hellaswag")])
 def test_multiple_choice_equals_lm_eval(loaded, model_dir, case, task):
-    gold = {k: v for k, v in GOLDEN["cases"][case].items() if k.startswith(task + "_")}
-    results, records, contexts = run(loaded, model_dir, task, 2 if case == "two-shot" else 0, case == "chat")
+    gold = {k: v for k, v in GOLDEN["cases"][case].items() if k == task or k.startswith(task + "_")}
+    shots = 2 if case in ("two-shot", "choice-texts") else 0  # choice-texts: lm-eval's seeded sampler, 2 shots
+    results, records, contexts = run(loaded, model_dir, task, shots, case == "chat")
     assert contexts == [c for g in gold.values() for c in g["contexts"]]
     ours = np.array([r["loglikelihoods"] for r in records])
     ref = np.array([ll for g in gold.values() for ll in g["loglikelihoods"]])
@@ -71,3 +74,14 @@ def test_gsm8k_equals_lm_eval(loaded, model_dir):
     assert [r["response"] for r in records] == gold["responses"]
     for metric, value in gold["metrics"].items():
         assert results["gsm8k"][metric] == value
+
+
+def test_perplexity_equals_lm_eval(loaded, model_dir):
+    gold = GOLDEN["cases"]["perplexity"]["perplexity"]
+    max_length = 16  # tools/make_eval_golden.py's PERPLEXITY_MAX_LENGTH: each document spans several windows
+    results, records, _ = run(loaded, model_dir, "perplexity", 0, False, max_length)
+    assert all(r["tokens"] > max_length for r in records[:1])
+    ours, ref = np.array([r["loglikelihood"] for r in records]), np.array(gold["loglikelihoods"])
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=LL_ATOL * max(r["tokens"] for r in records))
+    for metric, value in gold["metrics"].items():
+        assert results["perplexity"][metric] == pytest.approx(value, rel=1e-5)
