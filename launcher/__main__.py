@@ -390,7 +390,7 @@ COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, b
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
     "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
     "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
-    "eval": (lambda job, args, host: evaluate.run_eval(job.recipe, job.env), evaluate.HELP, False),
+    "eval": (evaluate.cmd_eval, evaluate.HELP, False),
     "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
     "selftest": (cmd_selftest, "check every fused op, the optimizer and the collectives on this host's devices "
                                "against fp32 references (--quick: one NPU)", True),

@@ -16,6 +16,7 @@ from typing import Any
 
 from jobspec.config import REPO_ROOT, Recipe, resolved_model_dir
 from jobspec.rundir import run_dir_of
+from launcher import launch
 
 HELP = "score the base model and the hf/ export on lm-eval's tasks (EVAL_TASKS, EVAL_DATA) into OUTPUT_DIR/eval"
 TOOL = REPO_ROOT / "finetune" / "eval" / "__main__.py"
@@ -58,12 +59,14 @@ def after_training(train: Callable[[Any, Any, Any], int]) -> Callable[[Any, Any,
         if rc != 0 or not r.eval.after_training or r.launch.node_rank != 0 or r.launch.dry_run:
             return rc
         print("[launcher] eval.after_training: scoring the export and the base model", flush=True)
-        return run_eval(r, job.env)
+        return cmd_eval(job)
     return run
 
 
-def run_eval(r: Recipe, env: dict[str, str]) -> int:
-    """Evaluate base and export; exit 2 naming EVAL_DATA when no benchmark folder is set."""
+def cmd_eval(job: Any, args: Any = None, host: Any = None) -> int:
+    """``eval``: the job's workers (one, or msrun's world: each rank a share of the requests) score base and export;
+    exit 2 naming EVAL_DATA when no benchmark folder is set."""
+    r: Recipe = job.recipe
     if not r.eval.data_dir:
         print("[launcher] eval.data_dir (EVAL_DATA) is not set: the folder with one subfolder per task in its "
               "published layout (README \"Evaluating a fine-tune\"), e.g. EVAL_DATA=/data/benchmarks", file=sys.stderr)
@@ -71,7 +74,12 @@ def run_eval(r: Recipe, env: dict[str, str]) -> int:
     models = models_of(r)
     if "hf" not in models:
         print(f"[launcher] eval: no export at {run_dir_of(r).hf} yet; evaluating the base model only", flush=True)
-    rc = subprocess.call(eval_argv(r, models), env=env)
+    argv = eval_argv(r, models)
+    if job.world > 1:  # msrun's argv for the worker script, its --config replaced by the evaluator's options
+        L = r.launch
+        argv = launch.msrun_argv(job.world, job.nproc, L.master_addr, L.master_port, L.node_rank, L.cluster_time_out,
+                                 Path(), Path(r.output_dir) / "eval" / "logs", TOOL)[:-2] + argv[2:]
+    rc = subprocess.call(argv, env=job.env)
     if rc == 0:
         merge_summary(r)
     return rc

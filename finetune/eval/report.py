@@ -96,36 +96,47 @@ def write_scalars(logdir: Path, rows: list[dict[str, Any]], labels: list[str]) -
 
 def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: EvalConfig, out: Path,
                  device: str, reuse: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
-    """Score each model (loaded one at a time) and write the results; returns summary.json's content. Models
-    in ``reuse`` keep their earlier results where :func:`reusable` allows."""
+    """Score each model (loaded one at a time; under msrun each rank a share of the requests) and write the
+    results from rank 0; returns summary.json's content. Models in ``reuse`` keep their earlier results where
+    :func:`reusable` allows."""
+    from finetune.eval.dp import Spread, join
 
+    rank = join(device)
     out.mkdir(parents=True, exist_ok=True)
     by_model: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in tasks}
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k != "after_training"}
     for label, model_dir in models.items():
         if label in reuse and reusable(out, label, model_dir, settings, list(tasks)):
-            print(f"[eval] {label}: the results of {out / (label + '.json')} (same model and settings)", flush=True)
+            rank.log(f"[eval] {label}: the results of {out / (label + '.json')} (same model and settings)")
             by_model[label] = json.loads((out / f"{label}.json").read_text())["results"]
             for name in tasks:
                 samples[name] += earlier_samples(out, name, label)
             continue
-        print(f"[eval] loading {label}: {model_dir}", flush=True)
-        scorer = load_scorer(model_dir, device, c.apply_chat_template)
-        results: dict[str, Any] = {}
+        rank.log(f"[eval] loading {label}: {model_dir}" + (f" on {rank.world_size} ranks" if rank.world_size > 1
+                                                             else ""))
+        scorer = dataclasses.replace(load_scorer(model_dir, device, c.apply_chat_template), spread=Spread(rank, out))
+        by_model[label] = {}
         for name, subs in tasks.items():
-            res, recs = score_task(scorer, name, subs, c, print)
-            results.update(res)
+            res, recs = score_task(scorer, name, subs, c, rank.log)
+            by_model[label].update(res)
             samples[name] += [{"model": label, **r} for r in recs]
-        by_model[label] = results
-        (out / f"{label}.json").write_text(json.dumps({"model": label, "model_dir": str(model_dir),
-                                                       "settings": settings, "results": results}, indent=1) + "\n")
+    summary = {"models": models, "settings": settings, "table": table(by_model, list(tasks))}
+    if rank.is_main:
+        write_all(out, by_model, samples, summary)
+    return summary
+
+
+def write_all(out: Path, by_model: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
+              summary: dict[str, Any]) -> None:
+    """``<label>.json`` per model, ``samples_<task>.jsonl``, the printed table, its scalars and summary.json."""
+    for label, results in by_model.items():
+        doc = {"model": label, "model_dir": str(summary["models"][label]), "settings": summary["settings"],
+               "results": results}
+        (out / f"{label}.json").write_text(json.dumps(doc, indent=1) + "\n")
     for name, recs in samples.items():
         with (out / f"samples_{name}.jsonl").open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
-    rows = table(by_model, list(tasks))
-    print_table(rows, list(models))
-    write_scalars(out / "tensorboard", rows, list(models))
-    summary = {"models": models, "settings": settings, "table": rows}
+    print_table(summary["table"], list(by_model))
+    write_scalars(out / "tensorboard", summary["table"], list(by_model))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary

@@ -6,13 +6,17 @@ first model loads; a problem is one line naming the file and exits 2.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from finetune.dist import RankInfo
 from finetune.eval import scoring
+from finetune.eval.dp import Spread
 from finetune.eval.tasks import (
     GSM8K_UNTIL,
     SPECS,
@@ -41,6 +45,7 @@ class Scorer:
     chat: ChatRender | None = None
     repetition_penalty: float = 1.0
     prefix_id: int = 0  # the token before a perplexity document: the tokenizer's BOS, else its EOS (lm-eval's)
+    spread: Spread = field(default_factory=lambda: Spread(RankInfo(), Path(".")))  # DP ranks' shares
 
 
 def stderr(values: list[float]) -> float | None:
@@ -75,6 +80,16 @@ def _summary(per_doc: list[dict[str, float]], metrics: tuple[str, ...], k: int) 
     return out
 
 
+def doc_loglikelihoods(m: Scorer, groups: list[list[scoring.Request]], c: EvalConfig,
+                       meter: scoring.Meter) -> list[list[tuple[float, bool]]]:
+    """Each document's requests scored (this rank's documents; every rank's gathered), per document."""
+    def score(part: list[list[scoring.Request]]) -> list[list[tuple[float, bool]]]:
+        flat = scoring.loglikelihoods(m.model, [r for g in part for r in g], c.batch_size, m.max_length, meter)
+        ends = list(itertools.accumulate(len(g) for g in part))
+        return [flat[end - len(g):end] for g, end in zip(part, ends)]
+    return m.spread(groups, score)
+
+
 def score_subtask(m: Scorer, sub: Subtask, c: EvalConfig,
                   log: Callable[[str], None]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One subject's numbers and its per-document records."""
@@ -86,18 +101,16 @@ def score_subtask(m: Scorer, sub: Subtask, c: EvalConfig,
     records: list[dict[str, Any]] = []
     per_doc: list[dict[str, float]] = []
     if spec.kind == "mc":
-        conts = [choices(sub.task, doc, m.chat is not None) for doc in sub.docs]
-        reqs = [scoring.encode_pair(m.tok, ctx, cont) for ctx, cs in zip(contexts, conts) for cont in cs]
-        lls = scoring.loglikelihoods(m.model, reqs, c.batch_size, m.max_length, meter)
-        start = 0
-        for i, doc in enumerate(sub.docs):
-            mine, start = lls[start:start + len(conts[i])], start + len(conts[i])
+        groups = [[scoring.encode_pair(m.tok, ctx, cont) for cont in choices(sub.task, doc, m.chat is not None)]
+                  for ctx, doc in zip(contexts, sub.docs)]
+        for i, (doc, mine) in enumerate(zip(sub.docs, doc_loglikelihoods(m, groups, c, meter))):
             per_doc.append(mc_scores([ll for ll, _ in mine], choice_texts(sub.task, doc), doc["answer"]))
             records.append({"doc_id": i, "subtask": sub.name, "target": doc["answer"],
                             "loglikelihoods": [ll for ll, _ in mine], "is_greedy": [g for _, g in mine], **per_doc[-1]})
     else:
-        texts = scoring.generate_until(m.model, m.tok, contexts, [*GSM8K_UNTIL], c.max_gen_toks, m.max_length,
-                                       m.stops, c.batch_size, m.repetition_penalty, meter)
+        texts = m.spread(contexts, lambda part: scoring.generate_until(
+            m.model, m.tok, part, [*GSM8K_UNTIL], c.max_gen_toks, m.max_length, m.stops, c.batch_size,
+            m.repetition_penalty, meter))
         for i, (doc, text) in enumerate(zip(sub.docs, texts)):
             scores, got = gen_scores(text, doc)
             per_doc.append(scores)
@@ -112,11 +125,7 @@ def score_rolling(m: Scorer, sub: Subtask, c: EvalConfig,
     """Perplexity: each document's log-likelihood over rolling windows, pooled as lm-eval's wikitext pools it."""
     windows = [rolling_windows(m.tok.encode(d["text"], add_special_tokens=False).ids, m.prefix_id, m.max_length)
                for d in sub.docs]
-    lls = scoring.loglikelihoods(m.model, [w for ws in windows for w in ws], c.batch_size, m.max_length, meter)
-    per_doc, start = [], 0
-    for ws in windows:
-        per_doc.append(sum(ll for ll, _ in lls[start:start + len(ws)]))
-        start += len(ws)
+    per_doc = [sum(ll for ll, _ in lls) for lls in doc_loglikelihoods(m, windows, c, meter)]
     records = [{"doc_id": i, "subtask": sub.name, "loglikelihood": ll, "tokens": sum(len(w[1]) for w in ws)}
                for i, (ll, ws) in enumerate(zip(per_doc, windows))]
     out = {"n": len(sub.docs), "num_fewshot": 0, **perplexities(per_doc, sub.docs)}

@@ -95,7 +95,7 @@ def test_after_training_scores_only_a_successful_run_on_node_0(tmp_path, monkeyp
     from jobspec.config import load_recipe
 
     calls = []
-    monkeypatch.setattr(evaluate, "run_eval", lambda r, env: calls.append(r.output_dir) or 0)
+    monkeypatch.setattr(evaluate, "cmd_eval", lambda job: calls.append(job.recipe.output_dir) or 0)
     on = load_recipe("tiny-cpu", {"eval.after_training": "true", "eval.data_dir": str(DATA)})
     for rc, recipe, node, expected in ((0, on, 0, 1), (3, on, 0, 0), (0, on, 1, 0),
                                        (0, load_recipe("tiny-cpu"), 0, 0)):
@@ -110,3 +110,17 @@ def test_after_training_needs_the_benchmark_folder():
 
     with pytest.raises(ConfigError, match="eval.data_dir"):
         load_recipe("tiny-cpu", {"eval.after_training": "true"})
+
+
+def test_eval_on_several_workers_runs_under_msrun(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from jobspec.config import load_recipe
+
+    seen = {}
+    monkeypatch.setattr(evaluate.subprocess, "call", lambda argv, env: seen.setdefault("argv", argv) and 0)
+    recipe = load_recipe("tiny-cpu", {"eval.data_dir": str(DATA), "output_dir": str(tmp_path)})
+    assert evaluate.cmd_eval(SimpleNamespace(recipe=recipe, env={}, world=2, nproc=2)) == 0
+    argv = seen["argv"]
+    assert argv[0].endswith("msrun") and argv[argv.index("--worker_num") + 1] == "2" and "--config" not in argv
+    assert argv[argv.index(str(evaluate.TOOL)) + 1:][:2] == ["--data-dir", str(DATA)]
