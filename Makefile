@@ -85,6 +85,11 @@ METHOD ?= full
 bench-train: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" --method "$(METHOD)" $(BENCH_ARGS)
 
+## Multiple-choice scoring: our evaluator against lm-eval's hf model on the same files (TORCH_PYTHON: torch + lm-eval).
+.PHONY: bench-eval
+bench-eval: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_eval.py --torch-python "$(TORCH_PYTHON)" $(BENCH_ARGS)
+
 ## DP 2 (one worker per core) against one process on both cores, through the launcher (docs/speed.md).
 bench-dp: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_dp.py $(BENCH_ARGS)
