@@ -58,7 +58,7 @@ SPECS = {"mmlu": Spec("mc", "test", "dev", "first_n", 0, "\nAnswer:", ("acc",), 
 
 @dataclass
 class Subtask:
-    """One scored unit (a subject, or the task itself): its documents and the contexts built for them."""
+    """One scored unit (a subject, or the task itself): its documents and each one's few-shot documents."""
 
     task: str  # mmlu
     name: str  # mmlu_anatomy (lm-eval's name)
@@ -92,15 +92,16 @@ def load_task(name: str, c: EvalConfig) -> list[Subtask]:
         if subject not in readers:
             raise EvalDataError(f"{root}: no files of subject {subject!r}; found {', '.join(sorted(readers))}")
         readers = {subject: readers[subject]}
-    k = spec.shots if c.num_fewshot < 0 else c.num_fewshot
+    k = spec.shots if c.num_fewshot < 0 or spec.kind == "rolling" else c.num_fewshot  # perplexity: no shots
     out = []
     for subject, read in sorted(readers.items()):
         description, group = _subject_description(task, subject, root) if subject else ("", "")
         docs = read(spec.test_split)
         docs = docs[:c.limit] if c.limit else docs
         pool = read(spec.fewshot_split) if k else []
-        if len(pool) < k:
-            raise EvalDataError(f"{root}: {k}-shot needs {k} {spec.fewshot_split} examples of {subject or task}, "
+        if k and len(pool) < k + spec.exclude_doc:
+            raise EvalDataError(f"{root}: {k}-shot needs {k + spec.exclude_doc} {spec.fewshot_split} examples of "
+                                f"{subject or task} (lm-eval's sampler), "
                                 f"found {len(pool)}; set eval.num_fewshot lower")
         rnd = random.Random(FEWSHOT_SEED)
         shots = [pool[:k] if spec.sampler == "first_n" else

@@ -77,3 +77,12 @@ def test_config_problems_name_the_key():
     problems = eval_problems(EvalConfig(tasks=["mmlu", "gsm8"], batch_size=0))
     assert [p.key for p in problems] == ["eval.tasks", "eval.batch_size"]
     assert "did you mean 'gsm8k'" in problems[0].text()
+
+
+def test_shots_need_enough_examples_and_perplexity_takes_none():
+    (hs,) = load_task("hellaswag", cfg(DATA, "hellaswag"))  # zero-shot: the train split is not read
+    assert hs.shots == [[], []]
+    with pytest.raises(EvalDataError, match=r"3-shot needs 4 train examples of hellaswag \(lm-eval's sampler\)"):
+        load_task("hellaswag", cfg(DATA, "hellaswag", num_fewshot=3))
+    (ppl,) = load_task("perplexity", cfg(DATA, "perplexity", num_fewshot=5))
+    assert ppl.shots == [[], [], []] and ppl.docs[0]["text"].startswith("The quick brown fox")
