@@ -60,12 +60,16 @@ def table(by_model: dict[str, dict[str, Any]], names: list[str]) -> list[dict[st
     return rows
 
 
+def _cell(v: float, sign: bool = False) -> str:
+    """A table cell: 4 decimals, or 4 significant digits for large numbers (perplexities)."""
+    return format(v, ">" + ("+" if sign else "") + ("12.4g" if abs(v) >= 1e4 else "12.4f"))
+
+
 def print_table(rows: list[dict[str, Any]], labels: list[str]) -> None:
     cols = labels + (["delta"] if len(labels) > 1 else [])
-    print(f"{'task':<24} {'metric':<30} {'n':>6} " + " ".join(f"{c:>9}" for c in cols), flush=True)
+    print(f"{'task':<24} {'metric':<30} {'n':>6} " + " ".join(f"{c:>12}" for c in cols), flush=True)
     for r in rows:
-        print(f"{r['task']:<24} {r['metric']:<30} {r['n']:>6} " + " ".join(f"{r[c]:>+9.4f}" if c == "delta"
-                                                                             else f"{r[c]:>9.4f}" for c in cols))
+        print(f"{r['task']:<24} {r['metric']:<30} {r['n']:>6} " + " ".join(_cell(r[c], c == "delta") for c in cols))
 
 
 def reusable(out: Path, label: str, model_dir: str, settings: dict[str, Any], tasks: list[str]) -> bool:
