@@ -125,6 +125,14 @@ def first_arg(arguments: list | dict) -> str:
     return first[0] if isinstance(first, (list, tuple)) else next(iter(first.values()))
 
 
+def our_key(key: str) -> str:
+    """lm-eval's ``acc,none`` / ``acc_stderr,none`` / ``exact_match_stderr,strict-match`` as this project names
+    them: ``acc`` / ``acc_stderr`` / ``exact_match,strict-match_stderr``."""
+    metric, filt = key.split(",", 1)
+    base = metric.removesuffix("_stderr") + ("" if filt == "none" else f",{filt}")
+    return base + ("_stderr" if metric.endswith("_stderr") else "")
+
+
 def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str) -> dict:
     tasks, shots, chat = CASES[case]
     extra = f",max_length={PERPLEXITY_MAX_LENGTH}" if case == "perplexity" else ""
@@ -140,8 +148,7 @@ def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str)
             name = t.removeprefix("golden_")
             docs = list({s["doc_id"]: s for s in sorted(res["samples"][t], key=lambda s: s["doc_id"],
                                                         reverse=True)}.values())[::-1]  # one per doc, not per filter
-            entry = {"metrics": {k.removesuffix(",none"): v for k, v in res["results"][t].items()
-                                 if isinstance(v, float) and "stderr" not in k},
+            entry = {"metrics": {our_key(k): v for k, v in res["results"][t].items() if isinstance(v, float)},
                      "n": len(docs), "num_fewshot": res["n-shot"][t]}
             if task == "perplexity":
                 entry["loglikelihoods"] = [d["resps"][0][0] for d in docs]

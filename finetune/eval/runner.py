@@ -1,9 +1,5 @@
-"""Score Hugging Face model directories on lm-eval tasks and write ``<out>/<label>.json``, ``samples_<task>.jsonl``
-and the before/after table (``<out>/summary.json``).
-
-Every task's files are read and checked, and every model directory's weights and tokenizer, before the
-first model loads; a problem is one line naming the file and exits 2.
-"""
+"""One loaded model on one task: each subject's metrics with lm-eval's stderr, its per-document records, and the
+task's (and mmlu's groups') averages weighted by size, under lm-eval's names."""
 from __future__ import annotations
 
 import itertools
