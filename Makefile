@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup train plan preflight prepare-data selftest generate render export test test-fast bench-data image image-test clean
+.PHONY: setup train plan preflight prepare-data selftest generate render export eval test test-fast bench-data image image-test clean
 
 # MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
@@ -56,6 +56,11 @@ render: $(STAMP)
 export: $(STAMP)
 	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher export --checkpoint "$${CHECKPOINT:-latest}" $$ARGS
 
+## make eval EVAL_DATA=/data/benchmarks [EVAL_TASKS=mmlu,gsm8k]: the base model and OUTPUT_DIR/hf on lm-eval's
+## tasks, side by side, into OUTPUT_DIR/eval (README "Evaluating a fine-tune").
+eval: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher eval
+
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
@@ -79,6 +84,11 @@ METHOD ?= full
 .PHONY: bench-train bench-dp profile-step
 bench-train: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_train.py --torch-python "$(TORCH_PYTHON)" --method "$(METHOD)" $(BENCH_ARGS)
+
+## Multiple-choice scoring: our evaluator against lm-eval's hf model on the same files (TORCH_PYTHON: torch + lm-eval).
+.PHONY: bench-eval
+bench-eval: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_eval.py --torch-python "$(TORCH_PYTHON)" $(BENCH_ARGS)
 
 ## DP 2 (one worker per core) against one process on both cores, through the launcher (docs/speed.md).
 bench-dp: $(STAMP)

@@ -102,8 +102,10 @@ def stop_ids(tokenizer, model_dir: str | Path | None = None) -> set[int]:
     return out | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
-def generate(model, prompts: list[list[int]], stops: set[int], s: Sampling, pad_id: int = 0) -> list[list[int]]:
-    """New token ids after each prompt (one batch, left-padded); a row ends at a stop token (not included)."""
+def generate(model, prompts: list[list[int]], stops: set[int], s: Sampling, pad_id: int = 0,
+             finished: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+    """New token ids after each prompt (one batch, left-padded); a row ends at a stop token (not included)
+    or once ``finished`` says so of its new tokens."""
     import mindspore as ms
 
     rng = np.random.default_rng(s.seed)
@@ -126,6 +128,7 @@ def generate(model, prompts: list[list[int]], stops: set[int], s: Sampling, pad_
             step[i] = tok
             seen[i].append(tok)
             out[i].append(tok)
+            done[i] = finished is not None and finished(out[i])
         if done.all():
             break
         feed, keys = step[:, None], np.concatenate([keys, ~done[:, None]], 1)

@@ -1,9 +1,8 @@
 """The recipe schema: typed dataclasses that are the one source of defaults.
 
-Pure Python (no mindspore import) so the launcher can validate recipes in milliseconds.
-A recipe is YAML whose sections mirror these dataclasses; ``key=value`` overrides use
-dotted paths (``train.lr=1e-5``). Unknown keys and bad values are collected, never
-asserted, and reported all at once by :class:`ConfigError`, each naming the key and a fix.
+Pure Python (no mindspore import) so the launcher can validate recipes in milliseconds. A recipe is
+YAML whose sections mirror these dataclasses; ``key=value`` overrides use dotted paths (``train.lr=1e-5``).
+Unknown keys and bad values are collected, never asserted, and reported all at once by :class:`ConfigError`.
 Reading YAML and overrides and coercing values to these types: ``jobspec/recipe_parse.py``.
 """
 from __future__ import annotations
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
+from jobspec.eval_config import EvalConfig, eval_problems
 from jobspec.input_checks import input_problems
 from jobspec.layout import Device, Layout, decide, host_collectives_problems, world_problems
 from jobspec.lora_config import LoraConfig, lora_problems
@@ -211,6 +211,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # with train.method=lora
+    eval: EvalConfig = field(default_factory=EvalConfig)  # make eval (jobspec/eval_config.py)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     layout: Layout | None = None  # decided by `resolved` (plan.json carries it); never set in a recipe
 
@@ -352,7 +353,7 @@ def validate(r: Recipe) -> list[Problem]:
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
     p += compile_layers_problems(r) + lora_problems(r.lora)
-    p += input_problems(r.data, t.method, r.lora)
+    p += input_problems(r.data, t.method, r.lora) + eval_problems(r.eval)
     _at_least(p, 1, "1", train__grad_accum=t.grad_accum, train__micro_batch_size=t.micro_batch_size,
               train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,
               train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp_size,

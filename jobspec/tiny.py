@@ -84,7 +84,7 @@ def _is_complete(model_dir: Path) -> bool:
 
 
 def ensure_tiny_model(model_dir: str | os.PathLike[str], overrides: dict[str, Any] | None = None,
-                      seed: int = 0) -> bool:
+                      seed: int = 0, std: float = 0.02) -> bool:
     """Create a seeded tiny model at ``model_dir`` once; False when a complete one exists. Qwen2 unless
     ``overrides`` set ``model_type`` (e.g. ``{"model_type": "qwen3", "head_dim": 32}``).
 
@@ -103,5 +103,5 @@ def ensure_tiny_model(model_dir: str | os.PathLike[str], overrides: dict[str, An
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         for f in TOKENIZER_FILES:
             shutil.copyfile(TOKENIZER_DIR / f, tmp / f)
-        save_file(random_weights(config, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(random_weights(config, seed, std), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return True

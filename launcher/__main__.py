@@ -50,6 +50,7 @@ from jobspec.rundir import run_dir_of
 from launcher import (
     ascendjob,
     cli,
+    evaluate,
     launch,
     lock,
     master,
@@ -375,14 +376,15 @@ TOOLS = {"generate": GENERATE, "export": REPO_ROOT / "finetune" / "export.py",
          "selftest": REPO_ROOT / "finetune" / "selftest" / "__main__.py"}
 # name -> (handler, one-line help, passes its own options through to a tool with its own --help)
 COMMANDS: dict[str, tuple[Callable[[Job, argparse.Namespace, Host], int], str, bool]] = {
-    "train": (cmd_train, "preflight, create the tiny model if asked, prepare data, write plan.json, run msrun "
-                         "and supervise it", False),
+    "train": (evaluate.after_training(cmd_train), "preflight, create the tiny model if asked, prepare data, write "
+                                                  "plan.json, run msrun and supervise it (eval.after_training)", False),
     "plan": (cmd_plan, "resolve env + recipe + cluster into OUTPUT_DIR/plan.json and print it; start nothing",
              False),
     "preflight": (cmd_preflight, "check devices, driver, files, memory, network and layout; start nothing", False),
     "prepare-data": (cmd_prepare_data, "tokenize, clean and pack the data into the token cache", False),
     "render": (cmd_render, "write a Kubernetes manifest (Volcano Job or AscendJob) for this job", True),
     "generate": (cmd_generate, "answer prompts with the fine-tuned model (the base model with --base)", True),
+    "eval": (evaluate.cmd_eval, evaluate.HELP, False),
     "export": (cmd_export, "write a Hugging Face directory from a saved checkpoint (--checkpoint step_N)", True),
     "selftest": (cmd_selftest, "check every fused op, the optimizer and the collectives on this host's devices "
                                "against fp32 references (--quick: one NPU)", True),

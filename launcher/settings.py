@@ -58,6 +58,10 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("NUMA_BIND", "launch.numa_bind", "`auto` (numactl if installed, else CPU affinity) \\| `numactl` \\| "
                                       "`affinity` \\| `off`"),
     ("MAX_RESTARTS", "launch.max_restarts", "relaunches after a failure; each resumes from the newest checkpoint"),
+    ("EVAL_TASKS", "eval.tasks", "`make eval`: lm-eval task names, comma-separated (`mmlu,ceval-valid,gsm8k`); "
+                                 "unset: each task folder found in `EVAL_DATA`"),
+    ("EVAL_DATA", "eval.data_dir", "`make eval`: the benchmark folder, one subfolder per task in its published "
+                                   "layout (README \"Evaluating a fine-tune\")"),
     ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
     (", ".join(HCCL_DEFAULTS), "", f"defaulted for workers to {' / '.join(HCCL_DEFAULTS.values())} s (CANN's A2 "
                                    "default) when unset"),
@@ -77,6 +81,7 @@ PATH_KEYS: dict[str, tuple[str, str]] = {
     "data.paths": ("input", "sft/train.jsonl"),
     "data.val_paths": ("input", "sft/val.jsonl"),
     "launch.hostfile": ("input", "hostfiles/two-nodes.txt"),
+    "eval.data_dir": ("input", "benchmarks"),
 }
 # Environment variable -> dotted recipe key.
 ENV_KEYS: dict[str, str] = {var: key for var, key, _ in ENV_CONTRACT if key}

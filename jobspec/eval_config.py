@@ -1,0 +1,58 @@
+"""The ``eval`` recipe section (``make eval``, env ``EVAL_TASKS`` / ``EVAL_DATA``) and its checks; pure Python.
+
+Task names are lm-evaluation-harness's; each reads its files from ``<data_dir>/<task>/`` in the layout the
+benchmark is published in (README "Evaluating a fine-tune"; the loaders are finetune/eval/loaders.py).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+from jobspec.recipe_parse import Problem
+
+# lm-eval task names this project scores; mmlu_<subject> / ceval-valid_<subject> / cmmlu_<subject> name one subject
+TASKS = ("mmlu", "ceval-valid", "cmmlu", "gsm8k", "arc_easy", "arc_challenge", "hellaswag", "perplexity")
+
+
+@dataclass
+class EvalConfig:
+    """Benchmarks on the base model and the run's ``hf/`` export, written to ``<output_dir>/eval``."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval names, e.g. [mmlu, gsm8k]; empty: each folder of data_dir
+    data_dir: str = ""  # one folder per task name, in the task's published layout
+    num_fewshot: int = -1  # -1: the task's own (lm-eval's: 0, gsm8k 5), sampled as lm-eval does (first_n)
+    apply_chat_template: bool = False  # render each request as a chat turn (lm-eval --apply_chat_template)
+    batch_size: int = 16  # requests per forward (log-likelihood) or per generation batch
+    limit: int = 0  # the first N documents of each task (or subject); 0: all
+    max_gen_toks: int = 256  # generation tasks (gsm8k): new tokens per answer, lm-eval's default
+    after_training: bool = False  # run the tasks at the end of make train (the base once, cached)
+
+
+def task_base(name: str) -> str:
+    """``mmlu_anatomy`` -> ``mmlu``: the task family of a task or subject name."""
+    for base in sorted(TASKS, key=len, reverse=True):
+        if name == base or name.startswith(base + "_"):
+            return base
+    return ""
+
+
+def eval_problems(c: EvalConfig) -> list[Problem]:
+    """Every bad value of the ``eval`` section (files are checked by the loaders before a model loads)."""
+    p: list[Problem] = []
+    for t in c.tasks:
+        if not task_base(t):
+            close = difflib.get_close_matches(t, TASKS, n=1)
+            p.append(Problem("eval.tasks", f"unknown task {t!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; tasks: {', '.join(TASKS)} (a subject: mmlu_anatomy)", "mmlu,gsm8k", repr(t)))
+    if c.num_fewshot < -1:
+        p.append(Problem("eval.num_fewshot", "a count of examples, or -1 for the task's own", "5",
+                         repr(c.num_fewshot)))
+    for key, v in (("eval.batch_size", c.batch_size), ("eval.max_gen_toks", c.max_gen_toks)):
+        if v < 1:
+            p.append(Problem(key, "must be >= 1", "16", repr(v)))
+    if c.limit < 0:
+        p.append(Problem("eval.limit", "a count of documents per task (0: all)", "100", repr(c.limit)))
+    if c.after_training and not c.data_dir:
+        p.append(Problem("eval.data_dir", "eval.after_training needs the benchmark folder: one subfolder per task "
+                         "(EVAL_DATA)", "/data/benchmarks"))
+    return p

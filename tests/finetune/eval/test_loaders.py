@@ -1,0 +1,88 @@
+"""The benchmark layouts: the hub's parquet MMLU reads as the original CSVs do, CMMLU's header layout reads,
+and a file of another layout is refused naming the file and the expected columns (no model involved)."""
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from finetune.eval.loaders import EvalDataError
+from finetune.eval.tasks import context, load_task
+from jobspec.eval_config import EvalConfig, eval_problems
+
+DATA = Path(__file__).parent / "data"
+
+
+def cfg(root: Path, task: str, **kw) -> EvalConfig:
+    return EvalConfig(tasks=[task], data_dir=str(root), **kw)
+
+
+def test_mmlu_parquet_layout_gives_the_csv_layouts_documents(tmp_path):
+    for split in ("dev", "test"):
+        for f in (DATA / "mmlu" / "data" / split).glob("*.csv"):
+            subject = f.name.rsplit("_", 1)[0]
+            rows = list(csv.reader(f.open()))
+            table = pa.table({"question": [r[0] for r in rows], "subject": [subject] * len(rows),
+                              "choices": [r[1:5] for r in rows], "answer": ["ABCD".index(r[5]) for r in rows]})
+            (tmp_path / "mmlu" / subject).mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, tmp_path / "mmlu" / subject / f"{split}-00000-of-00001.parquet")
+    a, b = load_task("mmlu", cfg(DATA, "mmlu", num_fewshot=2)), load_task("mmlu", cfg(tmp_path, "mmlu", num_fewshot=2))
+    assert [s.docs for s in a] == [s.docs for s in b] and len(a) == 2
+    assert [context(s, 0, None) for s in a] == [context(s, 0, None) for s in b]
+    assert [s.group for s in a] == ["mmlu_stem", "mmlu_stem"]
+
+
+def test_one_subject_and_limit():
+    (sub,) = load_task("mmlu_anatomy", cfg(DATA, "mmlu_anatomy", limit=2))
+    assert sub.name == "mmlu_anatomy" and len(sub.docs) == 2
+    assert context(sub, 0, None).startswith("The following are multiple choice questions (with answers) about "
+                                            "anatomy.\n\nWhich cells carry oxygen in the blood?\nA. Red blood cells")
+
+
+def test_cmmlu_header_layout(tmp_path):
+    for split in ("dev", "test"):
+        (tmp_path / "cmmlu" / split).mkdir(parents=True)
+        theirs = "dev" if split == "dev" else "val"
+        src = DATA / "ceval-valid" / theirs / f"accountant_{theirs}.csv"
+        rows = list(csv.DictReader(src.open()))
+        with (tmp_path / "cmmlu" / split / "agronomy.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["", "Question", "A", "B", "C", "D", "Answer"])
+            w.writerows([[i, r["question"], r["A"], r["B"], r["C"], r["D"], r["answer"]] for i, r in enumerate(rows)])
+    (sub,) = load_task("cmmlu", cfg(tmp_path, "cmmlu"))
+    assert sub.name == "cmmlu_agronomy" and len(sub.docs) == 3
+    assert context(sub, 0, None).startswith("以下是关于农学的单项选择题，请直接给出正确答案的选项。\n\n"
+                                            "利润等于收入减去什么？\nA. 资产")
+
+
+def test_wrong_layout_is_refused_naming_file_and_columns(tmp_path):
+    shutil.copytree(DATA / "ceval-valid", tmp_path / "ceval-valid")
+    bad = tmp_path / "ceval-valid" / "val" / "accountant_val.csv"
+    bad.write_text("id,question,A,B,C,answer\n1,q,a,b,c,A\n")
+    with pytest.raises(EvalDataError, match=r"accountant_val.csv: no column\(s\) D; expected columns question, A,"):
+        load_task("ceval-valid", cfg(tmp_path, "ceval-valid"))
+    (tmp_path / "mmlu" / "data" / "test").mkdir(parents=True)
+    (tmp_path / "mmlu" / "data" / "test" / "anatomy_test.csv").write_text("q,a,b,c,d\n")
+    with pytest.raises(EvalDataError, match=r"anatomy_test.csv: row 1 has 5 fields; expected 6 without a header"):
+        load_task("mmlu", cfg(tmp_path, "mmlu"))
+    with pytest.raises(EvalDataError, match=r"gsm8k: no such folder"):
+        load_task("gsm8k", cfg(tmp_path, "gsm8k"))
+
+
+def test_config_problems_name_the_key():
+    problems = eval_problems(EvalConfig(tasks=["mmlu", "gsm8"], batch_size=0))
+    assert [p.key for p in problems] == ["eval.tasks", "eval.batch_size"]
+    assert "did you mean 'gsm8k'" in problems[0].text()
+
+
+def test_shots_need_enough_examples_and_perplexity_takes_none():
+    (hs,) = load_task("hellaswag", cfg(DATA, "hellaswag"))  # zero-shot: the train split is not read
+    assert hs.shots == [[], []]
+    with pytest.raises(EvalDataError, match=r"3-shot needs 4 train examples of hellaswag \(lm-eval's sampler\)"):
+        load_task("hellaswag", cfg(DATA, "hellaswag", num_fewshot=3))
+    (ppl,) = load_task("perplexity", cfg(DATA, "perplexity", num_fewshot=5))
+    assert ppl.shots == [[], [], []] and ppl.docs[0]["text"].startswith("The quick brown fox")
