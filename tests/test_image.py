@@ -6,7 +6,9 @@ SKIP_IMAGE_TEST=1 to leave it out on a machine that cannot build images.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,20 @@ def test_make_image_test() -> None:
     assert "[image-test" in text and "PASS in" in text
 
 
-def _check_train():
+def _tool(name: str):
+    """tools/image/<name>.py as a module (its siblings importable, as when it runs as a file)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("check_train", REPO / "tools" / "image" / "check_train.py")
+
+    if str(REPO / "tools" / "image") not in sys.path:
+        sys.path.insert(0, str(REPO / "tools" / "image"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "image" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _check_train():
+    return _tool("check_train")
 
 
 def test_check_train_reads_metrics_and_export(tmp_path: Path) -> None:
@@ -90,4 +100,42 @@ def test_dockerfile_extends_the_base_path() -> None:
     text = (REPO / "Dockerfile").read_text()
     path_lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("PATH=")]
     assert path_lines == ["PATH=/opt/venv/bin:${PATH} \\"]
-    assert "python -m jobspec.native" in text and '${MINDSPORE_WHEEL:+"$MINDSPORE_WHEEL"}' in text
+    assert "python -m jobspec.native" in text and '${ms:+"$ms"}' in text
+
+
+def test_the_aarch64_image_takes_mindspore_from_the_release_repository_for_its_python() -> None:
+    """Issue 30 item 5: PyPI's 2.10.0 wheel holds x86-64 code; aarch64 resolves the documented release URL for the
+    image's Python, x86_64 keeps PyPI's pick, a given URL or fitting file is taken as it is."""
+    w = _tool("mindspore_wheel")
+    assert w.pinned_version(REPO / "pyproject.toml") == "2.10.0"
+    assert w.resolve("", "2.10.0", "aarch64", "cp311") == (
+        "https://ms-release.obs.cn-north-4.myhuaweicloud.com/2.10.0/MindSpore/unified/aarch64/"
+        "mindspore-2.10.0-cp311-cp311-linux_aarch64.whl")
+    assert w.resolve("", "2.10.0", "x86_64", "cp311") == ""
+    local = "/run/mindspore/mindspore-2.10.0-cp311-cp311-linux_aarch64.whl"
+    assert w.resolve(local, "2.10.0", "aarch64", "cp311") == local
+    assert w.resolve("https://mirror.example/m.whl", "2.10.0", "aarch64", "cp311") == "https://mirror.example/m.whl"
+
+
+@pytest.mark.parametrize("name, says", [
+    ("mindspore-2.10.0-cp310-cp310-linux_aarch64.whl", "Python cp310 (the image needs cp311)"),
+    ("mindspore-2.7.2-cp311-cp311-linux_aarch64.whl", "version 2.7.2 (the image needs 2.10.0)"),
+    ("mindspore-2.10.0-cp311-cp311-linux_x86_64.whl", "machine linux_x86_64 (the image needs linux_aarch64)"),
+    ("mindspore.tar.gz", "not a MindSpore wheel file name"),
+])
+def test_a_local_wheel_for_another_python_version_or_machine_is_refused_before_pip(name, says) -> None:
+    w = _tool("mindspore_wheel")
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        w.resolve(f"/run/mindspore/{name}", "2.10.0", "aarch64", "cp311")
+
+
+def test_a_wheel_that_cannot_be_fetched_stops_the_build_naming_what_to_supply(tmp_path: Path) -> None:
+    w = _tool("mindspore_wheel")
+    msg = w.what_to_supply("", "2.10.0", "aarch64", "cp311")
+    assert "mindspore-2.10.0-cp311-cp311-linux_aarch64.whl" in msg and "make image MINDSPORE_WHEEL=" in msg
+    assert "ms-release.obs.cn-north-4.myhuaweicloud.com/2.10.0" in msg
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "image" / "mindspore_wheel.py"),
+                        str(REPO / "pyproject.toml"), "", "--failed"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Supply the wheel mindspore-2.10.0-" in r.stderr
+    text = (REPO / "Dockerfile").read_text()
+    assert "mindspore_wheel.py /tmp/deps/pyproject.toml \"$MINDSPORE_WHEEL\" --failed" in text
