@@ -232,18 +232,24 @@ TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidd
         "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 64}
 
 
-def check_tiny_model(dtype, rng):
+def tiny_models(dtype) -> tuple:
+    """(the fused path in ``dtype``, the reference path in fp32) of :data:`TINY`, weights set by each check."""
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config.from_dict(TINY)
+    return (Qwen2ForCausalLM(cfg, FUSED, compute_dtype=dtype),
+            Qwen2ForCausalLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32))
+
+
+def check_tiny_model(dtype, rng, models: tuple | None = None):
     """A two-layer Qwen2 (head_dim 16) on one packed row: loss and every gradient of the fused path in
     ``dtype`` against the model's reference path in fp32 (same device: the host has no model of its own).
 
     The gradients are compared as one array, each entry against the largest gradient of the whole model: a
     gradient that is nearly zero by design (``k_proj.bias``: softmax ignores a shift of every key) is not held
-    to its own tiny scale, where bf16 rounding alone exceeded the tolerance (issue 30 item 6)."""
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config.from_dict(TINY)
-    fused = Qwen2ForCausalLM(cfg, FUSED, compute_dtype=dtype)
-    ref = Qwen2ForCausalLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32)
+    to its own tiny scale, where bf16 rounding alone exceeded the tolerance (issue 30 item 6). ``models``:
+    :func:`tiny_models` built once for several seeds (every weight is set here)."""
+    fused, ref = models or tiny_models(dtype)
     for pf, pr in zip(fused.trainable_params(), ref.trainable_params()):
         base = 1.0 if pf.name.endswith("norm.weight") else 0.0
         value = (base + 0.1 * rng.standard_normal(pf.shape)).astype(np.float32)
