@@ -103,7 +103,7 @@ def test_dockerfile_extends_the_base_path() -> None:
     assert "python -m jobspec.native" in text and '${ms:+"$ms"}' in text
 
 
-def test_the_aarch64_image_takes_mindspore_from_the_release_repository_for_its_python() -> None:
+def test_the_aarch64_image_takes_mindspore_from_the_release_repository_for_its_python(tmp_path: Path) -> None:
     """Issue 30 item 5: PyPI's 2.10.0 wheel holds x86-64 code; aarch64 resolves the documented release URL for the
     image's Python, x86_64 keeps PyPI's pick, a given URL or fitting file is taken as it is."""
     w = _tool("mindspore_wheel")
@@ -115,6 +115,12 @@ def test_the_aarch64_image_takes_mindspore_from_the_release_repository_for_its_p
     local = "/run/mindspore/mindspore-2.10.0-cp311-cp311-linux_aarch64.whl"
     assert w.resolve(local, "2.10.0", "aarch64", "cp311") == local
     assert w.resolve("https://mirror.example/m.whl", "2.10.0", "aarch64", "cp311") == "https://mirror.example/m.whl"
+    links = tmp_path / "wheels"  # tools/image/wheels.sh's offline directory, PIP_FIND_LINKS in the build
+    links.mkdir()
+    assert w.resolve("", "2.10.0", "aarch64", "cp311", str(links)).startswith("https://ms-release")
+    found = links / "mindspore-2.10.0-cp311-cp311-linux_aarch64.whl"
+    found.write_bytes(b"PK")
+    assert w.resolve("", "2.10.0", "aarch64", "cp311", str(links)) == str(found)
 
 
 @pytest.mark.parametrize("name, says", [
@@ -139,3 +145,23 @@ def test_a_wheel_that_cannot_be_fetched_stops_the_build_naming_what_to_supply(tm
     assert r.returncode == 1 and "Supply the wheel mindspore-2.10.0-" in r.stderr
     text = (REPO / "Dockerfile").read_text()
     assert "mindspore_wheel.py /tmp/deps/pyproject.toml \"$MINDSPORE_WHEEL\" --failed" in text
+
+
+def test_the_offline_wheel_directory_fetches_the_aarch64_wheel_or_stops_naming_it(tmp_path: Path) -> None:
+    """tools/image/wheels.sh on an aarch64 build machine: the release repository's wheel joins the directory the
+    offline build installs from; when it cannot be fetched the script stops naming the file to supply."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "uname").write_text("#!/bin/sh\necho aarch64\n")
+    log = tmp_path / "pip.log"
+    # pip that records its downloads and cannot reach MindSpore's repository (no network here)
+    (bin_dir / "py").write_text(f'#!/bin/sh\nif [ "$1" = -m ]; then echo "$@" >> {log}; '
+                                f'case "$*" in *ms-release*) exit 1;; esac; exit 0; fi\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    r = subprocess.run([str(REPO / "tools" / "image" / "wheels.sh"), str(bin_dir / "py")], capture_output=True,
+                       text=True, timeout=60, cwd=REPO,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin", "WHEEL_DIR": str(tmp_path / "wheels")})
+    assert r.returncode == 1 and "Supply the wheel mindspore-2.10.0-cp311-cp311-linux_aarch64.whl" in r.stderr
+    assert "--no-deps" in log.read_text() and "unified/aarch64/mindspore-2.10.0-cp311" in log.read_text()
+    assert not (tmp_path / "wheels" / ".requirements").exists()  # nothing recorded as complete

@@ -2,12 +2,15 @@
 
     python tools/image/mindspore_wheel.py PYPROJECT [MINDSPORE_WHEEL]            # print pip's argument
     python tools/image/mindspore_wheel.py PYPROJECT [MINDSPORE_WHEEL] --failed   # say what to supply; exit 1
+    python tools/image/mindspore_wheel.py PYPROJECT "" --python cp311 --arch aarch64   # for another image
 
 PyPI's mindspore 2.10.0 is tagged py3-none-any but holds x86-64 libraries, so on x86_64 pip's own pick is
 right (empty output) and on aarch64 (Atlas 800T A2) the wheel comes from MindSpore's release repository,
 whose URL pattern (as MindSpore's install page and Ascend's ascend-deployer list it for each release) is
 :data:`RELEASE_URL`. ``MINDSPORE_WHEEL`` (a URL or a file) overrides it; a file whose name says another
-version, Python or machine is refused before pip runs. Run by the Dockerfile with the image's Python.
+version, Python or machine is refused before pip runs; a fitting wheel in ``PIP_FIND_LINKS`` (the offline
+build's directory, tools/image/wheels.sh) is taken before the URL. Run by the Dockerfile with the image's
+Python, and by wheels.sh for the image's (``--python``, ``--arch``).
 """
 from __future__ import annotations
 
@@ -53,38 +56,50 @@ def check_file(path: str, version: str, arch: str, py: str) -> str | None:
     return f"MINDSPORE_WHEEL={path}: {'; '.join(wrong)}" if wrong else None
 
 
-def resolve(given: str, version: str, arch: str, py: str) -> str:
-    """pip's argument for MindSpore: ``given`` when it fits, the release repository's wheel on aarch64, else ""
-    (PyPI's pick, through the pin). Raises SystemExit naming the problem."""
+def wheel_name(version: str, arch: str, py: str) -> str:
+    return release_url(version, arch, py).rsplit("/", 1)[1]
+
+
+def resolve(given: str, version: str, arch: str, py: str, find_links: str = "") -> str:
+    """pip's argument for MindSpore: ``given`` when it fits; on aarch64 the wheel in ``find_links`` when there,
+    else the release repository's; elsewhere "" (PyPI's pick, through the pin). Raises SystemExit naming the
+    problem."""
     if given and "://" not in given:
         problem = check_file(given, version, arch, py)
         if problem:
             raise SystemExit(problem)
-    if given:
+    if given or arch != "aarch64":
         return given
-    return release_url(version, arch, py) if arch == "aarch64" else ""
+    local = Path(find_links) / wheel_name(version, arch, py) if find_links else None
+    return str(local) if local is not None and local.is_file() else release_url(version, arch, py)
 
 
 def what_to_supply(given: str, version: str, arch: str, py: str) -> str:
     """The message after pip failed to install MindSpore."""
-    tried = given or release_url(version, arch, py)
+    tried, name = given or release_url(version, arch, py), wheel_name(version, arch, py)
     return (f"pip could not install MindSpore {version} for this image (Python {py}, {arch}) from {tried}. "
-            f"Supply the wheel mindspore-{version}-{py}-{py}-linux_{arch}.whl (from "
-            f"{release_url(version, arch, py)} or https://www.mindspore.cn/install) as a file or a reachable URL: "
-            f"make image MINDSPORE_WHEEL=/path/to/mindspore-{version}-{py}-{py}-linux_{arch}.whl (buildah), "
+            f"Supply the wheel {name} (from {release_url(version, arch, py)} or https://www.mindspore.cn/install) "
+            f"as a file or a reachable URL: make image MINDSPORE_WHEEL=/path/to/{name} (buildah), "
             "or MINDSPORE_WHEEL=<URL> with docker")
 
 
 def main(argv: list[str]) -> int:
-    failed = "--failed" in argv
-    args = [a for a in argv if a != "--failed"]
-    pyproject, given = Path(args[0]), (args[1] if len(args) > 1 else "").strip()
-    version, arch, py = pinned_version(pyproject), platform.machine(), python_tag()
-    arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(arch, arch)
-    if failed:
-        print(what_to_supply(given, version, arch, py), file=sys.stderr)
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(prog="mindspore_wheel.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("pyproject", type=Path)
+    ap.add_argument("given", nargs="?", default="", help="MINDSPORE_WHEEL: a URL or a wheel file, or empty")
+    ap.add_argument("--failed", action="store_true", help="pip failed: say what to supply, exit 1")
+    ap.add_argument("--python", default=python_tag(), help="the image's Python tag (default: this one's)")
+    ap.add_argument("--arch", default=platform.machine(), help="the image's machine (default: this one)")
+    a = ap.parse_args(argv)
+    arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(a.arch, a.arch)
+    version, given = pinned_version(a.pyproject), a.given.strip()
+    if a.failed:
+        print(what_to_supply(given, version, arch, a.python), file=sys.stderr)
         return 1
-    print(resolve(given, version, arch, py))
+    print(resolve(given, version, arch, a.python, os.environ.get("PIP_FIND_LINKS", "")))
     return 0
 
 
