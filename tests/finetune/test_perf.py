@@ -1,4 +1,6 @@
 """MFU arithmetic, the chip table lookup and the memory check (docs/speed.md)."""
+from pathlib import Path
+
 import pytest
 
 from finetune.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token, memory_check
@@ -63,6 +65,8 @@ def test_peak_figures_are_the_cited_ones_each_with_its_source_and_the_log_names_
     assert {k: v[0] for k, v in PEAK_TFLOPS.items()} == {"910B1": 378.9, "910B2": 353.9, "910B3": 294.9,
                                                           "910B4": 270.0}
     assert all("Huawei Cloud" in source for _, source in PEAK_TFLOPS.values())
+    speed = (Path(__file__).resolve().parents[2] / "docs" / "speed.md").read_text()  # the docs' table holds the same
+    assert all(f"| {chip} | {peak} |" in speed for chip, (peak, _) in PEAK_TFLOPS.items())
     monkeypatch.setitem(sys.modules, "acl", types.SimpleNamespace(get_soc_name=lambda: "Ascend910B3"))
     peak, source = device_peak_flops(RankInfo(device_target="Ascend"))
     assert peak == pytest.approx(294.9e12)
