@@ -189,7 +189,6 @@ def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
     if value is p:
         return
     value = value if value.dtype == p.dtype else value.astype(p.dtype)
-    try:
-        p.copy_(value)
-    except RuntimeError:  # MindSpore 2.10's CPU InplaceCopy refuses a view at offset 0 of a larger buffer
-        p.copy_(value.copy())
+    if value.device == "CPU" and value.untyped_storage().nbytes() != value.nbytes:
+        value = value.copy()  # MindSpore 2.10's CPU InplaceCopy refuses a view into a larger buffer
+    p.copy_(value)
