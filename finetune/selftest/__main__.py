@@ -159,7 +159,7 @@ def run(out: Path, device: str, quick: bool, with_collectives: bool, install_twi
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m finetune.selftest", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="OUTPUT_DIR: selftest.json goes here")
-    ap.add_argument("--device", choices=("cpu", "npu"), default="npu" if Path("/dev/davinci0").exists() else "cpu")
+    ap.add_argument("--device", choices=("cpu", "npu"), default="npu" if npu_ids(False) else "cpu")
     ap.add_argument("--quick", action="store_true", help="one NPU per node runs the op checks")
     ap.add_argument("--no-collectives", action="store_true", help="skip the msrun collective checks")
     ap.add_argument("--one-device", type=int, default=None, help=argparse.SUPPRESS)  # a child of the NPU run
