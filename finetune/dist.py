@@ -111,7 +111,7 @@ def set_device(target: str, device_id: int | None) -> None:
     try:
         ms.set_device(target, device_id)
     except RuntimeError:
-        if ms.get_context("device_target") != target:
+        if ms.get_current_device().device_target != target:
             raise
     if target == "CPU":
         ms.runtime.launch_blocking()
