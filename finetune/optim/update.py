@@ -191,4 +191,8 @@ def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
     value = value if value.dtype == p.dtype else value.astype(p.dtype)
     if value.device == "CPU" and value.untyped_storage().nbytes() != value.nbytes:
         value = value.copy()  # MindSpore 2.10's CPU InplaceCopy refuses a view into a larger buffer
-    p.copy_(value)
+    # A gradient computation that raised (a kernel refusing its call: a self-test row) leaves PyNative recording,
+    # where an in-place op on a leaf that requires grad is refused; this write is no part of any graph.
+    # mindspore._no_grad is the context manager for that (2.10 exports no public no_grad).
+    with ms._no_grad():
+        p.copy_(value)

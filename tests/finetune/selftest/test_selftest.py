@@ -211,3 +211,4 @@ def test_selftest_on_npus_without_any_npu_fails_saying_so(tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert "no NPU visible" in out and "--device=/dev/davinci" in out and "0/0" not in out
     assert not (tmp_path / "selftest.json").exists()
+
