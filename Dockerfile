@@ -4,18 +4,19 @@
 #   make image                                     # docker if an engine answers, else buildah
 #   docker run --rm IMAGE plan                     # see README "Container image" for the NPU flags
 #
-# BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 ships cp39-cp311 wheels).
-# CANN pairing: MindSpore pins each release to one CANN release (mindspore.cn/install, "version
-# matching"; Ascend's ascend-deployer version_match.json lists e.g. MindSpore_2.7.2 -> CANN_8.5.0).
-# The docs searched for this file held no MindSpore 2.10 row; CANN 9.1.0 (release notes:
-# gitcode.com/cann/release-management 9.1.0, HDK 25.2+/26.0.RC1) is the CANN release of the
-# MindSpore 2.10 period. Confirm against the mindspore.cn/install table for your cluster and pass
-# --build-arg BASE_IMAGE=... to change it. Tags <cann>-910b-<os>-py<ver> as Ascend/cann-container-image
-# publishes them (cann/<tag>/Dockerfile; Docker Hub ascendai/cann, quay.io/ascend/cann); 9.1.0 exists
-# there as 9.1.0-beta.3, the newest 9.1 build. That image puts Python in /usr/local/python3.11.15
-# (on PATH, no /usr/bin/python3) and its entrypoint sources the CANN scripts, as entrypoint.sh does.
+# BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 ships cp39-cp311 wheels). The default is
+# jobspec/cann.py's DEFAULT, CANN 8.5.0, which every Ascend HDK 25.x driver runs (CANN 8.5.0 release notes:
+# HDK 25.0.X-25.5.X), so it matches the drivers 800T A2 hosts run today; CANN 9.x is a build argument away
+# (make image BASE_IMAGE=ascendai/cann:9.1.0-beta.3-910b-ubuntu22.04-py3.11: driver 25.2+). jobspec/cann.py
+# holds each CANN line's oldest driver with its source; the build records the base's CANN version
+# (/etc/ascend-finetune/cann-version) and preflight compares it with the host driver, naming the rebuild
+# command when they do not match. No version table searched held a MindSpore 2.10 row (MindFormers pairs
+# MindSpore 2.7.2 with CANN 8.5.0 and 2.9.0 with CANN 9.0.0): confirm against mindspore.cn/install. Tags
+# <cann>-910b-<os>-py<ver> as Ascend/cann-container-image publishes them (Docker Hub ascendai/cann,
+# quay.io/ascend/cann). Those images put Python in /usr/local/python3.11.x (on PATH, no /usr/bin/python3)
+# and their entrypoint sources the CANN scripts, as entrypoint.sh does.
 # `make image-test` builds this file on a local CANN-shaped base (tools/image/base.sh).
-ARG BASE_IMAGE=ascendai/cann:9.1.0-beta.3-910b-ubuntu22.04-py3.11
+ARG BASE_IMAGE=ascendai/cann:8.5.0-910b-ubuntu22.04-py3.11
 FROM ${BASE_IMAGE}
 
 # Build-time only, never stored in a layer: PIP_CERT is the path of a CA bundle the builder mounts
@@ -24,8 +25,10 @@ FROM ${BASE_IMAGE}
 # wheel directory (tools/image/wheels.sh) to install offline. Empty values are unset before pip runs.
 # MINDSPORE_WHEEL: the MindSpore wheel for the target architecture, a URL or a path inside the
 # build (tools/image/build.sh mounts a local file). PyPI's mindspore 2.10.0 is tagged py3-none-any
-# but holds x86-64 libraries: an aarch64 image (Atlas 800T A2) needs the linux_aarch64 wheel from
-# MindSpore's release repository (README "Container image"); the build fails, naming it, otherwise.
+# but holds x86-64 libraries: without MINDSPORE_WHEEL an aarch64 build (Atlas 800T A2) takes the
+# linux_aarch64 wheel for the image's Python from MindSpore's release repository
+# (tools/image/mindspore_wheel.py); when that cannot be fetched the build stops naming the file to supply.
+ARG BASE_IMAGE
 ARG PIP_CERT=""
 ARG PIP_FIND_LINKS=""
 ARG PIP_NO_INDEX=""
@@ -63,11 +66,13 @@ RUN missing=""; \
 
 # Pinned dependencies first: this layer (the ~800 MB mindspore wheel) is rebuilt only when
 # pyproject.toml changes.
-COPY pyproject.toml tools/image/deps.py /tmp/deps/
+COPY pyproject.toml tools/image/deps.py tools/image/mindspore_wheel.py /tmp/deps/
 RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_FIND_LINKS; \
     [ -n "$PIP_NO_INDEX" ] || unset PIP_NO_INDEX; \
     python /tmp/deps/deps.py /tmp/deps/pyproject.toml > /tmp/deps/requirements.txt \
-    && python -m pip install --quiet ${MINDSPORE_WHEEL:+"$MINDSPORE_WHEEL"} -r /tmp/deps/requirements.txt \
+    && ms="$(python /tmp/deps/mindspore_wheel.py /tmp/deps/pyproject.toml "$MINDSPORE_WHEEL")" \
+    && { python -m pip install --quiet ${ms:+"$ms"} -r /tmp/deps/requirements.txt \
+         || python /tmp/deps/mindspore_wheel.py /tmp/deps/pyproject.toml "$MINDSPORE_WHEEL" --failed; } \
     && rm -rf /tmp/deps
 
 # The project itself, editable so that recipes/ and assets/ resolve next to the code.
@@ -77,4 +82,5 @@ RUN [ -n "$PIP_CERT" ] || unset PIP_CERT; [ -n "$PIP_FIND_LINKS" ] || unset PIP_
     python -m pip install --quiet --no-deps -e "$APP_DIR" \
     && chmod 0755 "$APP_DIR/entrypoint.sh" \
     && python -m jobspec.native \
+    && python -m jobspec.cann record "$BASE_IMAGE" \
     && python -c "import mindspore, jobspec.config, launcher; print('mindspore', mindspore.__version__)"

@@ -111,7 +111,7 @@ def set_device(target: str, device_id: int | None) -> None:
     try:
         ms.set_device(target, device_id)
     except RuntimeError:
-        if ms.get_context("device_target") != target:
+        if ms.get_current_device().device_target != target:
             raise
     if target == "CPU":
         ms.runtime.launch_blocking()
@@ -273,7 +273,7 @@ def reduce_scatter_sum_async(buf: Any, size: int, index: int, group: str | None,
     from mindspore import ops
     from mindspore.mint import distributed
 
-    out = ops.zeros((n,), buf.dtype)
+    out = ops.zeros((n,), dtype=buf.dtype)
     return InFlight(distributed.reduce_scatter_tensor(out, buf, op="sum", group=group, async_op=True), out,
                     inputs=(buf,))
 
@@ -290,7 +290,7 @@ def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native
     from mindspore import ops
 
     n = chunk.shape[0]
-    parts = [ops.zeros((index * n,), chunk.dtype), chunk, ops.zeros(((size - index - 1) * n,), chunk.dtype)]
+    parts = [ops.zeros((index * n,), dtype=chunk.dtype), chunk, ops.zeros(((size - index - 1) * n,), dtype=chunk.dtype)]
     return all_reduce_sum(ops.cat([p for p in parts if p.shape[0]]), group)
 
 

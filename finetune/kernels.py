@@ -43,7 +43,7 @@ def rms_norm(x, weight, eps: float, fused: bool):
     if fused:
         return ops.RmsNorm(eps)(x, weight.astype(dtype))[0]
     h = x.astype(ms.float32)
-    h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + eps)
+    h = h * ops.rsqrt(ops.mean(h * h, -1, True) + eps)
     return weight.astype(dtype) * h.astype(dtype)
 
 

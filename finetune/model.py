@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.initializer import initializer
 
@@ -236,6 +236,15 @@ class Qwen2Model(nn.Cell):
         return (1.0 - allowed.astype(ms.float32)).unsqueeze(1) * _MASKED
 
 
+def labelled_rows(labels: Tensor) -> np.ndarray:
+    """int32 indices of the flattened ``[b, s - 1]`` positions whose next-token label counts (!= -100),
+    from the labels' host array (``.host``, set by ``trainer.batch_tensors``) so that no micro-batch waits
+    for the device; a Tensor without one is read once."""
+    host = getattr(labels, "host", None)
+    host = labels.asnumpy() if host is None else host
+    return np.flatnonzero(host[:, 1:].reshape(-1) != IGNORE).astype(np.int32)
+
+
 class Qwen2ForCausalLM(nn.Cell):
     """Qwen2 / Qwen3 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``.
 
@@ -299,8 +308,8 @@ class Qwen2ForCausalLM(nn.Cell):
         logits = self.loss_fn._logits(h.reshape(-1, h.shape[-1]), self._head_weight())
         if self.tp_sum is not None:
             rows, vocab = self.vocab_rows, self.config.vocab_size
-            parts = [ops.zeros((logits.shape[0], rows.start), ms.float32), logits,
-                     ops.zeros((logits.shape[0], vocab - rows.start - rows.size), ms.float32)]
+            parts = [ops.zeros((logits.shape[0], rows.start), dtype=ms.float32), logits,
+                     ops.zeros((logits.shape[0], vocab - rows.start - rows.size), dtype=ms.float32)]
             logits = self.tp_sum(ops.cat([x for x in parts if x.shape[1]], -1))
         return logits.reshape(*lead, -1)
 
@@ -309,20 +318,19 @@ class Qwen2ForCausalLM(nn.Cell):
         h = self.model(input_ids, position_ids, segment_ids)
         hidden = h.shape[-1]
         h = h[:, :-1].reshape(-1, hidden)
-        target = labels[:, 1:].reshape(-1)
-        idx = ops.nonzero(target != IGNORE).reshape(-1)
-        if idx.shape[0] == 0:  # no label in the batch: zero loss, zero gradients (empty kernels fail on CPU)
+        rows = labelled_rows(labels)
+        if rows.size == 0:  # no label in the batch: zero loss, zero gradients (empty kernels fail on CPU)
             return h.sum().astype(ms.float32) * 0.0 + 0.0  # + 0.0 turns -0.0 into 0.0
-        h = ops.gather(h, idx, 0)
-        target = ops.gather(target, idx, 0).astype(ms.int32)
-        return self.loss_fn(h, self._head_weight(), target)
+        idx = Tensor(rows)  # a host-to-device copy: the device is never waited for
+        target = labels[:, 1:].reshape(-1).index_select(0, idx).astype(ms.int32)
+        return self.loss_fn(h.index_select(0, idx), self._head_weight(), target)
 
     def _hidden(self, input_ids, position_ids=None, segment_ids=None):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = Tensor(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy())
         if segment_ids is None:
-            segment_ids = ops.ones((b, s), ms.int32)
+            segment_ids = mint.ones((b, s), dtype=ms.int32)
         return self.model(input_ids, position_ids, segment_ids)
 
     def logits(self, input_ids, position_ids=None, segment_ids=None):
@@ -345,7 +353,7 @@ class Qwen2ForCausalLM(nn.Cell):
         pos = np.broadcast_to(np.arange(past, past + s, dtype=np.int32), (b, s))
         if pad is not None:
             pos = np.maximum(pos - np.asarray(pad, np.int32)[:, None], 0)
-        h = self.model(input_ids, Tensor(pos.copy()), ops.ones((b, s), ms.int32), caches, past,
+        h = self.model(input_ids, Tensor(pos.copy()), mint.ones((b, s), dtype=ms.int32), caches, past,
                        None if keys is None else Tensor(np.asarray(keys, np.bool_)))
         return self._project(h[:, -1])
 

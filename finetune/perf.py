@@ -19,11 +19,15 @@ from typing import Any
 from finetune.dist import RankInfo
 from jobspec.qwen2_layout import Dims, param_table
 
-# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and mindspore.hal report.
-# Source of every figure: Huawei Cloud's published MFU calculator (ModelArts), as issue 18 §1.8
-# quotes it; MindSpeed's FSDP2 path divides by a flat 354 for any 910B instead (docs/speed.md).
-PEAK_TFLOPS = {"910B1": 378.9, "910B2": 353.9, "910B3": 294.9, "910B4": 270.0}
-PEAK_SOURCE = "Huawei Cloud MFU calculator"
+_CALCULATOR = "Huawei Cloud ModelArts MFU calculator, as issue 18 section 1.8 quotes it"
+# bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and CANN's aclrtGetSocName report, with the
+# source of each figure; MindSpeed's FSDP2 path divides by a flat 354 for any 910B instead (docs/speed.md).
+PEAK_TFLOPS: dict[str, tuple[float, str]] = {
+    "910B1": (378.9, _CALCULATOR),
+    "910B2": (353.9, _CALCULATOR),
+    "910B3": (294.9, _CALCULATOR),
+    "910B4": (270.0, _CALCULATOR),
+}
 MEMORY_TOLERANCE = 0.15  # warn when the measured peak is this far from the estimate
 
 
@@ -43,17 +47,25 @@ def chip_name(device_name: str) -> str | None:
     return m.group(0) if m else None
 
 
+def soc_name() -> str:
+    """This process's chip as CANN names it (``Ascend910B3``: pyACL's ``aclrtGetSocName``, in the CANN image);
+    MindSpore 2.10 marks ``mindspore.hal.get_device_name`` for removal. "" when pyACL is missing."""
+    try:
+        import acl  # type: ignore[import-not-found]  # CANN's Python API, not on CPU hosts
+    except ImportError:
+        return ""
+    return str(acl.get_soc_name() or "")
+
+
 def device_peak_flops(rank: RankInfo) -> tuple[float | None, str]:
     """(peak FLOP/s of one device or None, where the figure comes from)."""
-    import mindspore as ms
-
     if rank.device_target == "Ascend":
-        name = ms.hal.get_device_name(rank.local_rank, "Ascend")
+        name = soc_name()
         chip = chip_name(name)
         if chip is None:
             return None, f"no peak known for {name!r} (table: {', '.join(PEAK_TFLOPS)}): MFU not reported"
-        peak = PEAK_TFLOPS[chip]
-        return peak * 1e12, f"{chip} bf16 peak {peak} TFLOPS ({PEAK_SOURCE}; perf.PEAK_TFLOPS)"
+        peak, source = PEAK_TFLOPS[chip]
+        return peak * 1e12, f"{chip} bf16 peak {peak} TFLOPS ({source}; perf.PEAK_TFLOPS)"
     rate = cpu_matmul_flops()
     return rate, f"measured fp32 matmul rate of this CPU, {rate / 1e9:.1f} GFLOPS"
 

@@ -29,11 +29,11 @@ BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
 
 def batch_tensors(mb: dict[str, np.ndarray]) -> list[ms.Tensor]:
-    """A micro-batch as the model's int32 arguments (``BATCH_KEYS`` order). The segment ids keep
-    their host array as ``.host``: the fused attention builds its spec from it without reading the
-    device (Qwen2Model._mask)."""
+    """A micro-batch as the model's int32 arguments (``BATCH_KEYS`` order). The labels and segment ids keep
+    their host arrays as ``.host``: the loss picks its labelled rows and the fused attention builds its spec
+    from them without reading the device (model.labelled_rows, Qwen2Model._mask)."""
     tensors = [ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS]
-    tensors[-1].host = mb["segment_ids"]
+    tensors[1].host, tensors[-1].host = mb["labels"], mb["segment_ids"]
     return tensors
 
 

@@ -24,6 +24,12 @@ def dcmi_error(text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def driver_version(text: str) -> str | None:
+    """The driver version in ``npu-smi info``'s header (``| npu-smi 25.2.0   Version: 25.2.0 |``), or None."""
+    m = re.search(r"Version:\s*(\d+\.\d+\.\w+)", text)
+    return m.group(1) if m else None
+
+
 def run_npu_smi(args: list[str], timeout_s: float = 15.0) -> str | None:
     """``npu-smi <args>`` output, or None when npu-smi is absent or fails (its output when a dcmi error
     code says why: :func:`dcmi_error`)."""

@@ -7,7 +7,6 @@ whose paths and probes tests replace.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import shutil
@@ -23,8 +22,10 @@ from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
+from launcher.driver_check import driver_rows
 from launcher.model_check import weight_problems
 from launcher.mounts import LibraryLoader, load_libraries, mount_problems
+from launcher.npu_smi import NpuSmi, run_npu_smi
 
 GIB = 2**30
 NPU_HBM_DEFAULT = 64 * 10**9  # Ascend 910B (Atlas 800T A2), when npu-smi does not say
@@ -53,6 +54,7 @@ class Context:
     port_free: Callable[[int], bool] | None = None
     native_check: Callable[[], nativelib.NativeCheck] = nativelib.check_mindspore
     load_libraries: LibraryLoader = load_libraries  # the driver libraries, in a fresh process
+    npu_smi: NpuSmi | None = run_npu_smi  # the driver version when version.info is not mounted
 
     @property
     def world(self) -> int:
@@ -113,26 +115,10 @@ def check_devices(c: Context) -> list[Check]:
 
 
 def check_versions(c: Context) -> list[Check]:
+    """The host driver against the image's CANN (launcher/driver_check.py)."""
     if not c.devices.has_npu:
         return [Check("driver/CANN", "ok", "not needed for CPU workers")]
-    out = []
-    drv = c.root / "usr/local/Ascend/driver/version.info"
-    if drv.is_file():
-        ver = next((ln.split("=", 1)[1] for ln in drv.read_text().splitlines() if ln.startswith("Version=")), "?")
-        out.append(Check("driver", "ok", f"driver {ver.strip()}"))
-    else:
-        out.append(Check("driver", "fail", f"{drv} missing",
-                         "-v /usr/local/Ascend/driver/version.info:/usr/local/Ascend/driver/version.info:ro"))
-    pattern = str(c.root / "usr/local/Ascend/ascend-toolkit/latest/*/ascend_toolkit_install.info")
-    infos = sorted(glob.glob(pattern))
-    if infos:
-        ver = next((ln.split("=", 1)[1] for ln in Path(infos[0]).read_text().splitlines()
-                    if ln.startswith("version=")), "?")
-        out.append(Check("CANN", "ok", f"CANN toolkit {ver.strip()}"))
-    else:
-        out.append(Check("CANN", "fail", "no ascend-toolkit install info under /usr/local/Ascend/ascend-toolkit/latest",
-                         "use the CANN base image (BASE_IMAGE) or install the CANN toolkit MindSpore 2.10 needs"))
-    return out
+    return [Check(*row) for row in driver_rows(c.root, c.npu_smi)]
 
 
 def check_mindspore(c: Context) -> list[Check]:

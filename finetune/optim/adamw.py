@@ -56,8 +56,8 @@ class AdamW:
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
         self.params, self.cfg, self.rank = list(params), cfg, rank
         self.master = [p if p.dtype == ms.float32 else p.astype(ms.float32) for p in self.params]
-        self.m = [ops.zeros(p.shape, ms.float32) for p in self.params]  # replaced each step (StepGate.update)
-        self.v = [ops.zeros(p.shape, ms.float32) for p in self.params]
+        self.m = [ops.zeros(p.shape, dtype=ms.float32) for p in self.params]  # replaced each step (StepGate.update)
+        self.v = [ops.zeros(p.shape, dtype=ms.float32) for p in self.params]
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
         sizes = [int(np.prod(p.shape)) for p in self.params]
         self.bucket_params = buckets_by_bytes(sizes, 4, bucket_bytes)

@@ -87,7 +87,7 @@ class SkippedSteps:
     run since the last read)."""
 
     def __init__(self) -> None:
-        self.counts = ops.zeros((3,), ms.float32)
+        self.counts = ops.zeros((3,), dtype=ms.float32)
 
     def update(self, ok: ms.Tensor) -> None:
         bad = 1.0 - ok.astype(ms.float32)

@@ -84,8 +84,8 @@ class ShardedAdamW:
                      for (lo, hi), c in zip(self.buckets, self.chunk)]
         self.keep_master = any(p.dtype != ms.float32 for p in self.params)
         self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
-        self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
-        self.v = [ops.zeros((c,), ms.float32) for c in self.chunk]
+        self.m = [ops.zeros((c,), dtype=ms.float32) for c in self.chunk]
+        self.v = [ops.zeros((c,), dtype=ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
         self.norm_pieces: list[NormPiece] = [(k, slice(a, b), ws, wr) for k, segs in enumerate(self.segs)
                                              for a, b, _, ws, wr in segs]  # what the norm reads, fixed
@@ -120,7 +120,7 @@ class ShardedAdamW:
     def _pad(parts: list, length: int, dtype) -> ms.Tensor:
         have = sum(int(p.shape[0]) for p in parts)
         if have < length:
-            parts = parts + [ops.zeros((length - have,), dtype)]
+            parts = parts + [ops.zeros((length - have,), dtype=dtype)]
         return ops.cat(parts) if len(parts) > 1 else parts[0]
 
     def _segments(self, k: int) -> list[tuple[int, int, bool, float, float]]:

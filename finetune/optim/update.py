@@ -71,7 +71,7 @@ def adamw_update(w: ms.Tensor, m: ms.Tensor, v: ms.Tensor, g: ms.Tensor, k: Kern
     and also writes in place.
     """
     m = ops.lerp(m, g, 1.0 - k.beta1)
-    v = ops.addcmul(v * k.beta2, g, g, 1.0 - k.beta2)
+    v = ops.addcmul(v * k.beta2, g, g, value=1.0 - k.beta2)
     return w * (1.0 - k.lr * wd) - k.lr * (m / (ops.sqrt(v) + k.eps)), m, v
 
 
@@ -105,7 +105,7 @@ class BiasCorrection:
         self.steps += 1
         if self.table.shape[0] <= self.steps:  # grown by doubling: a host-to-device copy, now and then
             self.table = ms.Tensor(self._rows(2 * self.steps + 2))
-        row = ops.gather(self.table, self.applied, 0)
+        row = self.table.index_select(0, self.applied.reshape(1)).reshape(-1)
         return KernelScalars(ops.where(ok, row[0] * lr, 0.0), *self.betas, row[1], row[2])
 
     def count(self) -> np.ndarray:
@@ -184,8 +184,15 @@ class StepGate:
 
 
 def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
-    """Copy ``value`` into the storage of ``p`` (``ops.assign``: the documented in-place write to a Parameter);
-    nothing when ``value`` is ``p`` (the host kernel updated it in place)."""
+    """Copy ``value`` into the storage of ``p`` (``Tensor.copy_``, the in-place copy that replaces the deprecated
+    ``ops.assign``); nothing when ``value`` is ``p`` (the host kernel updated it in place)."""
     if value is p:
         return
-    ops.assign(p, value if value.dtype == p.dtype else value.astype(p.dtype))
+    value = value if value.dtype == p.dtype else value.astype(p.dtype)
+    if value.device == "CPU" and value.untyped_storage().nbytes() != value.nbytes:
+        value = value.copy()  # MindSpore 2.10's CPU InplaceCopy refuses a view into a larger buffer
+    # A gradient computation that raised (a kernel refusing its call: a self-test row) leaves PyNative recording,
+    # where an in-place op on a leaf that requires grad is refused; this write is no part of any graph.
+    # mindspore._no_grad is the context manager for that (2.10 exports no public no_grad).
+    with ms._no_grad():
+        p.copy_(value)

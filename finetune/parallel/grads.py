@@ -56,7 +56,7 @@ class HostSum:
         slots.post(k, pieces, None if hi is None else (lo, hi))  # a chunk: no peer reads it
 
     def wait(self) -> ms.Tensor:
-        return ms.Tensor.from_numpy(self.slots.sum(self.k, self.lo, self.hi))
+        return ms.from_numpy(self.slots.sum(self.k, self.lo, self.hi))
 
 
 class BucketSum:
@@ -118,7 +118,7 @@ def square_partials(x: ms.Tensor) -> ms.Tensor:
     body = n - n % PARTIALS
     tail = ops.square(x[body:]) if body < n else None
     if tail is not None:
-        tail = ops.cat([tail, ops.zeros((PARTIALS - (n - body),), ms.float32)])
+        tail = ops.cat([tail, ops.zeros((PARTIALS - (n - body),), dtype=ms.float32)])
     if body == 0:
         return tail
     rows = ops.square(x[:body].reshape(PARTIALS, -1)).sum(axis=1)
@@ -155,7 +155,7 @@ def norm_partials(tensors: list, pieces: list[NormPiece], on_host: bool = False)
     src: list[Any] = arrays if arrays is not None else tensors
     square = host_square_partials if host else square_partials
     split, rep = ((np.zeros(PARTIALS, np.float32), np.zeros(PARTIALS, np.float32)) if host
-                  else (ops.zeros((PARTIALS,), ms.float32), ops.zeros((PARTIALS,), ms.float32)))
+                  else (ops.zeros((PARTIALS,), dtype=ms.float32), ops.zeros((PARTIALS,), dtype=ms.float32)))
     for i, part, ws, wr in pieces:
         sq = square(src[i] if part is None else src[i][part])
         if ws:

@@ -45,9 +45,10 @@ class Embedding(nn.Cell):
 
     def construct(self, ids):
         if not self.split:
-            return ops.gather(self.weight, ids, 0).astype(self.dtype)
+            return self.weight.index_select(0, ids.reshape(-1)).reshape(*ids.shape, -1).astype(self.dtype)
         local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed
-        x = ops.gather(self.weight, local, 0) * inside.unsqueeze(-1).astype(self.weight.dtype)
+        rows = self.weight.index_select(0, local.reshape(-1)).reshape(*local.shape, -1)
+        x = rows * inside.unsqueeze(-1).astype(self.weight.dtype)
         return self.reduce(x.astype(self.dtype))
 
 
@@ -108,7 +109,7 @@ class LMHeadCrossEntropy(nn.Cell):
         """``a @ b``, ``a`` or ``b`` transposed when asked, in the compute dtype."""
         if self.host_gemm:
             x, y = a.asnumpy(), b.asnumpy()
-            return Tensor.from_numpy(np.matmul(x.T if ta else x, y.T if tb else y))
+            return ms.from_numpy(np.matmul(x.T if ta else x, y.T if tb else y))
         return self.mm[ta, tb](a.astype(self.dtype), b.astype(self.dtype))
 
     def _logits(self, h, w):
@@ -190,7 +191,7 @@ class LMHeadCrossEntropy(nn.Cell):
                 row_max, sum_exp, _, col, inside = self._softmax_parts(logits, target)
                 p = ops.exp(logits - row_max.unsqueeze(-1)) / self.tp_sum(sum_exp).unsqueeze(-1)
                 col, hit = col.reshape(-1, 1), inside.reshape(-1, 1)
-            p = ops.tensor_scatter_elements(p, col, ops.gather_elements(p, 1, col) - hit, 1).astype(self.dtype)
+            p = p.scatter(1, col, ops.gather_elements(p, 1, col) - hit).astype(self.dtype)
         dh = self._gemm(p, w) * dout.astype(self.dtype)
         if self.split:  # every rank's rows contribute to d hidden
             dh = self.tp_sum(dh)
@@ -225,7 +226,7 @@ def host_softmax_minus_onehot(logits: Tensor, target: np.ndarray, sums: tuple[np
     a = own_memory(logits)
     if a is None:
         a = logits.asnumpy().copy()
-        logits = Tensor.from_numpy(a)
+        logits = ms.from_numpy(a)
     top, total = host_row_sums(a) if sums is None else sums
 
     def rows(lo: int, hi: int) -> None:

@@ -1,6 +1,6 @@
 """``python -m finetune.selftest OUT_DIR [--device cpu|npu] [--quick] [--no-collectives]``: the self-test
 (``python -m launcher selftest`` runs it). Versions first, then one row per check, then
-``OUT_DIR/selftest.json``; exit status 1 when a row failed.
+``OUT_DIR/selftest.json``; exit status 1 when a row failed, 2 when ``--device npu`` finds no NPU.
 
 On Ascend every visible NPU (``--quick``: the first) runs the op checks in a process of its own, all at
 once; then msrun runs the collective checks across the node's NPUs. On CPU one process runs the same
@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from finetune.selftest import collectives, versions
@@ -38,14 +39,18 @@ def device_rows(device: str, device_id: int | None, install_twins: bool) -> list
     return runner.as_dicts(runner.run_device_checks(device, runner.compute_dtype(device)))
 
 
-def _npu_ids(quick: bool) -> list[int]:
-    import glob
+def npu_ids(quick: bool, dev: Path = Path("/dev"), env: Mapping[str, str] = os.environ) -> list[int]:
+    """The logical ids 0..n-1 the runtime gives the visible NPUs (what ``set_device`` takes): n is the count of
+    ``ASCEND_RT_VISIBLE_DEVICES`` when set (the launcher sets it for a subset), else of ``/dev/davinciN``. A
+    container given davinci4-7 sees them as 0-3; the physical numbers are never device ids."""
+    present = [p for p in dev.glob("davinci[0-9]*") if p.name.removeprefix("davinci").isdigit()]
+    visible = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
+    n = len([v for v in visible.split(",") if v.strip()]) if visible else len(present)
+    return list(range(n))[:1] if quick else list(range(n))
 
-    ids = sorted(int(p.removeprefix("/dev/davinci")) for p in glob.glob("/dev/davinci[0-9]*"))
-    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
-    if visible:
-        ids = list(range(len(visible.split(","))))  # logical ids once the runtime remaps them
-    return ids[:1] if quick else ids
+
+NO_NPU = ("selftest --device npu: no NPU visible (no /dev/davinciN in this container); add the --device=/dev/davinciN "
+          "flags (README \"Container image\"), or run --device cpu to check the CPU path")
 
 
 def _spawn_devices(out: Path, ids: list[int]) -> list[dict]:
@@ -129,11 +134,14 @@ def run(out: Path, device: str, quick: bool, with_collectives: bool, install_twi
     """The whole self-test; prints the table and writes ``out/selftest.json``. 0 when every row is ok."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    ids = npu_ids(quick) if device == "Ascend" else []
+    if device == "Ascend" and not ids:
+        print(f"[selftest] {NO_NPU}", flush=True)
+        return 2
     vers = versions.probe(npu=device == "Ascend")
     if device == "Ascend":
-        ids = _npu_ids(quick)
         rows = _spawn_devices(out, ids)
-        nproc = len(_npu_ids(False))
+        nproc = len(npu_ids(False))
     else:
         rows, nproc = device_rows("CPU", None, install_twins), 2
     if with_collectives and nproc > 1:
@@ -151,7 +159,7 @@ def run(out: Path, device: str, quick: bool, with_collectives: bool, install_twi
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m finetune.selftest", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="OUTPUT_DIR: selftest.json goes here")
-    ap.add_argument("--device", choices=("cpu", "npu"), default="npu" if Path("/dev/davinci0").exists() else "cpu")
+    ap.add_argument("--device", choices=("cpu", "npu"), default="npu" if npu_ids(False) else "cpu")
     ap.add_argument("--quick", action="store_true", help="one NPU per node runs the op checks")
     ap.add_argument("--no-collectives", action="store_true", help="skip the msrun collective checks")
     ap.add_argument("--one-device", type=int, default=None, help=argparse.SUPPRESS)  # a child of the NPU run

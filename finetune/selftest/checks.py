@@ -182,12 +182,13 @@ def check_matmul(name: str) -> Callable:
     def check(lay: Layout, dtype, rng):
         n_in, n_out = matmul_shapes(lay)[name]
         x, xn = _rand(rng, (lay.tokens, n_in), dtype)
-        w = (ops.randn((n_in, n_out), seed=int(rng.integers(1 << 30))) * n_in ** -0.5).astype(dtype)
+        ms.set_seed(int(rng.integers(1 << 30)))  # the weight is drawn on the device, reproducibly
+        w = (ops.randn((n_in, n_out)) * n_in ** -0.5).astype(dtype)
         got = ops.matmul(x, w)
         rows = sample_rows(lay.ends)
         cols = Tensor(np.unique(rng.integers(0, n_out, 64)).astype(np.int32))
-        picked = ops.gather(ops.gather(got, Tensor(rows.astype(np.int32)), 0), cols, 1)  # only these leave the device
-        return [_np(picked)], [xn[rows] @ _np(ops.gather(w, cols, 1))]
+        picked = got.index_select(0, Tensor(rows.astype(np.int32))).index_select(1, cols)  # only these leave the device
+        return [_np(picked)], [xn[rows] @ _np(w.index_select(1, cols))]
 
     return check
 
@@ -231,14 +232,24 @@ TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidd
         "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 64}
 
 
-def check_tiny_model(dtype, rng):
-    """A two-layer Qwen2 (head_dim 16) on one packed row: loss and every gradient of the fused path in
-    ``dtype`` against the model's reference path in fp32 (same device: the host has no model of its own)."""
+def tiny_models(dtype) -> tuple:
+    """(the fused path in ``dtype``, the reference path in fp32) of :data:`TINY`, weights set by each check."""
     from finetune.model import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config.from_dict(TINY)
-    fused = Qwen2ForCausalLM(cfg, FUSED, compute_dtype=dtype)
-    ref = Qwen2ForCausalLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32)
+    return (Qwen2ForCausalLM(cfg, FUSED, compute_dtype=dtype),
+            Qwen2ForCausalLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32))
+
+
+def check_tiny_model(dtype, rng, models: tuple | None = None):
+    """A two-layer Qwen2 (head_dim 16) on one packed row: loss and every gradient of the fused path in
+    ``dtype`` against the model's reference path in fp32 (same device: the host has no model of its own).
+
+    The gradients are compared as one array, each entry against the largest gradient of the whole model: a
+    gradient that is nearly zero by design (``k_proj.bias``: softmax ignores a shift of every key) is not held
+    to its own tiny scale, where bf16 rounding alone exceeded the tolerance (issue 30 item 6). ``models``:
+    :func:`tiny_models` built once for several seeds (every weight is set here)."""
+    fused, ref = models or tiny_models(dtype)
     for pf, pr in zip(fused.trainable_params(), ref.trainable_params()):
         base = 1.0 if pf.name.endswith("norm.weight") else 0.0
         value = (base + 0.1 * rng.standard_normal(pf.shape)).astype(np.float32)
@@ -252,5 +263,5 @@ def check_tiny_model(dtype, rng):
     for model in (fused, ref):
         params = model.trainable_params()
         loss, grads = ms.value_and_grad(lambda *a, m=model: m(*a), None, params)(*batch)
-        out.append([np.array([float(_np(loss))])] + [_np(g) for g in grads])
+        out.append([np.array([float(_np(loss))]), np.concatenate([_np(g).ravel() for g in grads])])
     return out[0], out[1]

@@ -83,7 +83,8 @@ def _matmul_shape(name: str, lay: checks.Layout) -> str:
     return "x".join(map(str, (lay.tokens,) + checks.matmul_shapes(lay)[name]))
 
 
-def _compare(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
+def compare(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    """The largest error of the arrays, each relative to its reference's largest magnitude (inf: a non-finite value)."""
     err = 0.0
     for g, r in zip(got, ref, strict=True):
         if g.shape != r.shape:
@@ -99,7 +100,7 @@ def _row(name: str, shape: str, dtype, tol: float, budget: float, contract: str,
     t0 = time.perf_counter()
     err, error = None, ""
     try:
-        err = _compare(*fn())
+        err = compare(*fn())
     except Exception as e:  # a kernel that refuses the call is this row's failure
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     seconds = time.perf_counter() - t0

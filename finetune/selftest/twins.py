@@ -188,7 +188,7 @@ def rms_norm(x, gamma, epsilon=1e-6):
     need(op, "epsilon", isinstance(epsilon, float) and 0 < epsilon <= 1, f"epsilon={epsilon!r}")
     h = x.astype(ms.float32)
     axes = tuple(range(n, x.ndim))
-    rstd = ops.rsqrt(ops.mean(h * h, axes, keep_dims=True) + epsilon)
+    rstd = ops.rsqrt(ops.mean(h * h, axes, True) + epsilon)
     return (h * rstd * gamma.astype(ms.float32)).astype(x.dtype), rstd
 
 

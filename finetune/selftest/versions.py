@@ -1,29 +1,21 @@
 """The versions the self-test reports first: driver, firmware, CANN, MindSpore, and whether the
-MindSpore/CANN pair is the one this project documents (the Dockerfile's BASE_IMAGE comment:
-MindSpore 2.10 with CANN 9.1). Pure Python: files and ``npu-smi`` only, no mindspore import.
+MindSpore/CANN pair is one this project documents (MindSpore 2.10 with a CANN line of ``jobspec.cann``'s
+table). Pure Python: files and ``npu-smi`` only, no mindspore import.
 
-Where they are read (as ``launcher.preflight.check_versions`` reads driver and CANN):
-``/usr/local/Ascend/driver/version.info`` (``Version=``), ``/usr/local/Ascend/firmware/version.info``
-(``Version=``; on hosts without it, ``npu-smi info -t board -i 0``'s "Firmware Version"),
-``/usr/local/Ascend/ascend-toolkit/latest/*/ascend_toolkit_install.info`` (``version=``).
+Driver and CANN are read as preflight reads them (``jobspec.cann``); the firmware from
+``/usr/local/Ascend/firmware/version.info`` (``Version=``; on hosts without it, ``npu-smi info -t board -i 0``'s
+"Firmware Version").
 """
 from __future__ import annotations
 
-import glob
 import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
 
-SUPPORTED = {"2.10": "9.1"}  # MindSpore major.minor -> CANN major.minor (Dockerfile BASE_IMAGE comment)
+from jobspec import cann
 
-
-def _field(path: Path, key: str) -> str | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    return next((ln.split("=", 1)[1].strip() for ln in lines if ln.startswith(key + "=")), None)
+MINDSPORE = "2.10"  # the MindSpore line (pyproject.toml's pin) the CANN table is for
 
 
 def _npu_smi_firmware() -> str | None:
@@ -36,28 +28,22 @@ def _npu_smi_firmware() -> str | None:
     return m.group(1) if m else None
 
 
-def _minor(version: str | None) -> str | None:
-    m = re.match(r"(\d+\.\d+)", version or "")
-    return m.group(1) if m else None
-
-
 def probe(root: Path = Path("/"), npu: bool = True) -> dict[str, str | bool | None]:
     """Every version (None where unknown) and ``supported_pair``: the MindSpore/CANN pair is documented."""
-    ascend = root / "usr/local/Ascend"
-    infos = sorted(glob.glob(str(ascend / "ascend-toolkit/latest/*/ascend_toolkit_install.info")))
     try:
         mindspore = metadata.version("mindspore")
     except metadata.PackageNotFoundError:
         mindspore = None
+    firmware = cann.info_field(root / "usr/local/Ascend/firmware/version.info", "Version")
     out: dict[str, str | bool | None] = {
-        "driver": _field(ascend / "driver/version.info", "Version"),
-        "firmware": _field(ascend / "firmware/version.info", "Version") or (_npu_smi_firmware() if npu else None),
-        "cann": _field(Path(infos[0]), "version") if infos else None,
+        "driver": cann.driver_version(root),
+        "firmware": firmware or (_npu_smi_firmware() if npu else None),
+        "cann": cann.image_cann(root),
         "mindspore": mindspore,
     }
-    want = SUPPORTED.get(_minor(mindspore) or "")
-    out["supported_pair"] = want is not None and _minor(out["cann"]) == want  # type: ignore[arg-type]
-    out["documented_pairs"] = ", ".join(f"MindSpore {m} + CANN {c}" for m, c in SUPPORTED.items())
+    out["supported_pair"] = (cann.major_minor(mindspore) == cann.major_minor(MINDSPORE)
+                             and cann.release_of(out["cann"]) is not None)  # type: ignore[arg-type]
+    out["documented_pairs"] = f"MindSpore {MINDSPORE} + CANN " + " / ".join(r.line for r in cann.RELEASES)
     return out
 
 

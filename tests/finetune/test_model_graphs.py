@@ -32,7 +32,7 @@ def test_compiled_layers_match_transformers(ms_cpu):
 
 
 def test_a_compiled_layer_sees_weights_written_in_place_and_not_new_storage(ms_cpu):
-    """Why every writer of a weight writes in place (optim.update.write_param's ops.assign, the CPU host
+    """Why every writer of a weight writes in place (optim.update.write_param's Tensor.copy_, the CPU host
     kernel through own_memory): a compiled layer reads the weight's memory, so it sees those writes as the
     op-by-op layer does, but not a weight given new storage by Parameter.set_data (before its first call
     only: hf_io and checkpoint restore run before the first step)."""

@@ -153,12 +153,15 @@ def test_a_diverging_run_stops_nonzero_and_exports_nothing(tmp_path, capsys, log
 
 
 @pytest.mark.slow  # a whole training run or two (make test-fast skips it)
+@pytest.mark.parametrize("grad_accum", ["2", "8"])
 @pytest.mark.parametrize("on_device, want", [(True, [0, 4, 4]), (False, [0, 0, 1, 2, 3, 4, 4])])
-def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_device, want):
+def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_device, want, grad_accum):
     """Issue 12 item 8: no loss copy per micro-batch, no stop all-reduce and no norm read per step
     (clip and skip stay on the device, as on Ascend); one read at a logged step. On CPU (the host
     gate, where kernels are synchronous) the norm is read once per step, nothing else. The update
-    check (optim.UpdateCheck) adds one read before the first step and one at the first sync point."""
+    check (optim.UpdateCheck) adds one read before the first step and one at the first sync point.
+    Issue 30 item 7: the same at grad_accum 8, and no ``ops.nonzero`` (its output's shape is a device
+    read) per micro-batch: the loss's labelled rows come from the labels' host array."""
     import mindspore as ms
 
     from finetune.dist import init_distributed
@@ -169,7 +172,8 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
 
     # the layers op by op, as on Ascend: compiling a layer (CPU's default) reads host data at the first call
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "4", "train.save_every": "0",
-                                  "train.grad_accum": "2", "data.val_size": "0", "train.compile_layers": "false"})
+                                  "train.grad_accum": grad_accum, "data.val_size": "0",
+                                  "train.compile_layers": "false"})
     trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32, RunDir(tmp_path))
     assert trainer.opt.gate.on_device is False  # CPU's default
     trainer.opt.gate.on_device = on_device
@@ -181,6 +185,9 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
         original = getattr(ms.Tensor, name)
         monkeypatch.setattr(ms.Tensor, name, lambda self, *a, _f=original, **k: (reads.append(trainer.step),
                                                                                  _f(self, *a, **k))[1])
+    original_nonzero = ms.ops.nonzero
+    monkeypatch.setattr(ms.ops, "nonzero", lambda *a, **k: (reads.append(("nonzero", trainer.step)),
+                                                            original_nonzero(*a, **k))[1])
     assert train_loop(trainer, reporter, StopFlag()) == 0
     assert reads == want  # the logged step 4 (and each step's norm on the host gate)
 

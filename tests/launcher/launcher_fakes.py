@@ -43,7 +43,7 @@ def make_driver(root: Path, driver: bool = True, dcmi: bool = True, npu_smi: boo
     if driver:
         d = root / "usr/local/Ascend/driver"
         d.mkdir(parents=True, exist_ok=True)
-        (d / "version.info").write_text("Version=24.1.rc2\nascendhal_version=7.35.23\n")
+        (d / "version.info").write_text("Version=25.2.0\nascendhal_version=7.35.23\n")  # an 800T A2 with CANN 8.5
     if lib64:
         for lib in ("common/libc_sec.so", "driver/libascend_hal.so"):
             p = root / "usr/local/Ascend/driver/lib64" / lib
@@ -60,7 +60,7 @@ def make_driver(root: Path, driver: bool = True, dcmi: bool = True, npu_smi: boo
     if cann:
         c = root / "usr/local/Ascend/ascend-toolkit/latest/aarch64-linux"
         c.mkdir(parents=True, exist_ok=True)
-        (c / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.1.RC1\n")
+        (c / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.5.0\n")
 
 
 def make_sys(root: Path, nodes: dict[int, str], cpuset_v2: str | None = None, cpuset_v1: str | None = None,

@@ -85,7 +85,7 @@ def test_atlas_node_all_ok(atlas, monkeypatch):
     c.memory_estimator = lambda cfg, **kw: MemoryEstimate(*(5 * 2**30,) * 6)
     table = preflight.table(preflight.run_checks(c))
     assert not preflight.failed(preflight.run_checks(c)), table
-    assert "driver 24.1.rc2" in table and "CANN toolkit 8.1.RC1" in table
+    assert "driver 25.2.0 runs the image's CANN 8.5.0" in table
 
 
 def test_devices_fail_npu_recipe_without_npu(tmp_path):
@@ -110,8 +110,8 @@ def test_devices_fail_permission(atlas, monkeypatch):
 def test_driver_and_cann_missing(tmp_path):
     c = ctx(tmp_path)  # /dev has NPUs but no driver tree
     assert fails(c, "driver")[0].fix == \
-        "-v /usr/local/Ascend/driver/version.info:/usr/local/Ascend/driver/version.info:ro"
-    assert "ascend-toolkit" in fails(c, "CANN")[0].detail
+        "docker run ... -v /usr/local/Ascend/driver/version.info:/usr/local/Ascend/driver/version.info:ro"
+    assert "ascend_toolkit_install.info" in fails(c, "CANN")[0].detail
 
 
 def test_shm_too_small(tmp_path, monkeypatch):

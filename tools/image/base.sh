@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (once) a local CANN-shaped base image and import it into buildah's vfs storage as $BASE_TAG:
-# the stand-in for the CANN image (Ascend/cann-container-image, cann/9.1.0-beta.3-910b-ubuntu22.04-
+# the stand-in for the CANN image (Ascend/cann-container-image, cann/8.5.0-910b-ubuntu22.04-
 # py3.11/Dockerfile) where no NPU/registry is at hand. Shaped as that image is where our Dockerfile
 # and entrypoint depend on it:
 #   - Python only under /usr/local/python3.11.<patch>/bin, reached through PATH (image ENV); no
@@ -8,7 +8,7 @@
 #   - no iproute2 / numactl (the Dockerfile installs them), libgomp present (gcc is installed there);
 #   - /usr/local/Ascend/ascend-toolkit/set_env.sh, the AscendNPU IR script under ASCEND_TOOLKIT_HOME
 #     and /usr/local/Ascend/nnal/atb/set_env.sh as stubs that set variables; like ATB's own script,
-#     the ATB stub fails without --cxx_abi=<0|1>.
+#     the ATB stub fails without --cxx_abi=<0|1>; the toolkit's ascend_toolkit_install.info (version=8.5.0);
 # Debian bookworm comes from debootstrap (cached as a tarball in $CACHE_DIR; a second run only
 # re-imports it); its Python 3.11 is moved under /usr/local (CPython finds its prefix from the
 # executable's location).
@@ -39,10 +39,12 @@ mv /usr/bin/python3.11 "$prefix/bin/python3.11"
 ln -s python3.11 "$prefix/bin/python3"
 ln -s python3 "$prefix/bin/python"
 rm -f /usr/bin/python3 /usr/bin/python
-home=/usr/local/Ascend/cann-9.1.0-stub
+home=/usr/local/Ascend/cann-8.5.0-stub
 mkdir -p /usr/local/Ascend/ascend-toolkit "$home/bin" "$home/lib64" "$home/share/info/ascendnpu-ir/bin" \
     /usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_0/lib /usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_1/lib
 ln -s "$home" /usr/local/Ascend/ascend-toolkit/latest
+mkdir -p "$home/$(uname -m)-linux"  # the version CANN records (jobspec/cann.py reads it at build and preflight)
+printf "package_name=Ascend-cann-toolkit\nversion=8.5.0\n" > "$home/$(uname -m)-linux/ascend_toolkit_install.info"
 cat > /usr/local/Ascend/ascend-toolkit/set_env.sh <<EOF
 export ASCEND_TOOLKIT_HOME=$home
 export ASCEND_HOME_PATH=$home
