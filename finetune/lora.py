@@ -22,6 +22,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.ops.operations.math_ops import Bernoulli
 
 from finetune.dist import RankInfo
+from finetune.optim.update import write_param
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, RowParallelLinear, linear
 from finetune.reshard import cut
 from jobspec.lora_config import TARGETS, LoraConfig, module_path
@@ -89,10 +90,10 @@ class LoraAdapter(nn.Cell):
         """This micro-batch's mask for an input of ``rows`` x A's input width, into the Parameter of that
         shape (a graph compiled for a shape reads that shape's Parameter)."""
         shape = (*rows, self.lora_A.shape[1])
-        mask = keyed_mask(ops.zeros(shape, self.dtype), 1.0 - self.dropout, self.masks.of(self.module, self.rank_key),
+        mask = keyed_mask(ops.zeros(shape, dtype=self.dtype), 1.0 - self.dropout, self.masks.of(self.module, self.rank_key),
                           self.generator)
         if shape in self.by_shape:
-            ops.assign(self.by_shape[shape], mask)
+            write_param(self.by_shape[shape], mask)
         else:
             self.by_shape[shape] = Parameter(mask, name=f"{self.module}.lora_dropout_mask", requires_grad=False)
         self.drop = self.by_shape[shape]

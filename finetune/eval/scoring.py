@@ -59,7 +59,7 @@ def loglikelihoods(model, requests: list[Request], batch_size: int, max_length: 
                 spans.append((i, len(picks), n))
                 picks += [r * width + p for p in range(len(x) - n, len(x))]
         flat = hidden.reshape(-1, hidden.shape[-1])
-        logp = _log_softmax(model._project(ms.ops.gather(flat, ms.Tensor(np.array(picks, np.int32)), 0)).asnumpy())
+        logp = _log_softmax(model._project(flat.index_select(0, ms.Tensor(np.array(picks, np.int32)))).asnumpy())
         for i, start, n in spans:
             want = np.array(requests[i][1])
             rows_lp = logp[start:start + n]

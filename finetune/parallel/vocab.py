@@ -160,7 +160,7 @@ class LMHeadCrossEntropy(nn.Cell):
     def _weight_grad(dw, w):
         """The head weight's gradient; a frozen head's (``weight_grad`` off, LoRA) is one zero, not a
         vocab x hidden tensor of zeros per micro-batch (nothing reads it: the weight takes no gradient)."""
-        return ops.zeros((), w.dtype) if dw is None else dw.astype(w.dtype)
+        return ops.zeros((), dtype=w.dtype) if dw is None else dw.astype(w.dtype)
 
     def _loss(self, h, w, target, logits=None):
         """(the loss sum of one chunk of tokens, its rows' (max, sum of exp) on the host path or None;

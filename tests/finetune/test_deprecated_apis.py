@@ -29,8 +29,6 @@ KEPT = {
     "ms.set_context": "mode=PYNATIVE_MODE in train.py and generate.py: 2.10 says only 'will be deprecated in future "
                       "versions' and names no replacement for `mode` (PyNative is its default: the call can go)",
 }
-# finetune/lora.py belongs to the LoRA work of issue 30 item 7 (its own engineer): listed, not hidden.
-PENDING = {("finetune/lora.py", "ops.assign"), ("finetune/lora.py", "ops.zeros")}
 
 
 def _calls() -> list[tuple[str, int, str, ast.Call]]:
@@ -90,7 +88,7 @@ def test_finetune_calls_nothing_the_installed_mindspore_marks_deprecated(ms_cpu)
     found = []
     for path, line, name, call in _calls():
         obj = _resolve(name)
-        if obj is None or inspect.ismodule(obj) or name in KEPT or (path, name) in PENDING:
+        if obj is None or inspect.ismodule(obj) or name in KEPT:
             continue
         found += [f"{path}:{line} {name}: {why}" for why in problems_of(name, call, obj)]
     assert not found, "\n".join(found)
