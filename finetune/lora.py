@@ -90,8 +90,8 @@ class LoraAdapter(nn.Cell):
         """This micro-batch's mask for an input of ``rows`` x A's input width, into the Parameter of that
         shape (a graph compiled for a shape reads that shape's Parameter)."""
         shape = (*rows, self.lora_A.shape[1])
-        mask = keyed_mask(ops.zeros(shape, dtype=self.dtype), 1.0 - self.dropout, self.masks.of(self.module, self.rank_key),
-                          self.generator)
+        key = self.masks.of(self.module, self.rank_key)
+        mask = keyed_mask(ops.zeros(shape, dtype=self.dtype), 1.0 - self.dropout, key, self.generator)
         if shape in self.by_shape:
             write_param(self.by_shape[shape], mask)
         else:
