@@ -168,8 +168,13 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
         inputs = 5 * d.hidden + (d.heads * d.head_dim + d.inter) // tp
         acts += (layers if not recompute else 1) * tokens * inputs * nbytes
     head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
-    # three fp32 buffers (logits, exponentials, softmax - onehot) and the compute-dtype copy of the gradient
-    logits = head_tokens * (vocab // tp if vocab_parallel else vocab) * (3 * 4 + nbytes)
+    # three fp32 buffers (logits, exponentials, softmax - onehot) and the compute-dtype copy of the gradient; on
+    # CPU in fp32 with the whole vocabulary, one: numpy writes softmax - onehot over the kept logits
+    host_softmax = device == "cpu" and precision == "fp32" and not (vocab_parallel and tp > 1)
+    head_rows = vocab // tp if vocab_parallel else vocab
+    logits = head_tokens * head_rows * (4 if host_softmax else 3 * 4 + nbytes)
+    if lora is not None and "lm_head" not in lora.modules_to_save:  # the frozen head's zero gradient (vocab.py)
+        logits += head_rows * h * nbytes
     grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes
     # fp32 totals: the micro-batch's own gradients in fp32 with one micro-batch; else the accumulator
     accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
@@ -185,8 +190,8 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     elif dp > 1:
         collectives = min(trained * 4, BUCKET_BYTES)
     staging = 0
-    if device == "cpu":  # numpy copies of the weights (fp32) and optimizer state, then safetensors' bytes of them
-        staging = 2 * (n * 4 + 2 * state * 4 + master)
+    if device == "cpu":  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
+        staging = 2 * (trained * 4 + 2 * state * 4 + master)
     return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=grad_nbytes, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=CPU_WORKSPACE_BYTES if device == "cpu" else WORKSPACE_BYTES,
                           accumulator=accumulator, logits=logits, totals=totals, update=update,
@@ -210,7 +215,7 @@ NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with
 # the estimate; an explicit parallel.tp may use all.
 PLANNED_BYTES = NPU_USABLE_BYTES * 9 // 10
 MARGIN_NOTE = ("10% planning margin kept until device measurements of the estimate exist "
-               "(metrics.jsonl step 1: memory_measured_bytes)")
+               "(metrics.jsonl step 1: memory_peak_reserved_bytes beside memory_estimate_bytes)")
 TP_CANDIDATES = (1, 2, 4, 8)
 
 
