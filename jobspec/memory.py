@@ -60,8 +60,9 @@ SHRINKS = {
     "staging": "parallel.shard_optimizer=true (each rank stages its shard)",
     "workspace": "nothing in the recipe (the framework's)",
 }
+# a checkpoint is saved after the update while the loop still holds the step's totals (train.py train_loop)
 PHASES = {"backward": ("accumulator", "grads", "activations", "logits"), "step": ("totals", "update"),
-          "save": ("staging",)}
+          "save": ("totals", "staging")}
 STATIC = ("weights", "master", "optimizer", "collectives", "workspace")
 
 

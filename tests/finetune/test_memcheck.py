@@ -39,3 +39,14 @@ def test_the_estimate_comes_from_plan_json_and_without_one_from_the_recipe(tmp_p
     recipe = load_recipe("recipes/tiny-cpu.yaml").resolved(1, "cpu")
     got = plan_estimate(tmp_path / "missing.json", recipe, tiny_config())
     assert got.total > 0 and got.staging > 0  # the recipe's own, on CPU
+
+
+def test_summary_json_carries_the_step_1_memory_fields():
+    from finetune.report import summary
+
+    fields, _ = memory_record(EST, {"memory_source": "rss", "memory_peak_rss_bytes": 5 * 2**30})
+    records = [{"step": 1, "loss": 2.0, **fields}, {"step": 2, "loss": 1.0, "memory_estimate_bytes": 1}]
+    s = summary(records, tokens=10, wall_s=1.0)
+    assert s["memory_estimate_bytes"] == EST.total and s["memory_peak_rss_bytes"] == 5 * 2**30
+    assert s["memory_source"] == "rss" and s["memory_estimate_terms"]["optimizer"] == 20 * 2**30
+    assert "memory_estimate_bytes" not in summary([{"step": 1, "loss": 2.0}], tokens=1, wall_s=1.0)
