@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -145,6 +146,13 @@ def markdown(rows: dict[str, dict], growth: list[dict], empty: int) -> str:
     return "\n".join(lines)
 
 
+def free_port() -> int:
+    """A TCP port free now: msrun's scheduler of a DP row, away from other jobs' default one."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def run_row(work: Path, name: str, env: dict[str, str]) -> Path:
     hidden, layers, mb, ga, nproc, extra = GRID[name]
     model = work / f"model-{hidden}x{layers}"
@@ -153,8 +161,8 @@ def run_row(work: Path, name: str, env: dict[str, str]) -> Path:
         for f in (REPO_ROOT / "assets" / "tokenizer").iterdir():
             shutil.copy(f, model / f.name)
     recipe = "tiny-cpu-lora" if "train.method=lora" in extra else "tiny-cpu"
-    run_env = {**env, "RECIPE": recipe, "MODEL_DIR": str(model), "NPROC_PER_NODE": str(nproc),
-               "OVERRIDES": overrides(mb, ga, extra.replace("train.method=lora", ""))}
+    run_env = {"MASTER_PORT": str(free_port()), **env, "RECIPE": recipe, "MODEL_DIR": str(model),
+               "NPROC_PER_NODE": str(nproc), "OVERRIDES": overrides(mb, ga, extra.replace("train.method=lora", ""))}
     return launch(work, name, run_env, "bench-memory")
 
 
@@ -173,20 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     empty = empty_peak(env)
     rows: dict[str, dict] = {}
     t0 = time.time()
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         for name in names:
-            estimate, peak, phase = read_row(run_row(Path(tmp), name, env))
+            try:
+                estimate, peak, phase = read_row(run_row(Path(tmp), name, env))
+            except SystemExit as e:  # a failed run: its log's end, and the next row
+                log = Path(tmp) / f"{name}.log"
+                failed[name] = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+                print(f"{e}\n{failed[name]}", flush=True)
+                continue
             ratio, ok = judge(estimate, peak - empty)
             rows[name] = {"estimate": estimate, "measured": peak - empty, "peak_rss": peak, "phase": phase,
                           "ratio": ratio, "ok": ok}
             print(f"{name}: estimate {estimate / 2**30:.2f} GiB ({phase}), measured {(peak - empty) / 2**30:.2f} GiB, "
                   f"ratio {ratio:.2f} {'ok' if ok else 'MISSED'} ({time.time() - t0:.0f} s)", flush=True)
+            if args.json:  # after every row: a later failure loses nothing
+                args.json.write_text(json.dumps({"empty": empty, "rows": rows, "growth": ga_growth(rows),
+                                                 "failed": failed, "date": time.strftime("%Y-%m-%d")}, indent=1))
     growth = ga_growth(rows)
     print(markdown(rows, growth, empty))
-    if args.json:
-        args.json.write_text(json.dumps({"empty": empty, "rows": rows, "growth": growth,
-                                         "date": time.strftime("%Y-%m-%d")}, indent=1))
-    return 0 if all(r["ok"] for r in rows.values()) and all(g["ok"] for g in growth) else 1
+    return 0 if all(r["ok"] for r in rows.values()) and all(g["ok"] for g in growth) and not failed else 1
 
 
 if __name__ == "__main__":
