@@ -94,6 +94,12 @@ bench-eval: $(STAMP)
 bench-dp: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_dp.py $(BENCH_ARGS)
 
+## The memory estimate against the measured peak RSS over a grid of short CPU runs (docs/memory.md);
+## BENCH_ARGS e.g. "--rows h256-ga1,h256-ga4 --json mem.json".
+.PHONY: bench-memory
+bench-memory: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_memory.py $(BENCH_ARGS)
+
 ## Per-phase and per-op times of one step, ours against torch at the bench shape (docs/speed.md).
 profile-step: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/profile_step.py --torch-python "$(TORCH_PYTHON)" $(PROFILE_ARGS)

@@ -14,7 +14,7 @@ set -Eeuo pipefail
 
 APP_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ASCEND_BASE="${ASCEND_BASE:-/usr/local/Ascend}"
-LAUNCHER_COMMANDS=(train plan preflight prepare-data selftest generate render export)  # launcher/__main__.py COMMANDS
+LAUNCHER_COMMANDS=(train plan preflight prepare-data selftest generate render export eval)  # launcher/__main__.py COMMANDS
 
 # A Kubernetes `command:` or this image's ENTRYPOINT replaces the CANN image's own entrypoint, so
 # source what it sources, in its order (Ascend/cann-container-image, cann/<ver>-910b-*/Dockerfile):

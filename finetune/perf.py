@@ -28,7 +28,6 @@ PEAK_TFLOPS: dict[str, tuple[float, str]] = {
     "910B3": (294.9, _CALCULATOR),
     "910B4": (270.0, _CALCULATOR),
 }
-MEMORY_TOLERANCE = 0.15  # warn when the measured peak is this far from the estimate
 
 
 def flops_per_token(config: dict, seq_len: int) -> float:
@@ -93,19 +92,6 @@ def peak_memory_bytes(device_target: str) -> int:
 
         return int(ms.runtime.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def memory_check(peak: int, estimate: int, device_target: str = "Ascend") -> str:
-    """The step-1 comparison line; on Ascend a warning when off by more than :data:`MEMORY_TOLERANCE` (on CPU
-    the peak is the process RSS, framework included, which the device estimate does not model: no warning)."""
-    off = (peak - estimate) / estimate
-    line = f"peak memory {peak / 2**30:.2f} GiB at step 1 vs the estimate {estimate / 2**30:.2f} GiB ({off:+.0%})"
-    if device_target != "Ascend":
-        return f"[train] {line} (CPU: the process RSS, framework included)"
-    if abs(off) > MEMORY_TOLERANCE:
-        return (f"[train] warning: {line}: more than {MEMORY_TOLERANCE:.0%} off; report it with the recipe so the "
-                "estimate can be fixed")
-    return f"[train] {line}"
 
 
 class StepTimer:

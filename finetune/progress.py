@@ -7,12 +7,12 @@ import time
 import mindspore as ms
 
 from finetune.dist import dp_totals
+from finetune.memcheck import measured, memory_record, plan_estimate
 from finetune.metrics import MetricsWriter, progress_line, read_metrics
-from finetune.perf import StepTimer, device_peak_flops, flops_per_token, memory_check, peak_memory_bytes
+from finetune.perf import StepTimer, device_peak_flops, flops_per_token, peak_memory_bytes
 from finetune.report import ReportWriter, run_title
 from finetune.trainer import Trainer, batch_tensors
 from jobspec.data.template import IGNORE
-from jobspec.memory import memory_estimate
 
 
 class Reporter:
@@ -44,9 +44,11 @@ class Reporter:
                   **self.timer.report(t.reduction.take_comm_s())}
         if self.peak_flops:
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)
-        if not self.memory_checked:
+        if not self.memory_checked:  # step 1 (or the first logged step): the peak beside the plan's estimate
             self.memory_checked = True
-            t.rank.log(memory_check(peak, memory_estimate(t.recipe, self.model_config).total, t.rank.device_target))
+            fields, line = memory_record(plan_estimate(t.run.plan, t.recipe, self.model_config), measured())
+            record.update(fields)
+            t.rank.log(line)
         return record
 
     def write(self, record: dict, total_steps: int) -> None:

@@ -1,8 +1,9 @@
 """Rank-0 reports from the metric records: TensorBoard scalars while training, summary.json and loss.png at the end.
 
 Records are metrics.jsonl's dicts. Read: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``
-and, when present, ``eval_loss`` (eval records may carry no ``loss``), ``mfu`` (a fraction) and
-``peak_memory_bytes``; every other number goes to TensorBoard as it is.
+and, when present, ``eval_loss`` (eval records may carry no ``loss``), ``mfu`` (a fraction),
+``peak_memory_bytes`` and the step-1 ``memory_*`` fields (to summary.json); every other number goes to
+TensorBoard as it is.
 """
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [r["step"] for r in rs], [float(r[key]) for r in rs]
 
 
+def memory_at_step_1(records: list[dict]) -> dict:
+    """The step-1 memory record's fields (finetune/memcheck.py): the measured peak beside the plan's estimate."""
+    first = next((r for r in records if "memory_estimate_bytes" in r), {})
+    return {k: v for k, v in first.items() if k.startswith("memory_")}
+
+
 def summary(records: list[dict], tokens: int, wall_s: float, last_checkpoint: str | None = None,
             export_path: str | None = None, peak_memory_bytes: int | None = None) -> dict:
     """The end-of-run numbers; peak memory from the argument, else the records' maximum."""
@@ -68,6 +75,7 @@ def summary(records: list[dict], tokens: int, wall_s: float, last_checkpoint: st
         "best_eval_step": eval_steps[best] if best is not None else None,
         "mean_mfu": sum(mfu) / len(mfu) if mfu else None,
         "peak_memory_bytes": peak_memory_bytes if peak_memory_bytes is not None else (int(max(mem)) if mem else None),
+        **memory_at_step_1(records),
         "last_checkpoint": last_checkpoint, "export_path": export_path, "wall_time_s": round(wall_s, 2),
     }
 

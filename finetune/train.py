@@ -55,8 +55,14 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
                ) -> tuple[list, ms.Tensor]:
     """The gradients summed over the micro-batches in fp32 (whatever the compute dtype) and reduced
     over DP (the reduction's buckets, started by the last micro-batch's backward when it overlaps),
-    and the summed scaled loss; both stay on the device."""
-    acc, loss_sum = None, None
+    and the summed scaled loss; both stay on the device.
+
+    One fp32 accumulator per trained tensor (the first micro-batch's fp32 gradients, adopted): each later
+    micro-batch's gradients are added into it in place (``GradReduction.add``) and dropped before the next forward,
+    so at most the accumulator and one micro-batch's gradients are alive (jobspec/memory.py ``accumulator``).
+    """
+    acc: list | None = None
+    loss_sum = None
     for n, mb in enumerate(micro_batches):
         last = n == len(micro_batches) - 1
         if last:
@@ -64,9 +70,9 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
         loss, g = grad_fn(*batch_tensors(mb), scale)
         loss_sum = loss if loss_sum is None else loss_sum + loss
         if last:
-            return reduction.finish(g), loss_sum
-        g = [x if x.dtype == ms.float32 else x.astype(ms.float32) for x in g]
-        acc = g if acc is None else [a + b for a, b in zip(acc, g)]
+            return reduction.finish(list(g)), loss_sum
+        acc = reduction.add(acc, list(g))
+        del g
     raise ValueError("a step needs at least one micro-batch")
 
 

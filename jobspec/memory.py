@@ -1,23 +1,19 @@
 """Per-device memory estimate for a full or LoRA fine-tune (pure Python; the launcher imports it).
 
-Weights, gradients, fp32 master weights and Adam moments are exact element counts of the local
-tensors under the layout (the TP split rules of ``jobspec.qwen2_layout``, which the model uses too;
-the same bucket partition as the sharded optimizer). Activations and workspace are an estimate:
-
-* full recompute: every layer's input is kept (b*s*H), plus one layer's activations while it is
-  recomputed in backward (flash attention: no s*s score matrix);
-* no recompute: every layer's activations are kept;
-* the LM head + cross-entropy at its backward peak: three fp32 buffers (logits, exponentials,
-  softmax - onehot) and its compute-dtype copy over ``min(b*s, train.loss_chunk_tokens)`` tokens
-  and the local vocabulary rows (V/tp when vocab-parallel);
-* workspace: a fixed allowance for the framework, HCCL buffers and allocator fragmentation.
+Every buffer alive at the step's peak, each term tied to the code that allocates it. Weights, gradients,
+fp32 master weights and Adam moments are exact element counts of the local tensors under the layout (the
+TP split rules of ``jobspec.qwen2_layout``, which the model uses too; the same bucket partition as the
+sharded optimizer). Activations and workspace are an estimate. A step has three peaks, the largest counts
+(:attr:`MemoryEstimate.total`): the backward (accumulator, one micro-batch's gradients, activations,
+logits), the optimizer step (fp32 totals, update temporaries, collective buffers) and a checkpoint save
+(staging), each on top of weights, masters, moments and workspace.
 """
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +23,52 @@ from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
 
-WORKSPACE_BYTES = 1_500_000_000
+WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers, allocator fragmentation
+# CPU: what a training process holds beyond an empty MindSpore process (same imports, same device setup):
+# the token cache, the tokenizer, compiled layer graphs, thread pools; measured by tools/bench_memory.py
+CPU_WORKSPACE_BYTES = 300 * 2**20
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Which code allocates each term (the plan prints the terms; docs/memory.md measures them).
+TERMS = {
+    "weights": "the model's parameters in the compute dtype, LoRA adapters in fp32 (finetune/model.py)",
+    "master": "fp32 master weights (optim/adamw.py AdamW.master, optim/sharded.py master chunks)",
+    "optimizer": "Adam moments m and v in fp32 (optim/adamw.py, optim/sharded.py: this rank's shard)",
+    "accumulator": "fp32 gradient accumulator over micro-batches (parallel/overlap.py GradReduction.add)",
+    "grads": "one micro-batch's gradients in the compute dtype (train.py accumulate: grad_fn's output)",
+    "activations": "kept activations (recompute: the layer inputs and one layer's; LoRA dropout inputs)",
+    "logits": "the LM head's logits chunk and its gradient (parallel/vocab.py LMHeadCrossEntropy)",
+    "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
+              "(GradReduction.finish)",
+    "update": "optimizer update temporaries: clipped gradients (optim/update.py StepGate), the kernel's per bucket",
+    "collectives": "DP reduction buffers: a bucket's flat copy in flight (NPU), the shared-memory slots "
+                   "(CPU, parallel/hostcomm.py)",
+    "staging": "checkpoint-save host copies (checkpoint.py save_checkpoint; host memory: CPU only)",
+    "workspace": "framework workspace beyond the tensors (NPU: runtime, HCCL, fragmentation; CPU: measured)",
+}
+# The setting that shrinks each term (the worker's step-1 warning names it with the largest term).
+SHRINKS = {
+    "weights": "a larger parallel.tp, or train.method=lora",
+    "master": "parallel.shard_optimizer=true over more DP ranks, or a larger parallel.tp",
+    "optimizer": "parallel.shard_optimizer=true over more DP ranks, or a larger parallel.tp",
+    "accumulator": "a larger parallel.tp (or train.grad_accum=1 with a larger train.micro_batch_size)",
+    "grads": "a larger parallel.tp, or train.method=lora",
+    "activations": "train.recompute=true, or a smaller train.micro_batch_size or data.seq_len",
+    "logits": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
+    "totals": "parallel.shard_optimizer=true",
+    "update": "parallel.shard_optimizer=true",
+    "collectives": "parallel.host_collectives=false (CPU)",
+    "staging": "parallel.shard_optimizer=true (each rank stages its shard)",
+    "workspace": "nothing in the recipe (the framework's)",
+}
+# a checkpoint is saved after the update while the loop still holds the step's totals (train.py train_loop)
+PHASES = {"backward": ("accumulator", "grads", "activations", "logits"), "step": ("totals", "update"),
+          "save": ("totals", "staging")}
+STATIC = ("weights", "master", "optimizer", "collectives", "workspace")
 
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per device, by part."""
+    """Bytes per device, by term (:data:`TERMS`); the total counts the largest phase (:data:`PHASES`)."""
 
     weights: int
     grads: int
@@ -41,16 +76,54 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     workspace: int
+    accumulator: int = 0
+    logits: int = 0
+    totals: int = 0
+    update: int = 0
+    collectives: int = 0
+    staging: int = 0
+
+    def phases(self) -> dict[str, int]:
+        """Bytes of each phase on top of the static terms."""
+        return {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases()
+        return max(phases, key=phases.__getitem__)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.master + self.optimizer + self.activations + self.workspace
+        return int(sum(getattr(self, t) for t in STATIC)) + max(self.phases().values())
+
+    def parts(self) -> dict[str, int]:
+        """Every term in bytes, in :data:`TERMS` order."""
+        return {f.name: getattr(self, f.name) for f in sorted(fields(self), key=lambda f: list(TERMS).index(f.name))}
+
+    def largest(self) -> str:
+        """The largest term counted in the total."""
+        counted = [*STATIC, *PHASES[self.peak_phase]]
+        return max(counted, key=lambda t: getattr(self, t))
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, Any]) -> MemoryEstimate:
+        """The estimate from :meth:`parts` (plan.json's ``memory``; keys it does not know are left out)."""
+        return cls(**{f.name: int(parts.get(f.name, 0)) for f in fields(cls)})
+
+    def summary(self) -> str:
+        """One line in GiB: the static terms + the largest phase, each phase with its terms."""
+        def terms(names: tuple[str, ...]) -> str:
+            return " + ".join(f"{t} {getattr(self, t) / 2**30:.1f}" for t in names)
+        phases = " | ".join(f"{k}{' (peak)' if k == self.peak_phase else ''}: {terms(v)}" for k, v in PHASES.items())
+        return f"{terms(STATIC)} + max({phases}) = {self.total / 2**30:.1f}"
 
     def table(self) -> str:
-        rows = [(k, getattr(self, k)) for k in ("weights", "grads", "master", "optimizer", "activations",
-                                                 "workspace")] + [("total", self.total)]
-        head = f"{'part':<12}{'GB':>10}{'GiB':>10}"
-        return "\n".join([head] + [f"{k:<12}{v / 1e9:10.2f}{v / 2**30:10.2f}" for k, v in rows])
+        peak = set(PHASES[self.peak_phase])
+        head = f"{'part':<13}{'GB':>9}{'GiB':>9}  counted"
+        rows = [f"{k:<13}{v / 1e9:9.2f}{v / 2**30:9.2f}  {'yes' if k in STATIC or k in peak else 'no'}"
+                for k, v in self.parts().items()]
+        return "\n".join([head, *rows, f"{'total':<13}{self.total / 1e9:9.2f}{self.total / 2**30:9.2f}  "
+                                        f"(peak: {self.peak_phase})"])
 
 
 def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int:
@@ -70,15 +143,17 @@ def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
 
 def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
-                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0,
-                    lora: LoraConfig | None = None) -> MemoryEstimate:
+                    vocab_parallel: bool = False, loss_chunk_tokens: int = 0, grad_accum: int = 1,
+                    lora: LoraConfig | None = None, device: str = "npu") -> MemoryEstimate:
     """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout. ``lora`` (a
     LoraConfig, train.method=lora): the base is frozen in the compute dtype; only the fp32 adapters
-    (and modules_to_save, with fp32 masters) have gradients and optimizer state."""
+    (and modules_to_save, with fp32 masters) have gradients and optimizer state. ``device`` 'cpu': the
+    host is the device (checkpoint staging counts, the measured CPU workspace)."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}: one of bf16, fp16, fp32 for the estimate")
     nbytes = _DTYPE_BYTES[precision]
-    n = sum(math.prod(s) for s in local_shapes(model_config, tp, vocab_parallel).values())
+    sizes = [math.prod(s) for s in local_shapes(model_config, tp, vocab_parallel).values()]
+    n = sum(sizes)
     adapters, saved = trainable_elements(model_config, lora, tp, vocab_parallel) if lora else (0, n)
     trained = adapters + saved
     sharded = shard_optimizer and dp > 1
@@ -89,15 +164,37 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     h, layers, vocab = model_config["hidden_size"], model_config["num_hidden_layers"], model_config["vocab_size"]
     per_layer = _layer_activation_elems(model_config, tp) * tokens * nbytes
     acts = layers * tokens * h * nbytes + per_layer if recompute else layers * per_layer
-    head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
-    acts += head_tokens * (vocab // tp if vocab_parallel else vocab) * (3 * 4 + nbytes)
-    # gradients are accumulated and reduced in fp32 whatever the compute dtype (finetune/train.py accumulate)
     if lora is not None and lora.dropout > 0:  # each adapter keeps its dropped input (column: whole, row: split)
         d = Dims.of(model_config)
         inputs = 5 * d.hidden + (d.heads * d.head_dim + d.inter) // tp
         acts += (layers if not recompute else 1) * tokens * inputs * nbytes
-    return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=trained * 4, master=master, optimizer=2 * state * 4,
-                          activations=acts, workspace=WORKSPACE_BYTES)
+    head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
+    # three fp32 buffers (logits, exponentials, softmax - onehot) and the compute-dtype copy of the gradient; on
+    # CPU in fp32 with the whole vocabulary, one: numpy writes softmax - onehot over the kept logits
+    host_softmax = device == "cpu" and precision == "fp32" and not (vocab_parallel and tp > 1)
+    head_rows = vocab // tp if vocab_parallel else vocab
+    logits = head_tokens * head_rows * (4 if host_softmax else 3 * 4 + nbytes)
+    grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes
+    # fp32 totals: the micro-batch's own gradients in fp32 with one micro-batch; else the accumulator
+    accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
+    # the accumulator is dropped bucket by bucket as the reduction launches (GradReduction._arrive)
+    totals = state * 4
+    # clipped gradients (one fp32 copy of the totals); on the NPU the kernel's new w, m, v and two temporaries
+    # over its largest operand (a tensor, or a bucket's chunk); on CPU it writes in place (optim/host.py)
+    kernel = min(state, math.ceil(BUCKET_BYTES // 4 / dp) if sharded else max(sizes)) if device != "cpu" else 0
+    update = totals + 5 * kernel * 4
+    collectives = 0
+    if dp > 1 and device == "cpu":  # the shared-memory slots: every bucket, and the all-gather's chunks (sharded)
+        collectives = trained * 4 + (state * 4 if sharded else 0)
+    elif dp > 1:
+        collectives = min(trained * 4, BUCKET_BYTES)
+    staging = 0
+    if device == "cpu":  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
+        staging = 2 * (trained * 4 + 2 * state * 4 + master)
+    return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=grad_nbytes, master=master, optimizer=2 * state * 4,
+                          activations=acts, workspace=CPU_WORKSPACE_BYTES if device == "cpu" else WORKSPACE_BYTES,
+                          accumulator=accumulator, logits=logits, totals=totals, update=update,
+                          collectives=collectives, staging=staging)
 
 
 def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
@@ -113,8 +210,11 @@ def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
 
 NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with (the rest: runtime, HCCL)
 # What the layout choice plans with: 90% of the usable memory, a margin for the allocator's fragmentation
-# and the estimate's error (not yet compared with a 910B's measured peak); an explicit parallel.tp may use all.
+# and the estimate's error, kept until a 910B's measured peak (metrics.jsonl's step-1 memory record) confirms
+# the estimate; an explicit parallel.tp may use all.
 PLANNED_BYTES = NPU_USABLE_BYTES * 9 // 10
+MARGIN_NOTE = ("10% planning margin kept until device measurements of the estimate exist "
+               "(metrics.jsonl step 1: memory_peak_reserved_bytes beside memory_estimate_bytes)")
 TP_CANDIDATES = (1, 2, 4, 8)
 
 
@@ -141,20 +241,24 @@ class TrainShape:
     vocab_parallel: bool = True  # when TP > 1
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens
     lora: LoraConfig | None = None  # train.method=lora
+    grad_accum: int = 8  # the NPU recipes'
+    device: str = "npu"
 
     @classmethod
     def of(cls, recipe: Recipe, device: str) -> TrainShape:
         """The shape of ``recipe`` trained on ``device`` ('npu' | 'cpu')."""
         t, p = recipe.train, recipe.parallel
         return cls(t.precision_on(device), t.micro_batch_size, t.recompute, p.shard_optimizer is not False,
-                   p.vocab_parallel, t.loss_chunk_tokens, recipe.lora if t.method == "lora" else None)
+                   p.vocab_parallel, t.loss_chunk_tokens, recipe.lora if t.method == "lora" else None,
+                   t.grad_accum, device)
 
     def estimate(self, cfg: dict[str, Any], tp: int, dp: int, seq_len: int,
                  estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
         return estimator(cfg, seq_len=seq_len, micro_batch_size=self.micro_batch_size, tp=tp, dp=dp,
                                precision=self.precision, recompute=self.recompute,
                                shard_optimizer=self.shard_optimizer, vocab_parallel=self.vocab_parallel and tp > 1,
-                               loss_chunk_tokens=self.loss_chunk_tokens, lora=self.lora)
+                               loss_chunk_tokens=self.loss_chunk_tokens, lora=self.lora,
+                               grad_accum=self.grad_accum, device=self.device)
 
 
 FULL_FT = TrainShape()
@@ -233,4 +337,4 @@ def auto_tp(recipe: Recipe, world: int, npus_per_node: int, device: str) -> tupl
     if choice.tp is None:
         advice = no_fit_advice(cfg, world, seq_len=recipe.data.seq_len, npus_per_node=npus_per_node, shape=shape)
         raise ConfigError([Problem("parallel.tp", f"auto: {advice}", value="'auto'")])
-    return choice.tp, f"auto -> {choice.why}"
+    return choice.tp, f"auto -> {choice.why}; {MARGIN_NOTE}"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+EVAL_FILES = {"summary": "summary.json", "tensorboard": "tensorboard", "logs": "logs"}  # under eval/
 MANIFEST = "manifest.json"  # a checkpoint's file list, written last: its presence marks a complete checkpoint
 
 # (attribute, path under OUTPUT_DIR, what it holds): the README's output table, in its order
@@ -33,6 +34,8 @@ ENTRIES = (
     ("npu_log", "npu.jsonl", "`npu-smi` samples per NPU: health, temperature, power, AICore %, HBM (node N > 0: "
                              "`npu-nodeN.jsonl`; only with NPUs)"),
     ("profile", "profile/", "the profiler's trace of `train.profile_steps`"),
+    ("eval", "eval/", "`make eval`'s results: `<model>.json` per model, `samples_<task>.jsonl`, `summary.json` (the "
+                      "before/after table, also under `eval` in the run's `summary.json`), `tensorboard/`, `logs/`"),
     ("lock", ".lock", "one job per `OUTPUT_DIR`: a running job's pid, host and start time; emptied, not removed, when "
                       "it ends (node N > 0: `.lock.nodeN`)"),
     ("hashes", ".model-hashes.json", "the sha256 of each base model weight file by path, size and mtime (the run's "
@@ -89,6 +92,7 @@ class RunDir:
     tensorboard = _Entry()
     logs = _Entry()
     profile = _Entry()
+    eval = _Entry()
     hashes = _Entry()
 
     def npu_log(self, node_rank: int = 0) -> Path:

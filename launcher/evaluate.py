@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.config import REPO_ROOT, Recipe, resolved_model_dir
-from jobspec.rundir import run_dir_of
+from jobspec.rundir import EVAL_FILES, run_dir_of
 from launcher import launch
 
 HELP = "score the base model and the hf/ export on lm-eval's tasks (EVAL_TASKS, EVAL_DATA) into OUTPUT_DIR/eval"
-TOOL = REPO_ROOT / "finetune" / "eval" / "__main__.py"
+TOOL = REPO_ROOT / "finetune/eval/__main__.py"  # the package, not the run directory's eval/
 
 
 def eval_argv(r: Recipe, models: dict[str, str]) -> list[str]:
     """The evaluator's command line for ``models`` (label -> directory) from the recipe's ``eval`` section."""
     c = r.eval
-    argv = [sys.executable, str(TOOL), "--data-dir", c.data_dir, "--out", str(Path(r.output_dir) / "eval"),
+    argv = [sys.executable, str(TOOL), "--data-dir", c.data_dir, "--out", str(run_dir_of(r).eval),
             "--tasks", ",".join(c.tasks), "--num-fewshot", str(c.num_fewshot), "--batch-size", str(c.batch_size),
             "--limit", str(c.limit), "--max-gen-toks", str(c.max_gen_toks), "--device", r.launch.device]
     argv += ["--apply-chat-template"] if c.apply_chat_template else []
@@ -41,7 +41,8 @@ def models_of(r: Recipe) -> dict[str, str]:
 
 def merge_summary(r: Recipe) -> None:
     """Put ``eval/summary.json`` into the run's ``summary.json`` (key ``eval``) when the run wrote one."""
-    run_summary, ours = run_dir_of(r).summary, Path(r.output_dir) / "eval" / "summary.json"
+    run = run_dir_of(r)
+    run_summary, ours = run.summary, run.eval / EVAL_FILES["summary"]
     if run_summary.is_file() and ours.is_file():
         data: dict[str, Any] = json.loads(run_summary.read_text())
         data["eval"] = json.loads(ours.read_text())
@@ -78,7 +79,7 @@ def cmd_eval(job: Any, args: Any = None, host: Any = None) -> int:
     if job.world > 1:  # msrun's argv for the worker script, its --config replaced by the evaluator's options
         L = r.launch
         argv = launch.msrun_argv(job.world, job.nproc, L.master_addr, L.master_port, L.node_rank, L.cluster_time_out,
-                                 Path(), Path(r.output_dir) / "eval" / "logs", TOOL)[:-2] + argv[2:]
+                                 Path(), run_dir_of(r).eval / EVAL_FILES["logs"], TOOL)[:-2] + argv[2:]
     rc = subprocess.call(argv, env=job.env)
     if rc == 0:
         merge_summary(r)

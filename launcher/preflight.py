@@ -401,17 +401,16 @@ def memory_summary(recipe: Recipe) -> dict:
         est = memory_estimate(recipe, cfg)
     except (ValueError, KeyError, TypeError) as e:  # a layout or config.json the estimate cannot take
         return {"unavailable": f"{type(e).__name__}: {e}"}
-    return {k: getattr(est, k) for k in ("weights", "grads", "master", "optimizer", "activations", "workspace",
-                                         "total")}
+    return {**est.parts(), "total": est.total}
 
 
 def memory_line(mem: dict, recipe: Recipe) -> str:
     """``weights 7.1 GiB + ... = total 46.2 GiB per device (...)`` or why there is no estimate."""
     if "total" not in mem:
         return f"memory: no estimate ({mem.get('unavailable')})"
-    parts = " + ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items() if k != "total")
     t, vocab_parallel = recipe.train, recipe.layout is not None and recipe.layout.vocab_parallel
-    return (f"memory per device (estimate, GiB): {parts} = {mem['total'] / 2**30:.1f} "
+    return (f"memory per device (estimate, GiB): {MemoryEstimate.from_parts(mem).summary()} "
             f"(embedding/LM head {'vocab-parallel' if vocab_parallel else 'replicated'}, "
-            f"seq_len {recipe.data.seq_len}, micro batch {t.micro_batch_size}, recompute {str(t.recompute).lower()}, "
+            f"seq_len {recipe.data.seq_len}, micro batch {t.micro_batch_size}, grad_accum {t.grad_accum}, "
+            f"recompute {str(t.recompute).lower()}, "
             f"loss over chunks of {t.loss_chunk_tokens or 'all'} tokens)")

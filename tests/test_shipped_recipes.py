@@ -11,8 +11,9 @@ from jobspec.config import REPO_ROOT
 from jobspec.rundir import ENTRIES, RunDir
 
 CPU_RECIPES = sorted(p.stem for p in (REPO_ROOT / "recipes").glob("tiny-cpu*.yaml"))
-# what the README's table says is written only in other cases: NPU samples (NPUs), the profile (profile_steps)
-ELSEWHERE = {"npu_log", "profile"}
+# what the README's table says is written only in other cases: NPU samples (NPUs), the profile (profile_steps),
+# the evaluation (make eval, or eval.after_training)
+ELSEWHERE = {"npu_log", "profile", "eval"}
 SHORT = "train.max_steps=4 train.save_every=2 train.eval_every=2 export.check_max_new_tokens=4"
 
 

@@ -54,18 +54,24 @@ def read_run(metrics: Path) -> tuple[float, list[float]]:
     return statistics.median(r["tokens_per_s"] for r in steps[WARMUP_STEPS:]), [r["loss"] for r in steps]
 
 
-def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tuple[float, list[float]]:
+def launch(work: Path, name: str, env: dict[str, str], bench: str) -> Path:
+    """``python -m launcher train`` with ``env`` (RECIPE, MODEL_DIR, OVERRIDES, ...) into ``work/name``, its output
+    in ``work/name.log``; the run directory. A failed run stops the bench ``bench`` naming the log."""
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "RECIPE": "tiny-cpu", "OUTPUT_DIR": str(out), "MODEL_DIR": str(model),
-           "NPROC_PER_NODE": str(nproc), "OVERRIDES": overrides}
     log = work / f"{name}.log"
     with log.open("w") as f:
-        rc = subprocess.run([sys.executable, "-m", "launcher", "train"], cwd=REPO_ROOT, env=env, stdout=f,
-                            stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run([sys.executable, "-m", "launcher", "train"], cwd=REPO_ROOT,
+                            env={**env, "OUTPUT_DIR": str(out)}, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc:
-        raise SystemExit(f"bench-dp: the {name} run failed (exit {rc}); its output: {log}")
-    return read_run(out / "metrics.jsonl")
+        raise SystemExit(f"{bench}: the {name} run failed (exit {rc}); its output: {log}")
+    return out
+
+
+def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tuple[float, list[float]]:
+    env = {**os.environ, "RECIPE": "tiny-cpu", "MODEL_DIR": str(model), "NPROC_PER_NODE": str(nproc),
+           "OVERRIDES": overrides}
+    return read_run(launch(work, name, env, "bench-dp") / "metrics.jsonl")
 
 
 def summarize(pairs: list[tuple[float, float]]) -> dict[str, float]:

@@ -30,6 +30,7 @@ from typing import Any
 
 Doc = dict[str, Any]
 LETTERS = ("A", "B", "C", "D")
+RELEASE_DIR = "data"  # the original MMLU/C-Eval release keeps its CSV folders under data/ (not a run path)
 
 
 class EvalDataError(ValueError):
@@ -173,7 +174,7 @@ def subjects_of(root: Path, task: str) -> dict[str, Callable[[str], list[Doc]]]:
     """
     if task == "mmlu":
         _find(root, task, "data/{dev,val,test}/<subject>_test.csv or <subject>/test-*.parquet")
-        base = root / "data" if (root / "data").is_dir() else root
+        base = root / RELEASE_DIR if (root / RELEASE_DIR).is_dir() else root
         csvs = {p.name[:-len("_test.csv")]: p for p in sorted(base.glob("test/*_test.csv"))}
         if csvs:
             return {s: partial(_mmlu_csv_split, base, s) for s in csvs}
@@ -210,7 +211,7 @@ def subjects_of(root: Path, task: str) -> dict[str, Callable[[str], list[Doc]]]:
                                   arc_doc)}
     if task == "hellaswag":
         _find(root, task, "validation-*.parquet (the hub's Rowan/hellaswag) or hellaswag_val.jsonl")
-        base = root / "data" if (root / "data").is_dir() else root
+        base = root / RELEASE_DIR if (root / RELEASE_DIR).is_dir() else root
         patterns = {"validation": ("validation-*.parquet", "hellaswag_val.jsonl"),
                     "train": ("train-*.parquet", "hellaswag_train.jsonl")}
         return {"": _split_reader(base, patterns, ("activity_label", "ctx_a", "ctx_b", "endings", "label"),

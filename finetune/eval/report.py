@@ -10,6 +10,7 @@ from typing import Any
 from finetune.eval.runner import Scorer, score_task
 from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
 from jobspec.eval_config import EvalConfig, task_base
+from jobspec.rundir import EVAL_FILES
 
 
 def chat_renderer(model_dir: str) -> ChatRender:
@@ -142,5 +143,5 @@ def write_all(out: Path, by_model: dict[str, dict[str, Any]], samples: dict[str,
         with (out / f"samples_{name}.jsonl").open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
     print_table(summary["table"], list(by_model))
-    write_scalars(out / "tensorboard", summary["table"], list(by_model))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_scalars(out / EVAL_FILES["tensorboard"], summary["table"], list(by_model))
+    (out / EVAL_FILES["summary"]).write_text(json.dumps(summary, indent=1) + "\n")

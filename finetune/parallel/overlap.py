@@ -19,6 +19,7 @@ import time
 from typing import Any, Protocol
 
 import mindspore as ms
+from mindspore import ops
 
 
 class Bucketed(Protocol):
@@ -31,6 +32,11 @@ class Bucketed(Protocol):
         whose ``wait()`` gives the result."""
 
 
+def fp32(g: ms.Tensor) -> ms.Tensor:
+    """``g`` in fp32 (itself when it is)."""
+    return g if g.dtype == ms.float32 else g.astype(ms.float32)
+
+
 def reduce_now(opt: Bucketed, grads: Any) -> list:
     """Every bucket reduced, launched in the fixed order (last first) and waited for."""
     pending = {k: opt.launch(k, grads) for k in reversed(range(len(opt.bucket_params)))}
@@ -40,9 +46,10 @@ def reduce_now(opt: Bucketed, grads: Any) -> list:
 class GradReduction:
     """One step's fp32 gradient totals (micro-batches summed, then DP-reduced by ``opt``'s buckets).
 
-    ``arm(acc)`` before the last micro-batch's backward (``acc``: the fp32 sum of the earlier
-    micro-batches' gradients or None); ``finish(grads)`` after it, with the gradients it returned:
-    the reduced buckets, as ``reduce_now`` gives them. ``comm_s``: host seconds spent launching and
+    ``arm(acc)`` before the last micro-batch's backward (``acc``: the fp32 accumulator of the earlier
+    micro-batches' gradients or None, ``add``); ``finish(grads)`` after it, with the gradients it returned:
+    the reduced buckets, as ``reduce_now`` gives them. A
+    bucket reads the accumulator itself, and drops it once launched. ``comm_s``: host seconds spent launching and
     waiting for the collectives (``take_comm_s``).
     """
 
@@ -54,11 +61,40 @@ class GradReduction:
             for i in idx:
                 self.users[i].append(k)
         self.comm_s = 0.0
+        self.views: set[int] = set()  # parameters whose gradient comes as a view (``_add``)
         self.launched_after: list[int] = []  # per launch, in order: how many gradients had arrived
         self._start(None, armed=False)
         if overlap:
             for i, p in enumerate(params):
                 p.register_hook(self._hook(i))
+
+    def add(self, acc: list | None, grads: list) -> list:
+        """The fp32 accumulator ``acc`` (one tensor per trained parameter) with ``grads`` (one micro-batch's)
+        added in place, or ``grads`` in fp32 adopted as it when there is none yet; ``grads`` is emptied as it
+        is read, so each gradient is dropped once added."""
+        if acc is None:
+            acc = [fp32(g).copy() if i in self.views else fp32(g) for i, g in enumerate(grads)]
+            grads.clear()
+            return acc
+        for i, g in enumerate(grads):
+            self._add(acc, i, g)
+            grads[i] = None
+        return acc
+
+    def _add(self, acc: list, i: int, g: ms.Tensor) -> ms.Tensor:
+        """``acc[i] += g`` in place: ``ops.assign_add`` writes its first input (measured on CPU, MindSpore 2.10:
+        no allocation for fp32, one fp32 cast per tensor for bf16/fp16; ``Tensor.add_`` there returns a new
+        tensor). It refuses a view (an adopted gradient may be one): that one is copied, and from then on copied
+        when adopted (``views``)."""
+        try:
+            ops.assign_add(acc[i], fp32(g))
+        except RuntimeError as e:
+            if "view" not in str(e):
+                raise
+            self.views.add(i)
+            acc[i] = acc[i].copy()
+            ops.assign_add(acc[i], fp32(g))
+        return acc[i]
 
     def _start(self, acc: list | None, armed: bool) -> None:
         self.acc, self.armed = acc, armed
@@ -87,8 +123,7 @@ class GradReduction:
                                "version's hooks do not give one final gradient per parameter; set "
                                "OVERRIDES='parallel.overlap_grad_reduce=false' (reduce after the backward)")
         self.arrived[i] = True
-        g = grad if grad.dtype == ms.float32 else grad.astype(ms.float32)
-        self.totals[i] = g if self.acc is None else self.acc[i] + g
+        self.totals[i] = fp32(grad) if self.acc is None else self._add(self.acc, i, grad)
         for k in self.users[i]:
             self.missing[k] -= 1
         t0 = time.perf_counter()
@@ -99,16 +134,20 @@ class GradReduction:
             for j in self.opt.bucket_params[k]:
                 if self.users[j][0] == k:  # its first bucket: every bucket reading it is launched
                     del self.totals[j]
+                    if self.acc is not None:
+                        self.acc[j] = None
             self.next -= 1
         self.comm_s += time.perf_counter() - t0
 
     def finish(self, grads: tuple | list) -> list:
         """The reduced buckets of this step; ``grads``: what the last backward returned (used for
-        the parameters whose hook did not run: all of them without overlap)."""
+        the parameters whose hook did not run: all of them without overlap; a list is emptied as it is read)."""
         self.armed = False
         for i, g in enumerate(grads):
             if not self.arrived[i]:
                 self._arrive(i, g)
+            if isinstance(grads, list):
+                grads[i] = None
         t0 = time.perf_counter()
         out = [self.pending[k].wait() for k in range(len(self.pending))]
         self.comm_s += time.perf_counter() - t0

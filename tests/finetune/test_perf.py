@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token, memory_check
+from finetune.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token
 from jobspec.tiny import TINY_DEFAULTS
 
 
@@ -28,18 +28,6 @@ def test_chip_names_as_npu_smi_and_mindspore_report_them():
     assert chip_name("Ascend910B3") == "910B3" and chip_name("910B1") == "910B1"
     assert chip_name("Ascend910_9392") is None and chip_name("") is None
     assert set(PEAK_TFLOPS) == {"910B1", "910B2", "910B3", "910B4"}
-
-
-def test_memory_check_warns_beyond_15_percent():
-    assert "warning" not in memory_check(int(1.1e9), int(1e9))
-    assert "warning" in memory_check(int(1.2e9), int(1e9)) and "+20%" in memory_check(int(1.2e9), int(1e9))
-    assert "warning" in memory_check(int(0.8e9), int(1e9))
-
-
-def test_memory_check_does_not_warn_on_cpu():
-    """issue 19.9: the clean embedded default warned "-50%: more than 15% off ... report it" on CPU."""
-    line = memory_check(int(0.5e9), int(1e9), "CPU")
-    assert "warning" not in line and "-50%" in line and "process RSS" in line
 
 
 def test_step_timer_reports_means_per_step_and_resets():

@@ -9,6 +9,7 @@ from safetensors.numpy import load_file
 from finetune.train import run
 from jobspec.checkpoints import unhealthy
 from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.memory import MemoryEstimate
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 
@@ -46,6 +47,13 @@ def test_logged_steps_carry_mfu_time_breakdown_memory_and_eval(straight):
     assert records[-1]["eval_tokens"] > 0 and 0 < records[-1]["eval_loss"] < 20
     assert (straight / "profile" / "rank0.prof").stat().st_size > 0
     assert "accumulate" in (straight / "profile" / "rank0.txt").read_text()
+    # issue 30 item 4: the step-1 memory record (CPU: the peak RSS, MindSpore reports no device bytes), in the summary
+    first = records[0]
+    assert first["memory_source"] == "rss" and first["memory_peak_rss_bytes"] > 2**20
+    assert MemoryEstimate.from_parts(first["memory_estimate_terms"]).total == first["memory_estimate_bytes"] > 2**20
+    assert "memory_source" not in records[1]
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["memory_estimate_bytes"] == first["memory_estimate_bytes"]
 
 
 def test_straight_run_writes_metrics_checkpoints_and_export(straight):

@@ -77,8 +77,8 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 
 
 
 def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, capsys):
-    """7B on 4 NPUs, tp2 dp2 sharded: the guide's ~38 GB with the (default) vocab-parallel head, plus
-    2 bytes per parameter / tp for our fp32 gradients (the guide counts bf16); overrides may follow --recipe."""
+    """7B on 4 NPUs, tp2 dp2 sharded, grad_accum 8: bf16 weights and gradients and the fp32 accumulator (2 + 2 + 4
+    bytes per parameter / tp) and the sharded fp32 state (12 / (tp*dp)), as printed; overrides may follow --recipe."""
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN7B))
     env = {"MODEL_DIR": str(tmp_path / "m"), "NPROC_PER_NODE": "4", "OUTPUT_DIR": str(tmp_path / "out")}
@@ -86,11 +86,13 @@ def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, ca
                 identities=set())
     rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full"], capsys, **host)
     assert rc == 0 and plan["recipe"]["layout"]["tp"] == 2 and plan["recipe"]["layout"]["dp"] == 2
-    mem = plan["memory"]  # the guide counts bf16 gradients, ours are fp32: half of ours is the difference
-    assert abs((mem["total"] - mem["grads"] / 2) / 2**30 - 38) / 38 < 0.1
-    assert "= 46.2 (embedding/LM head vocab-parallel, seq_len 4096" in out.out
-    rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full", "parallel.vocab_parallel=false"], capsys, **host)
-    assert rc == 0 and "= 53.3 (embedding/LM head replicated" in out.out
+    mem = plan["memory"]
+    state = mem["weights"] + mem["grads"] + mem["accumulator"] + mem["master"] + mem["optimizer"]
+    assert abs(state - 7_615_616_512 * (8 / 2 + 12 / 4)) / state < 1e-3
+    assert "= 53.3 (embedding/LM head vocab-parallel, seq_len 4096, micro batch 1, grad_accum 8" in out.out
+    rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full", "parallel.vocab_parallel=false", "parallel.tp=2"],
+                             capsys, **host)  # auto: nothing fits 54 GiB with the head replicated
+    assert rc == 0 and "= 61.5 (embedding/LM head replicated" in out.out
 
 
 @pytest.mark.parametrize("env,msg", [

@@ -1,0 +1,61 @@
+"""The step-1 memory record: the measured peak beside the plan's estimate, into metrics.jsonl and summary.json.
+
+The estimate is plan.json's ``memory`` (the launcher's, ``jobspec/memory.py``); a recipe run without a plan (a
+test's) estimates it here. The measurement is MindSpore's device statistics (``mindspore.runtime``'s peak
+allocated and reserved bytes) where they are non-zero (Ascend); on CPU, where MindSpore 2.10 reports 0, the
+process's peak RSS instead (framework included, so no warning there: tools/bench_memory.py subtracts an empty
+process's). A device peak above the estimate by more than :data:`ABOVE` prints a warning naming the largest
+term and the setting that shrinks it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.perf import peak_memory_bytes
+from jobspec.memory import SHRINKS, MemoryEstimate, memory_estimate
+
+ABOVE = 0.05  # warn when the device peak exceeds the estimate by more than this
+
+
+def plan_estimate(plan: Path, recipe, model_config: dict[str, Any]) -> MemoryEstimate:
+    """plan.json's estimate, or the recipe's own where there is no plan (or it has none)."""
+    try:
+        mem = json.loads(plan.read_text()).get("memory", {})
+    except (OSError, ValueError, AttributeError):
+        mem = {}
+    return MemoryEstimate.from_parts(mem) if "total" in mem else memory_estimate(recipe, model_config)
+
+
+def measured() -> dict[str, int | str]:
+    """The peak of this process: device statistics (``memory_peak_allocated_bytes``, ``memory_peak_reserved_bytes``)
+    where MindSpore reports them, else ``memory_peak_rss_bytes``; ``memory_source`` says which."""
+    import mindspore as ms
+
+    allocated, reserved = int(ms.runtime.max_memory_allocated()), int(ms.runtime.max_memory_reserved())
+    if reserved > 0:
+        return {"memory_source": "device", "memory_peak_allocated_bytes": allocated,
+                "memory_peak_reserved_bytes": reserved}
+    return {"memory_source": "rss", "memory_peak_rss_bytes": peak_memory_bytes("CPU")}
+
+
+def memory_record(est: MemoryEstimate, peak: dict[str, int | str]) -> tuple[dict, str]:
+    """(the step-1 record's memory fields, the line to log): the estimate's total and terms beside ``peak``."""
+    fields = {**peak, "memory_estimate_bytes": est.total,
+              "memory_estimate_terms": {k: v for k, v in est.parts().items() if v}}
+    if peak["memory_source"] != "device":
+        rss = int(peak["memory_peak_rss_bytes"])
+        return fields, (f"[train] peak RSS {rss / 2**30:.2f} GiB at step 1 vs the estimate {est.total / 2**30:.2f} GiB "
+                        "(CPU: MindSpore reports no device statistics; the RSS includes the framework)")
+    reserved = int(peak["memory_peak_reserved_bytes"])
+    off = reserved / est.total - 1
+    line = (f"peak device memory at step 1: {reserved / 2**30:.2f} GiB reserved, "
+            f"{int(peak['memory_peak_allocated_bytes']) / 2**30:.2f} GiB allocated, vs the estimate "
+            f"{est.total / 2**30:.2f} GiB ({off:+.0%})")
+    if off <= ABOVE:
+        return fields, f"[train] {line}"
+    big = est.largest()
+    return fields, (f"[train] warning: {line}: more than {ABOVE:.0%} above; the largest term is {big} "
+                    f"({getattr(est, big) / 2**30:.2f} GiB), shrunk by {SHRINKS[big]}; report it with the recipe "
+                    "so the estimate can be fixed")

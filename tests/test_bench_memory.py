@@ -1,0 +1,66 @@
+"""`make bench-memory` (tools/bench_memory.py): what it reads from a run, the ratio and the goals it judges."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # the tools import each other by name
+
+
+def load_bench():
+    import bench_memory
+
+    return bench_memory
+
+
+def test_a_row_reads_the_plans_estimate_and_the_largest_peak_of_the_steps(tmp_path):
+    bench = load_bench()
+    from jobspec.memory import MemoryEstimate
+
+    est = MemoryEstimate(weights=4, grads=2, master=0, optimizer=8, activations=1, workspace=1, staging=30)
+    (tmp_path / "plan.json").write_text(json.dumps({"memory": {**est.parts(), "total": est.total}}))
+    rows = [{"step": 1, "peak_memory_bytes": 100}, {"step": 2, "peak_memory_bytes": 300},
+            {"step": 3, "peak_memory_bytes": 250}, {"step": 3, "eval_loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.read_row(tmp_path) == (4 + 8 + 1 + 30, 300, "save")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ValueError, match="no peak_memory_bytes"):
+        bench.read_row(tmp_path)
+
+
+@pytest.mark.parametrize("measured, ok", [(100, True), (86, True), (84, False), (105, True), (106, False)])
+def test_a_row_meets_the_goal_within_15_percent_and_at_most_5_percent_above(measured, ok):
+    ratio, good = load_bench().judge(100, measured)
+    assert ratio == pytest.approx(measured / 100) and good is ok
+
+
+def test_grad_accum_growth_is_per_trained_parameter_and_judged_against_1_5_bytes():
+    bench = load_bench()
+    n = bench.trained_params(256, 2)
+    assert n == 79_268_096  # 2 x 151,936 x 256 untied + two layers: the worker logs 79.27 M
+    rows = {"h256-ga1": {"measured": 1000}, "h256-ga4": {"measured": 1000 + int(1.4 * n)},
+            "h512-ga1": {"measured": 0}, "h512-ga4": {"measured": 2 * bench.trained_params(512, 4)}}
+    growth = bench.ga_growth(rows)
+    assert [g["ok"] for g in growth] == [True, False]
+    assert growth[0]["bytes_per_param"] == pytest.approx(1.4, abs=1e-6) and growth[1]["bytes_per_param"] == 2.0
+    table = bench.markdown({"h256-ga1": {"estimate": 2**30, "measured": 2**30, "phase": "step", "ratio": 1.0,
+                                         "ok": True}}, growth, 500 * 2**20)
+    assert "| h256-ga1 | 256 x 2 | 1 | 1 | 1 | - | 1.00 (step) | 1.00 | 1.00 | ok |" in table
+    assert "500 MiB" in table and "MISSED" in table
+
+
+def test_the_grid_covers_what_issue_30_asks():
+    bench = load_bench()
+    grid = bench.GRID.values()
+    assert len(bench.GRID) >= 12
+    assert {h for h, *_ in grid} >= {256, 1024} and {lay for _, lay, *_ in grid} >= {2, 8}
+    assert {mb for _, _, mb, *_ in grid} >= {1, 4} and {ga for *_, ga, _, _ in grid} >= {1, 4}
+    extras = " ".join(e for *_, e in grid)
+    for needed in ("train.recompute=true", "parallel.shard_optimizer=true", "parallel.shard_optimizer=false",
+                   "train.method=lora"):
+        assert needed in extras
+    assert all(a in bench.GRID and b in bench.GRID for a, b in bench.GA_PAIRS)
+    assert all(bench.shape_of(h, 2)["vocab_size"] == 151936 for h in (256, 1024))
