@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
+from jobspec.input_checks import input_problems
 from jobspec.layout import Device, Layout, decide, host_collectives_problems, world_problems
 from jobspec.lora_config import LoraConfig, lora_problems
 from jobspec.recipe_parse import ConfigError as ConfigError
@@ -30,11 +30,8 @@ from jobspec.rundir import run_dir_of
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 ASSETS_DIR = REPO_ROOT / "assets"
-# data.columns keys: the fields the data formats read (message fields: role, content)
 # Mappings an override replaces whole instead of key by key (model.init: the tiny model's config.json fields)
 WHOLE_KEYS = frozenset({"model.init"})
-DATA_COLUMNS = ("instruction", "input", "output", "system", "history", "conversations", "messages", "tools",
-                "text", "role", "content")
 
 
 @dataclass
@@ -355,7 +352,7 @@ def validate(r: Recipe) -> list[Problem]:
     p: list[Problem] = []
     t, c, L = r.train, r.data.clean, r.launch
     p += compile_layers_problems(r) + lora_problems(r.lora)
-    p += _validate_data_sources(r.data)
+    p += input_problems(r.data, t.method, r.lora)
     _at_least(p, 1, "1", train__grad_accum=t.grad_accum, train__micro_batch_size=t.micro_batch_size,
               train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,
               train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp_size,
@@ -409,28 +406,6 @@ def validate(r: Recipe) -> list[Problem]:
             raise ValueError
     except (ValueError, OverflowError):
         p.append(Problem("export.shard_size", "a size like 2GB or 500MB", "2GB", repr(r.export.shard_size)))
-    return p
-
-
-def _validate_data_sources(d: DataConfig) -> list[Problem]:
-    """data.columns, data.on_error, data.val_size / data.val_paths."""
-    p: list[Problem] = []
-    for k, v in d.columns.items():
-        if k not in DATA_COLUMNS:
-            close = difflib.get_close_matches(str(k), DATA_COLUMNS, n=1)
-            p.append(Problem("data.columns", f"unknown field {k!r}"
-                             + (f" (did you mean {close[0]!r}?)" if close else "")
-                             + f"; keys are the formats' fields ({', '.join(DATA_COLUMNS)}), values your dataset's",
-                             """'{"instruction": "question", "output": "answer"}'"""))
-        elif not isinstance(v, str) or not v:
-            p.append(Problem(f"data.columns.{k}", "the name of a field of your records",
-                             f"""'{{"{k}": "my_{k}"}}'""", repr(v)))
-    if d.val_size < 0 or (d.val_size >= 1 and d.val_size != int(d.val_size)):
-        p.append(Problem("data.val_size", "a fraction below 1 (0.05: 5% of the samples) or a whole count "
-                                          "(200 samples) held out for validation; 0: none", "0.05", repr(d.val_size)))
-    if d.val_size and d.val_paths:
-        p.append(Problem("data.val_size", "data.val_size and data.val_paths both set: validate on held-out samples "
-                                          "(data.val_size) or on your own files (data.val_paths), not both", "0"))
     return p
 
 

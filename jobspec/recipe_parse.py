@@ -65,6 +65,11 @@ _FALSE = {"0", "false", "no", "off"}
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
+def _short(x: float) -> str:
+    """A float as a user writes it: 2e-5, 0.01, 65536."""
+    return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m.group(1).replace("+", "") + m.group(2), f"{x:g}")
+
+
 def _example(tp: Any) -> str:
     return {int: "8", float: "2e-5", bool: "true", str: "text"}.get(tp, "[...]")
 
@@ -110,12 +115,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
             return None
         return value
     if origin is list:
-        if isinstance(value, str):
-            value = [v for v in (value.split(",") if value else [])]
-        if not isinstance(value, (list, tuple)):
-            problems.append(Problem(key, "expected a list", "a,b", repr(value)))
-            return []
-        return [_coerce(v, args[0] if args else str, key, problems) for v in value]
+        return _coerce_list(value, args[0] if args else str, key, problems, default)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -136,7 +136,8 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
         except (TypeError, ValueError):
             what = "an integer" if tp is int else "a finite number"
             # a default of 0 or 1 illustrates nothing
-            ex = str(default) if type(default) is int and default > 1 else _example(tp)
+            ex = str(default) if type(default) is int and default > 1 else _short(default) \
+                if type(default) is float and default > 0 else _example(tp)
             problems.append(Problem(key, f"expected {what}", ex, repr(value)))
             return tp()
     if tp is str:
@@ -147,10 +148,44 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[Problem], default: Any
     return value
 
 
+def _split_list(text: str) -> list[str]:
+    """An override's list: ``a,b`` or YAML's ``[a, b]``, items stripped of spaces and quotes (``''``: empty)."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1].strip()
+    return [v.strip().strip("'\"") for v in text.split(",")] if text else []
+
+
+def _coerce_list(value: Any, item: Any, key: str, problems: list[Problem], default: Any) -> list[Any]:
+    """A list from YAML or an override string; an empty entry (``DATA=a.jsonl,``) is refused, not read."""
+    if isinstance(value, str):
+        value = _split_list(value)
+    if not isinstance(value, (list, tuple)):
+        problems.append(Problem(key, "expected a list", "a,b", repr(value)))
+        return []
+    given = [str(v) for v in value if v not in (None, "")]
+    if len(given) < len(value):
+        empty = ", ".join(str(i + 1) for i, v in enumerate(value) if v in (None, ""))
+        problems.append(Problem(key, f"entry {empty} of {len(value)} is empty (a trailing or doubled comma?); list "
+                                "only the entries you mean", ",".join(given) or "a,b",
+                                repr(",".join("" if v is None else str(v) for v in value))))
+        return []
+    out: list[Any] = []
+    for v in value:
+        wrong: list[Problem] = []
+        out.append(_coerce(v, item, key, wrong))
+        if wrong:  # one line naming the entry and the whole list, with an example of the list
+            ex = ",".join(map(str, default)) if default else wrong[0].example
+            problems.append(Problem(key, f"entry {v!r}: {wrong[0].message}", ex, repr(value)))
+            return []
+    return out
+
+
 def build(cls: type, raw: dict[str, Any], prefix: str, problems: list[Problem]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in raw.items():
         if k not in hints:

@@ -37,7 +37,6 @@ from pathlib import Path
 from jobspec.config import (
     REPO_ROOT,
     ConfigError,
-    Problem,
     Recipe,
     compile_layers_choice,
     creates_tiny_model,
@@ -48,7 +47,20 @@ from jobspec.layout import host_collectives_choice
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
-from launcher import ascendjob, cli, launch, lock, master, npu_monitor, numa, preflight, rundir_prep, settings
+from launcher import (
+    ascendjob,
+    cli,
+    launch,
+    lock,
+    master,
+    model_check,
+    npu_monitor,
+    numa,
+    plan_checks,
+    preflight,
+    rundir_prep,
+    settings,
+)
 from launcher import cluster as clusterlib
 from launcher import devices as deviceslib
 from launcher import plan as planlib
@@ -116,27 +128,6 @@ def absolutize(recipe: Recipe, cwd: Path) -> Recipe:
     return recipe
 
 
-def _needs_master(recipe: Recipe, s: settings.Settings, cluster: clusterlib.Cluster) -> list[Problem]:
-    """Several nodes need node 0's address on every node: refused now, not after msrun's cluster timeout."""
-    if recipe.launch.nnodes > 1 and "launch.master_addr" not in {**s.overrides, **cluster.overrides()}:
-        return [Problem("", f"launch.nnodes={recipe.launch.nnodes} but no MASTER_ADDR: every node needs node 0's "
-                            "address (e.g. MASTER_ADDR=10.0.0.1, the same on every node), or a HOSTFILE")]
-    return []
-
-
-def _output_problems(out: Path) -> list[Problem]:
-    """OUTPUT_DIR must be a directory this user can create or write (checked before anything is written)."""
-    fix = dict(key="output_dir", example="/data/output/run1", value=repr(str(out)))
-    near = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
-    if not near.is_dir():
-        what = "is a file" if near == out else f"is inside {near}, which is a file"
-        return [Problem(message=f"{what}, not a directory", **fix)]
-    if not os.access(near, os.W_OK | os.X_OK):
-        return [Problem(message=f"{near} is not writable by this user (uid {os.getuid()}); use a writable "
-                                "directory or mount a volume there", **fix)]
-    return []
-
-
 def resolve(args: argparse.Namespace, host: Host) -> Job:
     """Everything up to (not including) side effects: recipe, cluster, devices, binding, argv, plan."""
     devs = deviceslib.probe(host.dev_dir, host.root, host.env, host.npu_smi)
@@ -151,7 +142,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
              or recipe.parallel.tp_size * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
-    problems = _needs_master(recipe, s, clus) + _output_problems(Path(recipe.output_dir))
+    problems = plan_checks.problems(recipe, s.overrides, clus, nproc, device, devs, host.sys_root)
     tp_why, compile_asked = "", recipe.train.compile_layers
     try:
         if recipe.parallel.tp == "auto":  # before resolving: the smallest TP whose estimate fits (jobspec/memory.py)
@@ -364,6 +355,8 @@ def cmd_render(job: Job | None, args: argparse.Namespace, host: Host) -> int:
 
 def cmd_generate(job: Job, args: argparse.Namespace, host: Host) -> int:
     r = job.recipe  # default: the export; the base model only with --base
+    if model_check.adapter_refused(args.rest, resolved_model_dir(r)):  # its shapes against the base's, before loading
+        return 2
     ours = ["--device", r.launch.device] + ([] if any(a.split("=")[0] == "--model-dir" for a in args.rest) else
                                             ["--finetuned", str(run_dir_of(r).hf),
                                              "--base-model", resolved_model_dir(r)])

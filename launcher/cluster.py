@@ -199,7 +199,10 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster | None:
 
 
 def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
-    """``host slots=N`` lines (``#`` comments, blank lines allowed) -> [(host, slots)]."""
+    """``host slots=N`` lines (MPI's ``host:N`` too; ``#`` comments, blank lines allowed) -> [(host, slots)].
+
+    Every node runs the same number of workers (world = nodes x workers per node: global ranks, the layout and
+    msrun's --worker_num are derived from it), so slots that differ between lines are refused on every node."""
     out: list[tuple[str, int | None]] = []
     seen: dict[str, int] = {}
     for no, line in enumerate(path.read_text().splitlines(), 1):
@@ -207,6 +210,9 @@ def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
         if not line:
             continue
         parts = line.split()
+        mpi = re.fullmatch(r"([^:\s]+):(\d+)", parts[0])  # MPI's "node-a:8" (not an IPv6 address)
+        if mpi:
+            parts[:1] = [mpi.group(1), f"slots={mpi.group(2)}"]
         if parts[0] in seen:  # msrun would plan two nodes and fail in its scheduler much later
             raise ClusterError(f"{path}: host {parts[0]} is listed twice (line {seen[parts[0]]} and line {no}); "
                                f"list each node once, its NPUs as slots=N (e.g. '{parts[0]} slots=8')")
@@ -220,7 +226,19 @@ def parse_hostfile(path: Path) -> list[tuple[str, int | None]]:
         out.append((parts[0], slots))
     if not out:
         raise ClusterError(f"{path}: no hosts; write one 'host slots=N' line per node")
+    _same_slots(path, out)
     return out
+
+
+def _same_slots(path: Path, entries: list[tuple[str, int | None]]) -> None:
+    """Refuse a hostfile whose nodes would start different numbers of workers (each node would plan its own world)."""
+    given = {slots for _, slots in entries}
+    if len(given) > 1:
+        counts = ", ".join(f"{h} slots={'(none)' if n is None else n}" for h, n in entries)
+        low = min((n for n in given if n is not None), default=1)
+        raise ClusterError(f"{path}: the nodes have different slots ({counts}); every node must run the same "
+                           f"number of workers (world = nodes x slots): give every line the same slots, e.g. "
+                           f"'{entries[0][0]} slots={low}' and '{entries[-1][0]} slots={low}'")
 
 
 def from_hostfile(hostfile: str | None, me: set[str], node_rank: int | None = None) -> Cluster | None:

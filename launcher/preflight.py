@@ -23,6 +23,7 @@ from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
+from launcher.model_check import weight_problems
 from launcher.mounts import LibraryLoader, load_libraries, mount_problems
 
 GIB = 2**30
@@ -187,7 +188,9 @@ def _weights_problem(path: Path) -> str | None:
     try:
         header, start = read_header(path)
         end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+    except OSError as e:  # a symlink loop, no permission
+        return f"{path}: cannot be read ({e.strerror or e})"
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as e:
         return f"{path}: not a readable safetensors file ({type(e).__name__})"
     size = path.stat().st_size
     if size < start + end:
@@ -207,7 +210,8 @@ def check_model(c: Context) -> list[Check]:
     if not d.is_dir():
         return [Check("model", "fail", f"MODEL_DIR={d}: no such directory",
                       "set MODEL_DIR to a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")]
-    missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
+    missing = [f + (" (a broken symlink or loop)" if (d / f).is_symlink() else "") for f in ("config.json",
+               "tokenizer.json") if not (d / f).is_file()]
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -242,6 +246,8 @@ def check_model(c: Context) -> list[Check]:
                                                    f"{cfg.get('vocab_size')}"
         return [Check("model", "fail", f"{d / 'tokenizer.json'}: {what}",
                       "use the tokenizer that came with the model (same directory as its config.json)")]
+    if mismatch := weight_problems(d, cfg, shards):  # config.json against the headers (launcher/model_check.py)
+        return [Check("model", "fail", detail, fix) for detail, fix in mismatch]
     from jobspec.data.chat_template import check_model_template
 
     status, line = check_model_template(d, c.recipe.data.system_prompt)

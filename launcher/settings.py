@@ -7,9 +7,12 @@ from: ``PP='two' (parallel.pp): expected an integer (e.g. PP=8)`` for a variable
 """
 from __future__ import annotations
 
+import errno
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jobspec.config import ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden, parse_overrides
 
@@ -41,9 +44,11 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("MASTER_ADDR", "launch.master_addr", "node 0's address (msrun scheduler)"),
     ("MASTER_PORT", "launch.master_port",
      f"scheduler port, default {LaunchConfig.master_port}, same on every node"),
-    ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1)"),
-    ("HOSTFILE", "launch.hostfile", "`host slots=N` lines (see `hostfiles/`); this node is the line naming one "
-                                    "of its host names or interface addresses, or `NODE_RANK`"),
+    ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1); "
+                                                "more than the NPUs (CPU workers: the allowed CPUs) is refused"),
+    ("HOSTFILE", "launch.hostfile", "`host slots=N` (or MPI's `host:N`) lines, the same slots on every line (see "
+                                    "`hostfiles/`); this node is the line naming one of its host names or interface "
+                                    "addresses, or `NODE_RANK`"),
     ("TP", "parallel.tp", "tensor-parallel size (world = TP x DP x PP), or `auto`: the smallest that fits"),
     ("PP", "parallel.pp", "pipeline-parallel size (1)"),
     ("DP", "parallel.dp", "data-parallel size; `0` derives it from the world size"),
@@ -215,4 +220,24 @@ def load(settings: Settings, extra: dict[str, str] | None = None) -> Recipe:
         raise ConfigError([*settings.problems, *e.items], settings.render) from None
     if settings.problems:
         raise ConfigError(settings.problems)
+    loops = [p for key in PATH_KEYS for p in _loop_problems(recipe, key)]
+    if loops:
+        raise ConfigError(loops, settings.render)
     return recipe
+
+
+def _loop_problems(recipe: Recipe, key: str) -> list[Problem]:
+    """A path of ``key`` that is a symlink loop (it cannot be resolved; the workers get absolute paths)."""
+    *parents, leaf = key.split(".")
+    value = getattr(functools.reduce(getattr, parents, recipe), leaf)
+    out = []
+    for path in value if isinstance(value, list) else [value] if value else []:
+        try:
+            Path(path).expanduser().resolve()
+        except (RuntimeError, OSError) as e:  # Python 3.11: RuntimeError("Symlink loop from ...")
+            if isinstance(e, OSError) and e.errno != errno.ELOOP:
+                raise
+            out.append(Problem(key, f"{path} is a symlink loop ({e}); point it at the real file or directory "
+                                    "(ls -l shows where each link points)", f"/data/{PATH_KEYS[key][1]}",
+                               repr(",".join(value) if isinstance(value, list) else value)))
+    return out

@@ -6,6 +6,7 @@ the field and the fix.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -17,7 +18,12 @@ from typing import Any
 from jobspec.config import REPO_ROOT, DataConfig
 
 EXTENSIONS = (".json", ".jsonl", ".parquet", ".txt")
+# Hugging Face datasets' metadata files (hub snapshots, save_to_disk): never records
+METADATA = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
+TRAIN = re.compile(r"train(?:[-_.].*)?", re.IGNORECASE)  # split file names: train-00000-of-00001.parquet
+HELD_OUT = re.compile(r"(?:test|validation|valid|val|eval|dev)(?:[-_.].*)?", re.IGNORECASE)
 SURROGATE = re.compile("[\udc80-\udcff]")
+UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
 class DataError(ValueError):
@@ -56,8 +62,7 @@ def resolve_sources(cfg: DataConfig, val: bool = False) -> list[Source]:
             raise DataError(f"data.weights[{i}]={w}: a weight is >= 0 (e.g. data.weights=1,0.5)")
         path = resolve_path(p)
         if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in EXTENSIONS
-                           and not any(part.startswith(".") for part in f.relative_to(path).parts))
+            files = _data_files(path, f"{key}[{i}]")
             if cfg.format != "text" and any(f.suffix != ".txt" for f in files):  # a README.txt beside data
                 files = [f for f in files if f.suffix != ".txt"]
             if not files:
@@ -75,14 +80,54 @@ def resolve_sources(cfg: DataConfig, val: bool = False) -> list[Source]:
     return out
 
 
+def _data_files(d: Path, where: str) -> list[Path]:
+    """The data files under a directory: hidden entries and a Hugging Face dataset's metadata (a hub snapshot:
+    README.md, dataset_info.json beside data/*.parquet) are skipped; a link that leads nowhere is refused."""
+    files = []
+    for f in d.rglob("*"):
+        if f.suffix not in EXTENSIONS or f.name in METADATA or any(p.startswith(".") for p in f.relative_to(d).parts):
+            continue
+        if f.is_symlink() and not f.exists():
+            raise DataError(f"{f}: a broken symlink or a symlink loop ({where}); fix the link, or remove it")
+        if f.is_file():
+            files.append(f)
+    held_out = [f for f in files if HELD_OUT.fullmatch(f.stem)]
+    train = [f for f in files if TRAIN.fullmatch(f.stem)]
+    if held_out and train:  # a hub snapshot's splits: its test split is not training data
+        raise DataError(f"{d}: holds a train split ({train[0].name}) and held-out splits "
+                        f"({', '.join(f.name for f in held_out[:3])}) ({where}); name the train files (e.g. "
+                        f"DATA={','.join(map(str, train[:2]))}), and the held-out ones as data.val_paths if wanted")
+    return sorted(files)
+
+
 # ------------------------------------------------------------------------------ raw records
 
 def decode(raw: bytes) -> tuple[str, bool]:
-    """Bytes -> text; invalid UTF-8 is kept as surrogate escapes and flagged."""
+    """Bytes -> text: UTF-8 (a leading BOM dropped, as Windows editors write it), or UTF-16 when it starts with
+    a UTF-16 BOM; invalid bytes are kept as surrogate escapes (UTF-16: U+FFFD) and flagged."""
+    if raw[:2] in UTF16_BOMS:
+        try:
+            return raw.decode("utf-16"), False
+        except UnicodeDecodeError:
+            return raw.decode("utf-16", "replace"), True
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return raw.decode("utf-8"), False
     except UnicodeDecodeError:
         return raw.decode("utf-8", "surrogateescape"), True
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str, bool]]:
+    """(line number, text, bad encoding) of each line (a UTF-16 file is decoded whole: its newlines are 2 bytes)."""
+    with open(path, "rb") as f:
+        utf16 = f.read(2) in UTF16_BOMS
+        f.seek(0)
+        if utf16:
+            text, bad = decode(f.read())
+            yield from ((n, line, bad) for n, line in enumerate(text.splitlines(), 1))
+            return
+        for n, raw in enumerate(f, 1):
+            yield (n, *decode(raw))
 
 
 def _json_error(path: Path, text: str, err: json.JSONDecodeError) -> DataError:
@@ -145,18 +190,16 @@ def iter_raw(path: Path, limit: int = 0, skip: bool = False) -> Iterator[tuple[s
         if head != "{":
             raise DataError(f"{name}: record 0: not a JSON array or object (starts with {head!r}); "
                             "a .json file holds [ {...}, ... ] (or use .jsonl: one object per line)")
-    with open(path, "rb") as f:  # JSONL (or a .json file with one object per line)
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            line, bad = decode(raw)
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                rec = _line_error(path, n, e)
-                if not skip:
-                    raise rec from None
-            yield f"{name}:line {n}", rec, bad
+    for n, line, bad in _lines(path):  # JSONL (or a .json file with one object per line)
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            rec = _line_error(path, n, e)
+            if not skip:
+                raise rec from None
+        yield f"{name}:line {n}", rec, bad
 
 
 def _line_error(path: Path, n: int, err: json.JSONDecodeError) -> DataError:

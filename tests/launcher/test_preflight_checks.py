@@ -14,6 +14,7 @@ from launcher_fakes import make_dev, recorded_npu_smi
 
 from jobspec.config import ASSETS_DIR, load_recipe
 from jobspec.memory import MemoryEstimate
+from jobspec.qwen2_layout import full_shapes
 from launcher import devices, preflight
 
 QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
@@ -30,11 +31,18 @@ def model_dir(root: Path, cfg=QWEN7B, shards=("model-00001-of-00002.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
     for s in (shards if present is None else present):
-        (d / s).write_bytes(EMPTY_SAFETENSORS)
+        (d / s).write_bytes(header_only(cfg) if s == shards[0] else EMPTY_SAFETENSORS)
     return d
 
 
 EMPTY_SAFETENSORS = struct.pack("<Q", 2) + b"{}"  # a valid safetensors file holding no tensors
+
+
+def header_only(cfg: dict) -> bytes:
+    """A safetensors header naming every tensor of ``cfg`` with no data (preflight reads the headers only)."""
+    head = json.dumps({n: {"dtype": "BF16", "shape": list(s), "data_offsets": [0, 0]}
+                       for n, s in full_shapes(cfg).items()}).encode()
+    return struct.pack("<Q", len(head)) + head
 
 
 TINY = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,

@@ -30,11 +30,11 @@ def test_every_bad_value_is_reported_at_once():
 @pytest.mark.parametrize("regex,ok", [(r".*\.(q|v)_proj", True), ("(q", False), (r".*\.qkv", False)])
 def test_target_modules_takes_one_regex(regex, ok):
     if ok:
-        c = load_recipe("tiny-cpu", {"lora.target_modules": regex}).lora
+        c = load_recipe("tiny-cpu-lora", {"lora.target_modules": regex}).lora
         assert c.targets("model.layers.3.self_attn.v_proj") and not c.targets("model.layers.3.mlp.up_proj")
     else:
         with pytest.raises(ConfigError, match="lora.target_modules"):
-            load_recipe("tiny-cpu", {"lora.target_modules": regex})
+            load_recipe("tiny-cpu-lora", {"lora.target_modules": regex})
 
 
 def test_7b_lora_at_4096_fits_one_64gb_npu_by_the_estimate():
