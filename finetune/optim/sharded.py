@@ -21,37 +21,21 @@ equivalents give the same numbers; the choice is logged once.
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import (
-    InFlight,
-    RankInfo,
-    Ready,
-    all_gather_flat,
-    all_reduce_sum,
-    native_collectives,
-    reduce_scatter_sum_async,
-)
-from finetune.hostmem import own_array, snapshot
+from finetune.collectives import all_reduce_sum
+from finetune.dist import RankInfo
+from finetune.hostmem import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
-from finetune.parallel.grads import (
-    HostSum,
-    NormPiece,
-    finish_norm,
-    host_fp32,
-    norm_partials,
-    norm_weights,
-)
-from finetune.parallel.hostcomm import Slots
+from finetune.parallel.grads import NormPiece, finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
+from finetune.transport import Flight
 from jobspec.config import TrainConfig
 from jobspec.memory import BUCKET_BYTES
 
-HOST_DTYPES = {ms.float32: np.float32, ms.float16: np.float16}  # weights the all-gather moves through numpy
 Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
 
 
@@ -91,24 +75,8 @@ class ShardedAdamW:
                                              for a, b, _, ws, wr in segs]  # what the norm reads, fixed
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
-        native = native_collectives(rank, rank.dp_group)
-        self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
-        # how many buckets read each gradient (fixed by the layout); users_left counts them down each step
-        self.users = [sum(i in b for b in self.bucket_params) for i in range(len(self.params))]
-        self.users_left: dict[int, int] = {}
-        self.arrays: dict[int, np.ndarray] = {}
-        dtypes = {p.dtype for p in self.params}
-        host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
-        host = rank.dp_host  # set only with layout.host_collectives, i.e. dp > 1
-        self.host_rs = host.slots([c * dp for c in self.chunk]) if host else None
-        self.host_ag = (host.slots(self.chunk, host_dtype)  # the gathered weights are written into their memory
-                        if host and host_dtype and all(own_array(p) is not None for p in self.params) else None)
-        rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
-                 f"{self._how(self.host_rs, self.native_rs)}, all-gather {self._how(self.host_ag, self.native_ag)}")
-
-    @staticmethod
-    def _how(host: Slots | None, native: bool) -> str:
-        return "through shared memory" if host else "native" if native else "via AllReduce"
+        self.channel = rank.dp_comm.channel([c * dp for c in self.chunk], self.params)  # the DP transport's
+        rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); {self.channel.describe()}")
 
     # ---------------------------------------------------------------- layout helpers
     def _own_chunk(self, k: int) -> ms.Tensor:
@@ -140,32 +108,13 @@ class ShardedAdamW:
             pos += b - a
         return out
 
-    def _bucket_flat(self, grads, k: int) -> ms.Tensor:
-        """Bucket ``k`` of the gradients as one flat fp32 buffer, zero-padded to dp chunks."""
-        lo, hi = self.buckets[k]
-        found = pieces_in(self.offsets, self.sizes, lo, hi)
-        parts = [grads[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in found]
-        return self._pad(parts, self.chunk[k] * self.rank.dp, ms.float32)
-
-    def launch(self, k: int, grads) -> HostSum | InFlight | Ready:
+    def launch(self, k: int, grads) -> Flight:
         """Start reducing bucket ``k`` of ``grads`` over DP (see overlap.GradReduction); ``wait()``
         gives this rank's chunk of the sum, fp32. An fp32 gradient filling a bucket alone may be
         overwritten with the sum."""
-        rk = self.rank
-        if self.host_rs is not None:
-            c = self.chunk[k]
-            lo, hi = self.buckets[k]
-            pieces = [self._grad_array(grads, i)[a:b] for i, a, b in pieces_in(self.offsets, self.sizes, lo, hi)]
-            return HostSum(self.host_rs, k, pieces, rk.dp_rank * c, (rk.dp_rank + 1) * c)
-        return reduce_scatter_sum_async(self._bucket_flat(grads, k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
-
-    def _grad_array(self, grads, i: int) -> np.ndarray:
-        """Gradient ``i`` flat in fp32 as an ndarray, made once per step however many buckets it spans."""
-        if i not in self.arrays:
-            self.arrays[i] = host_fp32(grads[i])
-            self.users_left[i] = self.users[i]
-        self.users_left[i] -= 1
-        return self.arrays[i] if self.users_left[i] else self.arrays.pop(i)
+        lo, hi = self.buckets[k]
+        parts = [(grads[i], a, b) for i, a, b in pieces_in(self.offsets, self.sizes, lo, hi)]
+        return self.channel.reduce_scatter(k, parts)
 
     def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
         """This rank's chunk of every bucket of the gradients summed over DP, in fp32, after the backward."""
@@ -190,7 +139,6 @@ class ShardedAdamW:
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
         keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
-        pending: dict[int, list] = {}
         for k, g in enumerate(chunks):
             w = self.master[k] if self.keep_master else self._own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
@@ -200,7 +148,7 @@ class ShardedAdamW:
             w, self.m[k], self.v[k] = self.gate.update(w, self.m[k], self.v[k], ks, wd, g, ok)
             if self.keep_master:
                 self.master[k] = w
-            self._write_back(k, w, pending)
+            self._write_back(k, w)
         return norm, ok
 
     def _decayed(self, w: ms.Tensor, k: int, keep: ms.Tensor) -> ms.Tensor:
@@ -216,44 +164,12 @@ class ShardedAdamW:
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 
-    def _write_back(self, k: int, chunk: ms.Tensor, pending: dict[int, list]) -> None:
-        """All-gather bucket ``k``'s updated chunks and copy finished parameters back (``pending``:
-        pieces of parameters that continue in the next bucket)."""
-        rk = self.rank
+    def _write_back(self, k: int, chunk: ms.Tensor) -> None:
+        """All-gather bucket ``k``'s updated chunks into the parameters (each written once whole)."""
         lo, hi = self.buckets[k]
         found = pieces_in(self.offsets, self.sizes, lo, hi)
-        dtype = self.params[found[0][0]].dtype
-        if self.host_ag is not None:
-            self._write_back_host(k, chunk.astype(dtype), found)
-            return
-        full = all_gather_flat(chunk.astype(dtype), rk.dp, rk.dp_rank, rk.dp_group, self.native_ag)
-        for i, a, b in found:
-            pending.setdefault(i, []).append(full[self.offsets[i] + a - lo:self.offsets[i] + b - lo])
-            if b == self.sizes[i]:
-                parts = pending.pop(i)
-                p = self.params[i]
-                flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-                write_param(p, flat.reshape(p.shape))
-
-    def _write_back_host(self, k: int, chunk: ms.Tensor, found: list[Piece]) -> None:
-        """The all-gather through shared memory, each member's chunk copied straight into the parameters'
-        own memory (an in-place write, as ``write_param``'s)."""
-        dest = [own_array(self.params[i]) for i, _, _ in found]
-        if any(d is None for d in dest):  # every parameter had its own memory when the optimizer was made
-            raise RuntimeError(f"bucket {k}: a parameter no longer owns its memory (replaced by set_data?); every "
-                               "writer must write weights in place; OVERRIDES='parallel.host_collectives=false' "
-                               "avoids this path")
-        slots, c, lo = cast(Slots, self.host_ag), self.chunk[k], self.buckets[k][0]
-        slots.post(k, [chunk.asnumpy()])
-        views = slots.views(k)
-        for (i, a, b), d in zip(found, dest):
-            flat, at = cast(np.ndarray, d).reshape(-1), self.offsets[i] + a - lo  # at: in the gathered bucket
-            while a < b:
-                m, off = divmod(at, c)
-                n = min(b - a, c - off)
-                flat[a:a + n] = views[m][off:off + n]
-                a, at = a + n, at + n
-        slots.done(k)
+        targets = [(self.params[i], a, b, self.offsets[i] + a - lo) for i, a, b in found]
+        self.channel.gather_into(k, chunk.astype(self.params[found[0][0]].dtype), targets, write_param)
 
     def masters(self) -> list[ms.Tensor]:
         """This rank's fp32 chunks the kernel updates (for optim.UpdateCheck)."""
