@@ -73,12 +73,14 @@ class DPTransport(Protocol):
 
 
 def _flat(parts: list[Part], length: int) -> Any:
-    """``parts`` end to end in fp32, zero-padded to ``length``: an fp32 tensor filling it alone is itself."""
+    """``parts`` end to end in fp32, zero-padded to ``length``: an fp32 tensor filling it alone is itself. A
+    slice is copied (``astype``): a collective writing in place into a view of a tensor writes at the start
+    of the tensor's memory on CPU (measured: the sharded reduction of a gradient that spans buckets broke)."""
     out = []
     for t, a, b in parts:
         v = t.reshape(-1)
-        v = v if (a, b) == (0, v.shape[0]) else v[a:b]
-        out.append(v if v.dtype == ms.float32 else v.astype(ms.float32))
+        whole = (a, b) == (0, v.shape[0])
+        out.append(v if whole and v.dtype == ms.float32 else (v if whole else v[a:b]).astype(ms.float32))
     have = sum(int(v.shape[0]) for v in out)
     if have < length:
         out.append(ops.zeros((length - have,), ms.float32))
