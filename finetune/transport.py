@@ -74,8 +74,8 @@ class DPTransport(Protocol):
 
 def _flat(parts: list[Part], length: int) -> Any:
     """``parts`` end to end in fp32, zero-padded to ``length``: an fp32 tensor filling it alone is itself. A
-    slice is copied (``astype``): a collective writing in place into a view of a tensor writes at the start
-    of the tensor's memory on CPU (measured: the sharded reduction of a gradient that spans buckets broke)."""
+    slice is copied (``astype``): with a view of a gradient spanning buckets, the in-place AllReduce of the
+    emulated reduce-scatter gave wrong sums on CPU (tests/finetune/dist/test_fp32_grads.py)."""
     out = []
     for t, a, b in parts:
         v = t.reshape(-1)

@@ -4,23 +4,19 @@ As in ``AdamW``, fp32 parameters are their own master: when every parameter is f
 master shard is stored (the chunk is read from the parameters, identical on all DP ranks), so the
 state is exactly the moments' 8 bytes per element / dp; bf16/fp16 parameters add a 4-byte master.
 
-Partition: the parameters (in model order) are laid end to end in one flat index space, cut into
-buckets of about 25 MB of fp32, and every bucket is split into ``dp`` equal contiguous chunks
-(the last padded with zeros). DP rank ``r`` owns chunk ``r`` of every bucket, so each rank holds
-1/dp of the state up to padding, whatever the parameter sizes (a huge embedding is split too).
+Partition and state keys: ``jobspec/shard_layout.py`` (``ShardLayout``, which resharding reads by too): the
+parameters end to end in one flat index space, cut into buckets of about 25 MB of fp32, each split into
+``dp`` equal chunks; DP rank ``r`` owns chunk ``r`` of every bucket (a huge embedding is split too).
 
 One step: per bucket, flatten the local gradients in fp32, reduce-scatter (SUM, see ``grads.py``) over
 the DP group to get this rank's chunk, unscale, take the global norm over all chunks (and TP
 slices), skip on a non-finite norm, clip, AdamW-update the chunk, then all-gather the updated
 chunks and write them back into the parameters. The math per element is that of
 ``AdamW`` (``optim/adamw.py``; torch AdamW: decoupled decay, bias corrections, no decay on 1-D params),
-with the same kernel (``optim/update.py`` ``adamw_update``, returning new tensors).
-Where the backend lacks ReduceScatter/AllGather on the DP group (CPU), AllReduce-based
-equivalents give the same numbers; the choice is logged once.
+with the same kernel (``optim/update.py`` ``adamw_update``, returning new tensors). The collectives are
+the DP transport's (``finetune/transport.py``), logged once.
 """
 from __future__ import annotations
-
-import math
 
 import mindspore as ms
 import numpy as np
@@ -35,18 +31,7 @@ from finetune.parallel.overlap import reduce_now
 from finetune.transport import Flight
 from jobspec.config import TrainConfig
 from jobspec.memory import BUCKET_BYTES
-
-Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
-
-
-def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Piece]:
-    """The parameter slices covering the flat range [lo, hi)."""
-    out = []
-    for i, (o, n) in enumerate(zip(offsets, sizes)):
-        a, b = max(lo, o), min(hi, o + n)
-        if a < b:
-            out.append((i, a - o, b - o))
-    return out
+from jobspec.shard_layout import LAYOUT_KEY, ShardLayout, state_key
 
 
 class ShardedAdamW:
@@ -57,15 +42,12 @@ class ShardedAdamW:
 
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
         self.params, self.cfg, self.rank = list(params), cfg, rank
-        self.sizes = [int(np.prod(p.shape)) for p in self.params]
-        self.offsets = list(np.cumsum([0] + self.sizes[:-1]).tolist())
-        total, per = sum(self.sizes), max(1, bucket_bytes // 4)
-        self.buckets = [(a, min(a + per, total)) for a in range(0, total, per)]  # flat [lo, hi)
-        self.bucket_params = [[i for i, _, _ in pieces_in(self.offsets, self.sizes, lo, hi)] for lo, hi in self.buckets]
         dp, r = rank.dp, rank.dp_rank
-        self.chunk = [math.ceil((hi - lo) / dp) for lo, hi in self.buckets]
-        self.mine = [pieces_in(self.offsets, self.sizes, lo + r * c, min(lo + (r + 1) * c, hi))
-                     for (lo, hi), c in zip(self.buckets, self.chunk)]
+        self.layout = ShardLayout(tuple(int(np.prod(p.shape)) for p in self.params), dp, bucket_bytes)
+        self.sizes, self.offsets, self.buckets = self.layout.sizes, self.layout.offsets, self.layout.buckets
+        self.chunk = self.layout.chunks
+        self.bucket_params = [[i for i, _, _ in self.layout.pieces(lo, hi)] for lo, hi in self.buckets]
+        self.mine = [self.layout.pieces(*self.layout.owned(k, r)) for k in range(len(self.buckets))]
         self.keep_master = any(p.dtype != ms.float32 for p in self.params)
         self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
         self.m = [ops.zeros((c,), ms.float32) for c in self.chunk]
@@ -113,7 +95,7 @@ class ShardedAdamW:
         gives this rank's chunk of the sum, fp32. An fp32 gradient filling a bucket alone may be
         overwritten with the sum."""
         lo, hi = self.buckets[k]
-        parts = [(grads[i], a, b) for i, a, b in pieces_in(self.offsets, self.sizes, lo, hi)]
+        parts = [(grads[i], a, b) for i, a, b in self.layout.pieces(lo, hi)]
         return self.channel.reduce_scatter(k, parts)
 
     def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
@@ -167,7 +149,7 @@ class ShardedAdamW:
     def _write_back(self, k: int, chunk: ms.Tensor) -> None:
         """All-gather bucket ``k``'s updated chunks into the parameters (each written once whole)."""
         lo, hi = self.buckets[k]
-        found = pieces_in(self.offsets, self.sizes, lo, hi)
+        found = self.layout.pieces(lo, hi)
         targets = [(self.params[i], a, b, self.offsets[i] + a - lo) for i, a, b in found]
         self.channel.gather_into(k, chunk.astype(self.params[found[0][0]].dtype), targets, write_param)
 
@@ -177,27 +159,27 @@ class ShardedAdamW:
 
     # ---------------------------------------------------------------- state
     def _meta(self) -> np.ndarray:
-        return np.array([self.rank.dp, self.rank.dp_rank, sum(self.sizes), len(self.buckets)], np.int64)
+        return np.array(self.layout.meta(self.rank.dp_rank), np.int64)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Only this DP rank's shard: ``shard.{master,m,v}.<bucket>`` plus the step and layout."""
-        out: dict[str, np.ndarray] = {"t": self.corrections.count(), "shard.layout": self._meta()}
+        out: dict[str, np.ndarray] = {"t": self.corrections.count(), LAYOUT_KEY: self._meta()}
         for k in range(len(self.buckets)):
             if self.keep_master:
-                out[f"shard.master.{k}"] = snapshot(self.master[k])
-            out[f"shard.m.{k}"] = snapshot(self.m[k])
-            out[f"shard.v.{k}"] = snapshot(self.v[k])
+                out[state_key("master", k)] = snapshot(self.master[k])
+            out[state_key("m", k)] = snapshot(self.m[k])
+            out[state_key("v", k)] = snapshot(self.v[k])
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
         """Restore a shard saved by the same DP rank of the same layout (ValueError otherwise)."""
-        if "shard.layout" not in d or not np.array_equal(np.asarray(d["shard.layout"]), self._meta()):
-            got = d.get("shard.layout")
+        if LAYOUT_KEY not in d or not np.array_equal(np.asarray(d[LAYOUT_KEY]), self._meta()):
+            got = d.get(LAYOUT_KEY)
             raise ValueError(f"optimizer shard layout {None if got is None else list(got)} does not match this "
                              f"run's [dp, dp_rank, params, buckets]={list(self._meta())}; resume with the same "
                              "parallel.tp/parallel.dp as the checkpoint, or train.resume=never")
         self.corrections.restore(d["t"])
         if self.keep_master:
-            self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
-        self.m = [ms.Tensor(d[f"shard.m.{k}"], ms.float32) for k in range(len(self.buckets))]
-        self.v = [ms.Tensor(d[f"shard.v.{k}"], ms.float32) for k in range(len(self.buckets))]
+            self.master = [ms.Tensor(d[state_key("master", k)], ms.float32) for k in range(len(self.buckets))]
+        self.m = [ms.Tensor(d[state_key("m", k)], ms.float32) for k in range(len(self.buckets))]
+        self.v = [ms.Tensor(d[state_key("v", k)], ms.float32) for k in range(len(self.buckets))]
