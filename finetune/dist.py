@@ -10,20 +10,21 @@ ranks with the same tp_rank.
 
 The layout comes decided in the plan (``recipe.layout``, ``jobspec/layout.py``); a worker only checks
 that msrun started the world the plan was made for. The pure-Python parts (group ranks) import no MindSpore;
-the collective helpers import it lazily.
+the collective helpers and the DP transport (``finetune/transport.py``, chosen here once) import it lazily.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
 import os
-import secrets
-import tempfile
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from finetune.parallel.hostcomm import HostGroup
+from finetune.collectives import all_reduce_sum
 from jobspec.layout import Device, Layout
+
+if TYPE_CHECKING:
+    from finetune.transport import DPTransport
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,15 @@ class RankInfo:
     tp_group: str | None = None  # collective group names; None when the size is 1
     dp_group: str | None = None
     world_group: str | None = None  # the backend's world group name once initialised
-    dp_host: HostGroup | None = None  # the DP group through shared memory (layout.host_collectives)
+    transport: DPTransport | None = None  # the DP transport init_distributed chose; None: MindSpore's collectives
+
+    @property
+    def dp_comm(self) -> DPTransport:
+        """How this rank sums, reduce-scatters and gathers over its DP group (``finetune/transport.py``)."""
+        from finetune.transport import collectives
+
+        return self.transport or collectives(self.device_target, self.dp, self.dp_rank, self.dp_group,
+                                             self.world_group)
 
     @property
     def is_main(self) -> bool:
@@ -154,50 +163,13 @@ def init_distributed(layout: Layout) -> RankInfo:
         create_group(name, ranks)
         return name
 
+    from finetune.transport import choose
+
     info = RankInfo(rank=rank, world_size=world, local_rank=local_rank, device_target=target, tp=tp,
                     dp=dp, tp_rank=rank % tp, dp_rank=rank // tp, tp_group=group("tp", tp_group_ranks(rank, tp)),
                     dp_group=group("dp", dp_group_ranks(rank, tp, dp)), world_group=world_group)
-    return dataclasses.replace(info, dp_host=host_group(info)) if layout.host_collectives else info
-
-
-def host_group(rank: RankInfo) -> HostGroup:
-    """This rank's DP group through shared memory, under a name rank 0 draws for the job (one AllReduce
-    over the world; every DP group and every member makes its files under it)."""
-    import mindspore as ms
-    import numpy as np
-
-    draw = np.array([secrets.randbelow(1 << 24) if rank.is_main else 0], np.float32)  # exact in fp32
-    token = int(all_reduce_sum(ms.Tensor(draw), rank.world_group).asnumpy()[0])
-    shm = os.access("/dev/shm", os.W_OK)
-    where = "/dev/shm" if shm else tempfile.gettempdir()
-    group = HostGroup(os.path.join(where, f"ascend-finetune-{token:06x}-dp{rank.tp_rank}"), rank.dp, rank.dp_rank)
-    rank.log(f"[train] DP sums through shared memory in {where} (parallel.host_collectives)" if shm
-             else f"[train] warning: /dev/shm is not writable, so the DP sums go through files in {where}, which may "
-                  "be slower: mount /dev/shm writable (docker run --shm-size=...) or set "
-                  "parallel.host_collectives=false")
-    return group
-
-
-# ------------------------------------------------------------------------------------- collectives
-
-_PRIMS: dict[tuple[str, str], Any] = {}  # cached primitive per (op, group): creating one per call is slow
-
-
-def _prim(op: str, group: str) -> Any:
-    from mindspore import ops
-
-    key = (op, group)
-    if key not in _PRIMS:
-        _PRIMS[key] = {"allreduce": lambda: ops.AllReduce(group=group),
-                       "allgather": lambda: ops.AllGather(group=group)}[op]()
-    return _PRIMS[key]
-
-
-def all_reduce_sum(x: Any, group: str | None) -> Any:
-    """Sum of ``x`` over ``group`` (identity when the group is None, i.e. of size 1)."""
-    if group is None:
-        return x
-    return _prim("allreduce", group)(x)
+    return dataclasses.replace(info, transport=choose(layout, info.dp_rank, info.dp_group, world_group, info.tp_rank,
+                                                      info.log))
 
 
 def barrier(rank: RankInfo) -> None:
@@ -208,90 +180,6 @@ def barrier(rank: RankInfo) -> None:
     import numpy as np
 
     all_reduce_sum(ms.Tensor(np.ones(1, np.float32)), rank.world_group).asnumpy()
-
-
-def native_collectives(rank: RankInfo, group: str | None) -> dict[str, bool]:
-    """Which of AllGather / ReduceScatter the backend has for ``group``.
-
-    Ascend (HCCL) has both on every group. The CPU backend (MCCL) has AllGather only on the world
-    group and no ReduceScatter kernel at all; there the AllReduce-based equivalents are used.
-    """
-    if rank.device_target == "Ascend":
-        return {"allgather": True, "reducescatter": True}
-    return {"allgather": group is not None and group == rank.world_group, "reducescatter": False}
-
-
-class Ready:
-    """A result that needed no collective (a group of one): ``wait`` returns it."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def wait(self) -> Any:
-        return self.value
-
-
-class InFlight:
-    """An asynchronous collective writing into ``out``: ``wait`` waits for it and returns ``out[lo:hi]``.
-
-    It keeps every buffer handed to the collective (``out`` and ``inputs``) referenced until ``wait``
-    returns, as MindSpore's own DistributedDataParallel does: a buffer freed while the collective still
-    reads it could be reused by a later kernel (docs/ascend-contracts.md, "buffer lifetime")."""
-
-    def __init__(self, handle: Any, out: Any, lo: int = 0, hi: int | None = None, inputs: tuple = ()):
-        self.handle, self.out, self.lo, self.hi, self.inputs = handle, out, lo, hi, inputs
-
-    def wait(self) -> Any:
-        self.handle.wait()
-        self.inputs = ()
-        return self.out if self.lo == 0 and self.hi is None else self.out[self.lo:self.hi]
-
-
-def all_reduce_sum_async(buf: Any, group: str | None, lo: int = 0, hi: int | None = None) -> Ready | InFlight:
-    """Start summing the 1-D ``buf`` over ``group`` IN PLACE (``mint.distributed.all_reduce`` with
-    ``async_op=True``: on Ascend it runs on the communication stream while later kernels run);
-    ``wait()`` gives the sum's ``[lo:hi]``. ``buf`` must be a buffer no one else reads."""
-    if group is None:
-        return Ready(buf if lo == 0 and hi is None else buf[lo:hi])
-    from mindspore.mint import distributed
-
-    return InFlight(distributed.all_reduce(buf, op="sum", group=group, async_op=True), buf, lo, hi)
-
-
-def reduce_scatter_sum_async(buf: Any, size: int, index: int, group: str | None, native: bool) -> Ready | InFlight:
-    """Start summing the 1-D ``buf`` (length divisible by ``size``) over ``group``; ``wait()`` gives
-    chunk ``index`` of the sum. ``buf`` must be a buffer no one else reads.
-
-    ``native=False``: an AllReduce of ``buf``, then the slice (same sums; more traffic, used where
-    ReduceScatter is missing).
-    """
-    if group is None:
-        return Ready(buf)
-    n = buf.shape[0] // size
-    if not native:
-        return all_reduce_sum_async(buf, group, index * n, (index + 1) * n)
-    from mindspore import ops
-    from mindspore.mint import distributed
-
-    out = ops.zeros((n,), dtype=buf.dtype)
-    return InFlight(distributed.reduce_scatter_tensor(out, buf, op="sum", group=group, async_op=True), out,
-                    inputs=(buf,))
-
-
-def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native: bool) -> Any:
-    """Concatenate every member's 1-D ``chunk`` in group order.
-
-    ``native=False``: place this chunk into a zero buffer and AllReduce-sum it (exact: x + 0 = x).
-    """
-    if group is None:
-        return chunk
-    if native:
-        return _prim("allgather", group)(chunk)
-    from mindspore import ops
-
-    n = chunk.shape[0]
-    parts = [ops.zeros((index * n,), dtype=chunk.dtype), chunk, ops.zeros(((size - index - 1) * n,), dtype=chunk.dtype)]
-    return all_reduce_sum(ops.cat([p for p in parts if p.shape[0]]), group)
 
 
 def dp_totals(loss: Any, count: int, flag: bool, rank: RankInfo, same: Any = None

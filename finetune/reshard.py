@@ -2,7 +2,7 @@
 
 A checkpoint holds each rank's local tensors (``finetune/checkpoint.py``): the model once per TP
 position (the ranks of dp_rank 0, ``rank == tp_rank``), the optimizer state per rank when sharded
-over DP (flat buckets cut into ``dp`` chunks, ``finetune/optim/sharded.py``), else once per TP
+over DP (flat buckets cut into ``dp`` chunks, ``jobspec/shard_layout.py``), else once per TP
 position. :class:`SavedState` reassembles full Hugging Face tensors from any of them; the slice a
 rank held is read off the stored shapes (``n = full / local`` pieces along the one axis that
 differs, KV-head copies on ``tp / n`` ranks each), so no config of the writing run is needed.
@@ -19,6 +19,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jobspec.qwen2_layout import TPSlice
+from jobspec.shard_layout import LAYOUT_KEY, ShardLayout, state_key
 
 MANIFEST = "manifest.json"
 
@@ -35,12 +36,6 @@ def cut(full: np.ndarray, part: TPSlice | None) -> np.ndarray:
     index = [slice(None)] * full.ndim
     index[part.axis] = slice(part.start, part.start + part.size)
     return np.ascontiguousarray(full[tuple(index)])
-
-
-def buckets(total: int, dp: int, bucket_bytes: int) -> list[tuple[int, int, int]]:
-    """The sharded optimizer's flat fp32 buckets ``(lo, hi, chunk)``: ``chunk`` elements per DP rank."""
-    per = max(1, bucket_bytes // 4)
-    return [(lo, min(lo + per, total), math.ceil((min(lo + per, total) - lo) / dp)) for lo in range(0, total, per)]
 
 
 def _read(path: Path, key: str, index: tuple | None = None) -> np.ndarray:
@@ -71,7 +66,7 @@ class SavedState:
             raise ValueError(f"{self.path}: tensors do not fit this model ({'; '.join(wrong[:3])}); the checkpoint "
                              "belongs to another model — point train.resume / --checkpoint at one of this model")
         self.optim_keys = _keys(rank_file(self.path, "optim", 0))
-        self.sharded = "shard.layout" in self.optim_keys
+        self.sharded = LAYOUT_KEY in self.optim_keys
         self.bucket_bytes = bucket_bytes
 
     def _fits(self, name: str) -> bool:
@@ -115,7 +110,7 @@ class SavedState:
 
     def has_master(self, name: str) -> bool:
         """Whether the optimizer kept an fp32 master of ``name`` (else the parameter is its own)."""
-        return ("shard.master.0" if self.sharded else f"master.{name}") in self.optim_keys
+        return (state_key("master", 0) if self.sharded else f"master.{name}") in self.optim_keys
 
     def optim(self, kind: str, name: str) -> np.ndarray:
         """The full fp32 optimizer tensor ``kind`` ("m", "v" or "master") of parameter ``name``."""
@@ -125,17 +120,17 @@ class SavedState:
 
     def _flat(self, kind: str, t: int, name: str) -> np.ndarray:
         """Parameter ``name``'s local tensor of TP rank ``t`` from the DP chunks of every bucket."""
-        sizes = [math.prod(self.local[t][n]) for n in self.names]
+        shards = ShardLayout(tuple(math.prod(self.local[t][n]) for n in self.names), self.dp, self.bucket_bytes)
         i = self.names.index(name)
-        lo, hi = sum(sizes[:i]), sum(sizes[:i + 1])
+        lo, hi = shards.offsets[i], shards.offsets[i + 1]
         out = []
-        for k, (b_lo, b_hi, chunk) in enumerate(buckets(sum(sizes), self.dp, self.bucket_bytes)):
+        for k, ((b_lo, b_hi), chunk) in enumerate(zip(shards.buckets, shards.chunks)):
             a, b = max(lo, b_lo), min(hi, b_hi)
             while a < b:  # the pieces of [a, b) in the chunks of DP ranks
                 r = (a - b_lo) // chunk
                 end = min(b, b_lo + (r + 1) * chunk)
                 f = rank_file(self.path, "optim", r * self.tp + t)
-                out.append(_read(f, f"shard.{kind}.{k}", (slice(a - b_lo - r * chunk, end - b_lo - r * chunk),)))
+                out.append(_read(f, state_key(kind, k), (slice(a - b_lo - r * chunk, end - b_lo - r * chunk),)))
                 a = end
         return np.concatenate(out).reshape(self.local[t][name])
 
@@ -162,20 +157,19 @@ def local_state(saved: SavedState, params: list[tuple[str, TPSlice | None, bool]
             for kind in ("m", "v") + (() if fp32 else ("master",)):
                 state[f"{kind}.{n}"] = cut(kinds[kind](n), part)
         return weights, state
-    sizes = [weights[n].size for n, _, _ in params]
-    offsets = np.cumsum([0] + sizes).tolist()
-    bks = buckets(offsets[-1], dp, saved.bucket_bytes)
-    state["shard.layout"] = np.array([dp, dp_rank, offsets[-1], len(bks)], np.int64)
+    shards = ShardLayout(tuple(weights[n].size for n, _, _ in params), dp, saved.bucket_bytes)
+    offsets = shards.offsets
+    state[LAYOUT_KEY] = np.array(shards.meta(dp_rank), np.int64)
     for kind in ("m", "v") + (("master",) if keep_master else ()):
-        chunks = [np.zeros(chunk, np.float32) for _, _, chunk in bks]
+        chunks = [np.zeros(chunk, np.float32) for chunk in shards.chunks]
         for i, (n, part, _) in enumerate(params):
             local = None
-            for k, (b_lo, b_hi, chunk) in enumerate(bks):
-                lo, hi = b_lo + dp_rank * chunk, min(b_lo + (dp_rank + 1) * chunk, b_hi)
+            for k in range(len(chunks)):
+                lo, hi = shards.owned(k, dp_rank)
                 a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
                 if a < b:
                     if local is None:
                         local = cut(kinds[kind](n), part).reshape(-1)
                     chunks[k][a - lo:b - lo] = local[a - offsets[i]:b - offsets[i]]
-        state.update({f"shard.{kind}.{k}": c for k, c in enumerate(chunks)})
+        state.update({state_key(kind, k): c for k, c in enumerate(chunks)})
     return weights, state

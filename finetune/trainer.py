@@ -18,7 +18,7 @@ import numpy as np
 from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoint, load_latest, save_checkpoint
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
-from finetune.parallel.overlap import GradReduction
+from finetune.parallel.overlap import GradReduction, reduction_for
 from jobspec.checkpoints import condemn, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig, resolved_model_dir
 from jobspec.data.batching import BatchLoader
@@ -155,7 +155,8 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
     layout = recipe.decided_layout
     opt = build_optimizer(params, tc, rank, layout.shard_optimizer)
     overlap = layout.overlap_grad_reduce
-    trainer = Trainer(recipe, run, rank, model, model_dir, params, opt, GradReduction(params, opt, overlap),
+    trainer = Trainer(recipe, run, rank, model, model_dir, params, opt,
+                      reduction_for(params, opt, layout, rank),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
     if rank.dp > 1:
         rank.log(f"[train] DP gradient reduction in {len(opt.bucket_params)} bucket(s), "

@@ -17,7 +17,7 @@ from typing import Any, Literal, cast
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
 from jobspec.eval_config import EvalConfig, eval_problems
 from jobspec.input_checks import input_problems
-from jobspec.layout import Device, Layout, decide, host_collectives_problems, world_problems
+from jobspec.layout import Device, Layout, decide, host_collectives_problems, world_problems, zero_problems
 from jobspec.lora_config import LoraConfig, lora_problems
 from jobspec.recipe_parse import ConfigError as ConfigError
 from jobspec.recipe_parse import Problem as Problem
@@ -161,6 +161,7 @@ class ParallelConfig:
     vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
     overlap_grad_reduce: bool = True  # dp > 1: each gradient bucket's reduction starts during the backward
     host_collectives: bool | None = None  # DP sums via /dev/shm (CPU, one node); unset: where jobspec.layout allows
+    zero: int | Literal["auto"] = "auto"  # ZeRO stage over DP (jobspec.layout.zero_problems); auto: 1 when dp > 1
 
     @property
     def tp_size(self) -> int:  # 1 while tp is an unresolved "auto" (Recipe.resolved refuses it)
@@ -236,12 +237,14 @@ class Recipe:
         p, t, dev, nodes = self.parallel, self.train, cast(Device, device), self.launch.nnodes  # dev: see docstring
         if p.tp == "auto":
             raise ConfigError([Problem("parallel.tp", "auto is resolved by the launcher first", "2", "'auto'")])
-        problems = world_problems(p.tp, p.dp, p.pp, world) + t.device_problems(device)
+        problems = world_problems(p.tp, p.dp, p.pp, world) + t.device_problems(device) + zero_problems(p.zero,
+                                                                                                     p.shard_optimizer)
         if problems:
             raise ConfigError(problems)
         r = copy.deepcopy(self)
         r.layout = decide(p.tp_size, p.dp, p.pp, p.shard_optimizer, p.overlap_grad_reduce, p.vocab_parallel,
-                          t.micro_batch_size, t.grad_accum, self.data.seq_len, world, dev, p.host_collectives, nodes)
+                          t.micro_batch_size, t.grad_accum, self.data.seq_len, world, dev, p.host_collectives, nodes,
+                          p.zero)
         r.train.precision, r.launch.device = t.precision_on(device), dev
         problems = compile_layers_problems(r) + host_collectives_problems(p.host_collectives, r.layout, nodes)
         if problems:

@@ -23,9 +23,10 @@ class Layout:
     dp: int = 1
     pp: int = 1
     shard_optimizer: bool = False  # the AdamW state split over DP (ZeRO-1); only with dp > 1
+    shard_gradients: bool = False  # and each micro-batch's gradients reduce-scattered into fp32 shards (ZeRO-2)
     overlap_grad_reduce: bool = False  # DP reduction started by the backward; only with dp > 1
     vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows; only with tp > 1
-    host_collectives: bool = False  # DP sums through shared memory (finetune/parallel/hostcomm.py); CPU, one node
+    host_collectives: bool = False  # DP sums through shared memory (finetune/hostcomm.py); CPU, one node
     micro_batch_size: int = 1
     grad_accum: int = 1
     seq_len: int = 1024
@@ -39,6 +40,11 @@ class Layout:
     def global_batch(self) -> int:
         """Sequences per optimizer step over the whole job (micro batch x grad accum x dp)."""
         return self.micro_batch_size * self.grad_accum * self.dp
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage over DP: 0 (nothing sharded), 1 (optimizer state), 2 (and gradients)."""
+        return 2 if self.shard_gradients else int(self.shard_optimizer)
 
     @property
     def device_target(self) -> Literal["Ascend", "CPU"]:
@@ -77,15 +83,18 @@ def host_collectives_refusal(device: Device, dp: int, nnodes: int) -> str | None
 
 def decide(tp: int, dp: int, pp: int, shard_optimizer: bool | None, overlap_grad_reduce: bool,
            vocab_parallel: bool, micro_batch_size: int, grad_accum: int, seq_len: int, world: int,
-           device: Device, host_collectives: bool | None = None, nnodes: int = 1) -> Layout:
+           device: Device, host_collectives: bool | None = None, nnodes: int = 1, zero: int | str = "auto") -> Layout:
     """The layout of a ``parallel`` request on ``world`` workers: dp 0 -> world / (tp x pp), an unset
-    shard_optimizer -> on when dp > 1, overlap only with dp > 1, vocab-parallel only with tp > 1, host
-    collectives (unless refused) wherever :func:`host_collectives_refusal` finds no reason against them.
-    The request is checked against the world first (:func:`world_problems`)."""
+    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1 or 2 sets it, 2 shards the gradients too), overlap
+    only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
+    :func:`host_collectives_refusal` finds no reason against them. The request is checked against the world
+    first (:func:`world_problems`) and ``zero`` against shard_optimizer (:func:`zero_problems`)."""
     dp = dp or world // (tp * pp)
     shard = shard_optimizer if shard_optimizer is not None else dp > 1
+    shard = shard or zero in (1, 2)
     host = host_collectives is not False and host_collectives_refusal(device, dp, nnodes) is None
     return Layout(tp=tp, dp=dp, pp=pp, shard_optimizer=shard and dp > 1, host_collectives=host,
+                  shard_gradients=zero == 2 and dp > 1,
                   overlap_grad_reduce=overlap_grad_reduce and dp > 1, vocab_parallel=vocab_parallel and tp > 1,
                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, seq_len=seq_len, device=device)
 
@@ -104,3 +113,17 @@ def host_collectives_choice(asked: bool | None, layout: Layout, nnodes: int) -> 
     if asked is False:
         return "off (parallel.host_collectives=false)"
     return f"off{auto}: {host_collectives_refusal(layout.device, layout.dp, nnodes)}"
+
+
+ZERO_STAGES = ("auto", 1, 2)  # ZeRO-3 (sharded weights) is not built yet: docs/distributed.md
+
+
+def zero_problems(zero: int | str, shard_optimizer: bool | None) -> list[Problem]:
+    """``parallel.zero`` outside ``ZERO_STAGES``, or a stage that contradicts ``parallel.shard_optimizer=false``."""
+    if zero not in ZERO_STAGES:
+        why = "ZeRO-3 (sharded weights) is not built yet" if zero == 3 else "the stages are auto, 1 and 2"
+        return [Problem("parallel.zero", why, "2", repr(zero))]
+    if zero != "auto" and shard_optimizer is False:
+        return [Problem("parallel.zero", f"stage {zero} shards the optimizer state, which parallel.shard_optimizer="
+                        "false turns off; leave parallel.shard_optimizer unset", "auto", repr(zero))]
+    return []

@@ -12,7 +12,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import RankInfo, Ready
+from finetune.collectives import Ready
+from finetune.dist import RankInfo
 from finetune.hostmem import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import BucketSum, buckets_by_bytes, global_grad_norm, sum_bucket_over_dp
@@ -61,15 +62,15 @@ class AdamW:
         self.decay = [cfg.weight_decay if len(p.shape) > 1 else 0.0 for p in self.params]
         sizes = [int(np.prod(p.shape)) for p in self.params]
         self.bucket_params = buckets_by_bytes(sizes, 4, bucket_bytes)
-        self.host = (rank.dp_host.slots([sum(sizes[i] for i in b) for b in self.bucket_params])
-                     if rank.dp_host else None)  # the DP sums through shared memory (set only with dp > 1)
+        self.channel = rank.dp_comm.channel([sum(sizes[i] for i in b) for b in self.bucket_params]
+                                            ) if rank.dp > 1 else None
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
 
     def launch(self, k: int, grads) -> BucketSum | Ready:
         """Start the DP sum of bucket ``k`` of ``grads`` (see overlap.GradReduction); ``wait()`` gives
         its gradients in fp32."""
-        return sum_bucket_over_dp([grads[i] for i in self.bucket_params[k]], self.rank, self.host, k)
+        return sum_bucket_over_dp([grads[i] for i in self.bucket_params[k]], self.rank, self.channel, k)
 
     def reduce(self, grads: tuple | list) -> list:
         """Every bucket of ``grads`` summed over DP, after the backward (no overlap)."""

@@ -4,65 +4,34 @@ As in ``AdamW``, fp32 parameters are their own master: when every parameter is f
 master shard is stored (the chunk is read from the parameters, identical on all DP ranks), so the
 state is exactly the moments' 8 bytes per element / dp; bf16/fp16 parameters add a 4-byte master.
 
-Partition: the parameters (in model order) are laid end to end in one flat index space, cut into
-buckets of about 25 MB of fp32, and every bucket is split into ``dp`` equal contiguous chunks
-(the last padded with zeros). DP rank ``r`` owns chunk ``r`` of every bucket, so each rank holds
-1/dp of the state up to padding, whatever the parameter sizes (a huge embedding is split too).
+Partition and state keys: ``jobspec/shard_layout.py`` (``ShardLayout``, which resharding reads by too): the
+parameters end to end in one flat index space, cut into buckets of about 25 MB of fp32, each split into
+``dp`` equal chunks; DP rank ``r`` owns chunk ``r`` of every bucket (a huge embedding is split too).
 
 One step: per bucket, flatten the local gradients in fp32, reduce-scatter (SUM, see ``grads.py``) over
 the DP group to get this rank's chunk, unscale, take the global norm over all chunks (and TP
 slices), skip on a non-finite norm, clip, AdamW-update the chunk, then all-gather the updated
 chunks and write them back into the parameters. The math per element is that of
 ``AdamW`` (``optim/adamw.py``; torch AdamW: decoupled decay, bias corrections, no decay on 1-D params),
-with the same kernel (``optim/update.py`` ``adamw_update``, returning new tensors).
-Where the backend lacks ReduceScatter/AllGather on the DP group (CPU), AllReduce-based
-equivalents give the same numbers; the choice is logged once.
+with the same kernel (``optim/update.py`` ``adamw_update``, returning new tensors). The collectives are
+the DP transport's (``finetune/transport.py``), logged once.
 """
 from __future__ import annotations
-
-import math
-from typing import cast
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import (
-    InFlight,
-    RankInfo,
-    Ready,
-    all_gather_flat,
-    all_reduce_sum,
-    native_collectives,
-    reduce_scatter_sum_async,
-)
-from finetune.hostmem import own_array, snapshot
+from finetune.collectives import all_reduce_sum
+from finetune.dist import RankInfo
+from finetune.hostmem import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
-from finetune.parallel.grads import (
-    HostSum,
-    NormPiece,
-    finish_norm,
-    host_fp32,
-    norm_partials,
-    norm_weights,
-)
-from finetune.parallel.hostcomm import Slots
+from finetune.parallel.grads import NormPiece, finish_norm, norm_partials, norm_weights
 from finetune.parallel.overlap import reduce_now
+from finetune.transport import Flight
 from jobspec.config import TrainConfig
 from jobspec.memory import BUCKET_BYTES
-
-HOST_DTYPES = {ms.float32: np.float32, ms.float16: np.float16}  # weights the all-gather moves through numpy
-Piece = tuple[int, int, int]  # (parameter index, start, end) in that parameter's flat view
-
-
-def pieces_in(offsets: list[int], sizes: list[int], lo: int, hi: int) -> list[Piece]:
-    """The parameter slices covering the flat range [lo, hi)."""
-    out = []
-    for i, (o, n) in enumerate(zip(offsets, sizes)):
-        a, b = max(lo, o), min(hi, o + n)
-        if a < b:
-            out.append((i, a - o, b - o))
-    return out
+from jobspec.shard_layout import LAYOUT_KEY, ShardLayout, state_key
 
 
 class ShardedAdamW:
@@ -73,15 +42,12 @@ class ShardedAdamW:
 
     def __init__(self, params: list, cfg: TrainConfig, rank: RankInfo, bucket_bytes: int = BUCKET_BYTES):
         self.params, self.cfg, self.rank = list(params), cfg, rank
-        self.sizes = [int(np.prod(p.shape)) for p in self.params]
-        self.offsets = list(np.cumsum([0] + self.sizes[:-1]).tolist())
-        total, per = sum(self.sizes), max(1, bucket_bytes // 4)
-        self.buckets = [(a, min(a + per, total)) for a in range(0, total, per)]  # flat [lo, hi)
-        self.bucket_params = [[i for i, _, _ in pieces_in(self.offsets, self.sizes, lo, hi)] for lo, hi in self.buckets]
         dp, r = rank.dp, rank.dp_rank
-        self.chunk = [math.ceil((hi - lo) / dp) for lo, hi in self.buckets]
-        self.mine = [pieces_in(self.offsets, self.sizes, lo + r * c, min(lo + (r + 1) * c, hi))
-                     for (lo, hi), c in zip(self.buckets, self.chunk)]
+        self.layout = ShardLayout(tuple(int(np.prod(p.shape)) for p in self.params), dp, bucket_bytes)
+        self.sizes, self.offsets, self.buckets = self.layout.sizes, self.layout.offsets, self.layout.buckets
+        self.chunk = self.layout.chunks
+        self.bucket_params = [[i for i, _, _ in self.layout.pieces(lo, hi)] for lo, hi in self.buckets]
+        self.mine = [self.layout.pieces(*self.layout.owned(k, r)) for k in range(len(self.buckets))]
         self.keep_master = any(p.dtype != ms.float32 for p in self.params)
         self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
         self.m = [ops.zeros((c,), dtype=ms.float32) for c in self.chunk]
@@ -91,24 +57,8 @@ class ShardedAdamW:
                                              for a, b, _, ws, wr in segs]  # what the norm reads, fixed
         self.corrections = BiasCorrection(cfg)  # and the applied-step count
         self.gate = StepGate(rank)
-        native = native_collectives(rank, rank.dp_group)
-        self.native_rs, self.native_ag = native["reducescatter"], native["allgather"]
-        # how many buckets read each gradient (fixed by the layout); users_left counts them down each step
-        self.users = [sum(i in b for b in self.bucket_params) for i in range(len(self.params))]
-        self.users_left: dict[int, int] = {}
-        self.arrays: dict[int, np.ndarray] = {}
-        dtypes = {p.dtype for p in self.params}
-        host_dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
-        host = rank.dp_host  # set only with layout.host_collectives, i.e. dp > 1
-        self.host_rs = host.slots([c * dp for c in self.chunk]) if host else None
-        self.host_ag = (host.slots(self.chunk, host_dtype)  # the gathered weights are written into their memory
-                        if host and host_dtype and all(own_array(p) is not None for p in self.params) else None)
-        rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); reduce-scatter "
-                 f"{self._how(self.host_rs, self.native_rs)}, all-gather {self._how(self.host_ag, self.native_ag)}")
-
-    @staticmethod
-    def _how(host: Slots | None, native: bool) -> str:
-        return "through shared memory" if host else "native" if native else "via AllReduce"
+        self.channel = rank.dp_comm.channel([c * dp for c in self.chunk], self.params)  # the DP transport's
+        rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); {self.channel.describe()}")
 
     # ---------------------------------------------------------------- layout helpers
     def _own_chunk(self, k: int) -> ms.Tensor:
@@ -140,32 +90,13 @@ class ShardedAdamW:
             pos += b - a
         return out
 
-    def _bucket_flat(self, grads, k: int) -> ms.Tensor:
-        """Bucket ``k`` of the gradients as one flat fp32 buffer, zero-padded to dp chunks."""
-        lo, hi = self.buckets[k]
-        found = pieces_in(self.offsets, self.sizes, lo, hi)
-        parts = [grads[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in found]
-        return self._pad(parts, self.chunk[k] * self.rank.dp, ms.float32)
-
-    def launch(self, k: int, grads) -> HostSum | InFlight | Ready:
+    def launch(self, k: int, grads) -> Flight:
         """Start reducing bucket ``k`` of ``grads`` over DP (see overlap.GradReduction); ``wait()``
         gives this rank's chunk of the sum, fp32. An fp32 gradient filling a bucket alone may be
         overwritten with the sum."""
-        rk = self.rank
-        if self.host_rs is not None:
-            c = self.chunk[k]
-            lo, hi = self.buckets[k]
-            pieces = [self._grad_array(grads, i)[a:b] for i, a, b in pieces_in(self.offsets, self.sizes, lo, hi)]
-            return HostSum(self.host_rs, k, pieces, rk.dp_rank * c, (rk.dp_rank + 1) * c)
-        return reduce_scatter_sum_async(self._bucket_flat(grads, k), rk.dp, rk.dp_rank, rk.dp_group, self.native_rs)
-
-    def _grad_array(self, grads, i: int) -> np.ndarray:
-        """Gradient ``i`` flat in fp32 as an ndarray, made once per step however many buckets it spans."""
-        if i not in self.arrays:
-            self.arrays[i] = host_fp32(grads[i])
-            self.users_left[i] = self.users[i]
-        self.users_left[i] -= 1
-        return self.arrays[i] if self.users_left[i] else self.arrays.pop(i)
+        lo, hi = self.buckets[k]
+        parts = [(grads[i], a, b) for i, a, b in self.layout.pieces(lo, hi)]
+        return self.channel.reduce_scatter(k, parts)
 
     def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
         """This rank's chunk of every bucket of the gradients summed over DP, in fp32, after the backward."""
@@ -190,7 +121,6 @@ class ShardedAdamW:
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
         keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
-        pending: dict[int, list] = {}
         for k, g in enumerate(chunks):
             w = self.master[k] if self.keep_master else self._own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
@@ -200,7 +130,7 @@ class ShardedAdamW:
             w, self.m[k], self.v[k] = self.gate.update(w, self.m[k], self.v[k], ks, wd, g, ok)
             if self.keep_master:
                 self.master[k] = w
-            self._write_back(k, w, pending)
+            self._write_back(k, w)
         return norm, ok
 
     def _decayed(self, w: ms.Tensor, k: int, keep: ms.Tensor) -> ms.Tensor:
@@ -216,44 +146,12 @@ class ShardedAdamW:
         both = all_reduce_sum(ops.stack([split, rep]), self.rank.dp_group)
         return finish_norm(both[0], both[1], self.rank)
 
-    def _write_back(self, k: int, chunk: ms.Tensor, pending: dict[int, list]) -> None:
-        """All-gather bucket ``k``'s updated chunks and copy finished parameters back (``pending``:
-        pieces of parameters that continue in the next bucket)."""
-        rk = self.rank
+    def _write_back(self, k: int, chunk: ms.Tensor) -> None:
+        """All-gather bucket ``k``'s updated chunks into the parameters (each written once whole)."""
         lo, hi = self.buckets[k]
-        found = pieces_in(self.offsets, self.sizes, lo, hi)
-        dtype = self.params[found[0][0]].dtype
-        if self.host_ag is not None:
-            self._write_back_host(k, chunk.astype(dtype), found)
-            return
-        full = all_gather_flat(chunk.astype(dtype), rk.dp, rk.dp_rank, rk.dp_group, self.native_ag)
-        for i, a, b in found:
-            pending.setdefault(i, []).append(full[self.offsets[i] + a - lo:self.offsets[i] + b - lo])
-            if b == self.sizes[i]:
-                parts = pending.pop(i)
-                p = self.params[i]
-                flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-                write_param(p, flat.reshape(p.shape))
-
-    def _write_back_host(self, k: int, chunk: ms.Tensor, found: list[Piece]) -> None:
-        """The all-gather through shared memory, each member's chunk copied straight into the parameters'
-        own memory (an in-place write, as ``write_param``'s)."""
-        dest = [own_array(self.params[i]) for i, _, _ in found]
-        if any(d is None for d in dest):  # every parameter had its own memory when the optimizer was made
-            raise RuntimeError(f"bucket {k}: a parameter no longer owns its memory (replaced by set_data?); every "
-                               "writer must write weights in place; OVERRIDES='parallel.host_collectives=false' "
-                               "avoids this path")
-        slots, c, lo = cast(Slots, self.host_ag), self.chunk[k], self.buckets[k][0]
-        slots.post(k, [chunk.asnumpy()])
-        views = slots.views(k)
-        for (i, a, b), d in zip(found, dest):
-            flat, at = cast(np.ndarray, d).reshape(-1), self.offsets[i] + a - lo  # at: in the gathered bucket
-            while a < b:
-                m, off = divmod(at, c)
-                n = min(b - a, c - off)
-                flat[a:a + n] = views[m][off:off + n]
-                a, at = a + n, at + n
-        slots.done(k)
+        found = self.layout.pieces(lo, hi)
+        targets = [(self.params[i], a, b, self.offsets[i] + a - lo) for i, a, b in found]
+        self.channel.gather_into(k, chunk.astype(self.params[found[0][0]].dtype), targets, write_param)
 
     def masters(self) -> list[ms.Tensor]:
         """This rank's fp32 chunks the kernel updates (for optim.UpdateCheck)."""
@@ -261,27 +159,27 @@ class ShardedAdamW:
 
     # ---------------------------------------------------------------- state
     def _meta(self) -> np.ndarray:
-        return np.array([self.rank.dp, self.rank.dp_rank, sum(self.sizes), len(self.buckets)], np.int64)
+        return np.array(self.layout.meta(self.rank.dp_rank), np.int64)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Only this DP rank's shard: ``shard.{master,m,v}.<bucket>`` plus the step and layout."""
-        out: dict[str, np.ndarray] = {"t": self.corrections.count(), "shard.layout": self._meta()}
+        out: dict[str, np.ndarray] = {"t": self.corrections.count(), LAYOUT_KEY: self._meta()}
         for k in range(len(self.buckets)):
             if self.keep_master:
-                out[f"shard.master.{k}"] = snapshot(self.master[k])
-            out[f"shard.m.{k}"] = snapshot(self.m[k])
-            out[f"shard.v.{k}"] = snapshot(self.v[k])
+                out[state_key("master", k)] = snapshot(self.master[k])
+            out[state_key("m", k)] = snapshot(self.m[k])
+            out[state_key("v", k)] = snapshot(self.v[k])
         return out
 
     def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
         """Restore a shard saved by the same DP rank of the same layout (ValueError otherwise)."""
-        if "shard.layout" not in d or not np.array_equal(np.asarray(d["shard.layout"]), self._meta()):
-            got = d.get("shard.layout")
+        if LAYOUT_KEY not in d or not np.array_equal(np.asarray(d[LAYOUT_KEY]), self._meta()):
+            got = d.get(LAYOUT_KEY)
             raise ValueError(f"optimizer shard layout {None if got is None else list(got)} does not match this "
                              f"run's [dp, dp_rank, params, buckets]={list(self._meta())}; resume with the same "
                              "parallel.tp/parallel.dp as the checkpoint, or train.resume=never")
         self.corrections.restore(d["t"])
         if self.keep_master:
-            self.master = [ms.Tensor(d[f"shard.master.{k}"], ms.float32) for k in range(len(self.buckets))]
-        self.m = [ms.Tensor(d[f"shard.m.{k}"], ms.float32) for k in range(len(self.buckets))]
-        self.v = [ms.Tensor(d[f"shard.v.{k}"], ms.float32) for k in range(len(self.buckets))]
+            self.master = [ms.Tensor(d[state_key("master", k)], ms.float32) for k in range(len(self.buckets))]
+        self.m = [ms.Tensor(d[state_key("m", k)], ms.float32) for k in range(len(self.buckets))]
+        self.v = [ms.Tensor(d[state_key("v", k)], ms.float32) for k in range(len(self.buckets))]

@@ -18,9 +18,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import InFlight, RankInfo, Ready, all_reduce_sum, all_reduce_sum_async
+from finetune.collectives import Ready, all_reduce_sum
+from finetune.dist import RankInfo
 from finetune.hostmem import in_blocks, own_memory
-from finetune.parallel.hostcomm import Slots
+from finetune.transport import Channel
 from jobspec.memory import BUCKET_BYTES
 
 
@@ -40,37 +41,13 @@ def buckets_by_bytes(sizes: list[int], itemsize: int, limit: int = BUCKET_BYTES)
     return out
 
 
-def host_fp32(t: ms.Tensor) -> np.ndarray:
-    """``t`` flat in fp32 as an ndarray: its own memory where ``asnumpy`` shares it (CPU), else a copy."""
-    a = t.asnumpy().reshape(-1)
-    return a if a.dtype == np.float32 else a.astype(np.float32)
-
-
-class HostSum:
-    """One bucket's DP sum through shared memory (``finetune/parallel/hostcomm.py``): ``pieces`` are posted
-    now, the sum is taken at ``wait``, which gives elements [lo, hi) of it as one fp32 tensor on the slots'
-    buffer (valid until the step after: the next sum of the bucket writes it again)."""
-
-    def __init__(self, slots: Slots, k: int, pieces: list[np.ndarray], lo: int = 0, hi: int | None = None):
-        self.slots, self.k, self.lo, self.hi = slots, k, lo, hi
-        slots.post(k, pieces, None if hi is None else (lo, hi))  # a chunk: no peer reads it
-
-    def wait(self) -> ms.Tensor:
-        return ms.from_numpy(self.slots.sum(self.k, self.lo, self.hi))
-
-
 class BucketSum:
-    """The DP sum of one bucket of fp32 gradients, in flight; ``wait()`` gives one tensor per gradient.
-    ``slots``: the bucket goes through shared memory (bucket ``k`` of them), else one flat AllReduce."""
+    """The DP sum of one bucket of fp32 gradients (bucket ``k`` of ``channel``), in flight; ``wait()`` gives one
+    tensor per gradient."""
 
-    def __init__(self, grads: list, group: str | None, slots: Slots | None = None, k: int = 0):
+    def __init__(self, grads: list, channel: Channel, k: int = 0):
         self.shapes = [g.shape for g in grads]
-        self.flight: HostSum | InFlight | Ready
-        if slots is not None:
-            self.flight = HostSum(slots, k, [host_fp32(g) for g in grads])
-            return
-        flat = ops.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
-        self.flight = all_reduce_sum_async(flat, group)  # in place: the flat copy, or a lone gradient
+        self.flight = channel.sum(k, [(g, 0, int(np.prod(g.shape))) for g in grads])
 
     def wait(self) -> list:
         total = self.flight.wait()
@@ -82,12 +59,14 @@ class BucketSum:
         return out
 
 
-def sum_bucket_over_dp(grads: list, rank: RankInfo, slots: Slots | None = None, k: int = 0) -> BucketSum | Ready:
-    """Start the SUM of one bucket of gradients over the DP group in fp32, whatever their dtype (one
-    flat asynchronous AllReduce, or bucket ``k`` of ``slots`` in shared memory); in one DP rank only the
-    fp32 cast. A gradient that is fp32 already may be overwritten with the sum."""
+def sum_bucket_over_dp(grads: list, rank: RankInfo, channel: Channel | None = None, k: int = 0) -> BucketSum | Ready:
+    """Start the SUM of one bucket of gradients over the DP group in fp32, whatever their dtype (bucket ``k`` of
+    ``channel``, by default a channel of this one bucket); in one DP rank only the fp32 cast. A gradient that is
+    fp32 already may be overwritten with the sum."""
     grads = [g if g.dtype == ms.float32 else g.astype(ms.float32) for g in grads]
-    return Ready(grads) if rank.dp == 1 else BucketSum(grads, rank.dp_group, slots, k)
+    if rank.dp == 1:
+        return Ready(grads)
+    return BucketSum(grads, channel or rank.dp_comm.channel([sum(int(np.prod(g.shape)) for g in grads)]), k)
 
 
 def is_tp_partitioned(param) -> bool:

@@ -21,6 +21,9 @@ from typing import Any, Protocol
 import mindspore as ms
 from mindspore import ops
 
+from finetune.dist import RankInfo
+from jobspec.layout import Layout
+
 
 class Bucketed(Protocol):
     """What an optimizer offers for its gradient reduction."""
@@ -158,3 +161,54 @@ class GradReduction:
         """The seconds since the last call."""
         spent, self.comm_s = self.comm_s, 0.0
         return spent
+
+
+class ShardedAccumulation(GradReduction):
+    """ZeRO-2 (``layout.shard_gradients``): every micro-batch's gradients are reduce-scattered over DP by the
+    sharded optimizer's buckets, launched from its backward hooks when overlapping (armed for every backward,
+    not only the last), and each rank adds only its own fp32 chunks: no whole fp32 gradient outlives its
+    micro-batch. ``acc``: the chunk sums of the earlier micro-batches, or None."""
+
+    def __init__(self, params: list, opt: Bucketed, overlap: bool):
+        super().__init__(params, opt, overlap)
+        self.chunks: list | None = None
+        self._start(None, armed=overlap)
+
+    def _reduce(self, grads: tuple | list) -> list:
+        """This micro-batch's chunks; the hooks armed again for the next backward."""
+        out = super().finish(grads)
+        self._start(None, armed=self.overlap)
+        return out
+
+    def add(self, acc: list | None, grads: list) -> list:
+        chunks = self._reduce(grads)
+        grads.clear()
+        return self._sum(acc, chunks)
+
+    @staticmethod
+    def _sum(acc: list | None, chunks: list) -> list:
+        """``acc`` plus ``chunks`` in place, or copies of ``chunks`` (a chunk may be a view, or a transport's
+        buffer that the next sum rewrites)."""
+        if acc is None:
+            return [c.copy() for c in chunks]
+        for total, c in zip(acc, chunks):
+            ops.assign_add(total, c)
+        return acc
+
+    def arm(self, acc: list | None) -> None:
+        self.chunks = acc  # the hooks are armed already
+        self.launched_after = []
+
+    def finish(self, grads: tuple | list) -> list:
+        last = self._reduce(grads)
+        return last if self.chunks is None else self._sum(self.chunks, last)
+
+
+def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo) -> GradReduction:
+    """The step's gradient reduction for the plan's ``layout``: ZeRO-2's per-micro-batch one when it shards
+    the gradients."""
+    if not layout.shard_gradients:
+        return GradReduction(params, opt, layout.overlap_grad_reduce)
+    rank.log("[train] ZeRO-2: each micro-batch's gradients reduce-scattered over DP, each rank accumulating its "
+             "own fp32 chunks")
+    return ShardedAccumulation(params, opt, layout.overlap_grad_reduce)

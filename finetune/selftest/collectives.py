@@ -33,12 +33,12 @@ def _err(got, ref: np.ndarray) -> float:
 def main(out_dir: str, device: str) -> int:
     import mindspore as ms
 
-    from finetune import dist
+    from finetune import collectives, dist
 
     world = dist.launched_world()
     rank = dist.init_distributed(Layout(dp=world, device="npu" if device == "Ascend" else "cpu"))
     group, r, n = rank.world_group, rank.rank, N[device]
-    native = dist.native_collectives(rank, group)
+    channel = rank.dp_comm.channel([n])  # the DP group is the world here
     total = np.sum([_data(i, n) for i in range(world)], axis=0)
     mine = _data(r, n)
     chunk = n // world
@@ -54,18 +54,17 @@ def main(out_dir: str, device: str) -> int:
                      "error": error})
 
     shape = f"{n} fp32 x {world} ranks"
-    timed("all_reduce", shape, lambda: _err(dist.all_reduce_sum(ms.Tensor(mine), group).asnumpy(), total))
-    timed("all_gather", shape, lambda: _err(dist.all_gather_flat(ms.Tensor(mine[:chunk]), world, r, group,
-                                                                 native["allgather"]).asnumpy(),
+    timed("all_reduce", shape, lambda: _err(collectives.all_reduce_sum(ms.Tensor(mine), group).asnumpy(), total))
+    timed("all_gather", shape, lambda: _err(channel.gather(0, ms.Tensor(mine[:chunk])).asnumpy(),
                                             np.concatenate([_data(i, n)[:chunk] for i in range(world)])))
-    timed("reduce_scatter", shape, lambda: _err(dist.reduce_scatter_sum_async(
-        ms.Tensor(mine), world, r, group, native["reducescatter"]).wait().asnumpy(), total[r * chunk:(r + 1) * chunk]))
-    timed("async_all_reduce_from_hook", shape, lambda: _hooked(ms, dist, group, mine, total))
+    timed("reduce_scatter", shape, lambda: _err(channel.reduce_scatter(0, [(ms.Tensor(mine), 0, n)]).wait().asnumpy(),
+                                                total[r * chunk:(r + 1) * chunk]))
+    timed("async_all_reduce_from_hook", shape, lambda: _hooked(ms, collectives, group, mine, total))
     Path(out_dir, f"collectives.rank{r}.json").write_text(json.dumps(rows))
     return 0
 
 
-def _hooked(ms, dist, group, mine: np.ndarray, total: np.ndarray) -> float:
+def _hooked(ms, collectives, group, mine: np.ndarray, total: np.ndarray) -> float:
     """The gradient of ``sum(p * mine)`` is ``mine``; its hook starts the async all-reduce of a copy
     (kept referenced until ``wait``) and returns the gradient, as the hook contract asks."""
     from mindspore import ops
@@ -75,7 +74,7 @@ def _hooked(ms, dist, group, mine: np.ndarray, total: np.ndarray) -> float:
 
     def hook(grad):
         buf = grad.astype(ms.float32) + 0  # a buffer of our own: the collective writes in place
-        pending.append((dist.all_reduce_sum_async(buf, group), buf))
+        pending.append((collectives.all_reduce_sum_async(buf, group), buf))
         return grad
 
     p.register_hook(hook)

@@ -3,7 +3,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from finetune.dist import Ready
+from finetune.collectives import Ready
 from finetune.parallel.overlap import GradReduction
 
 
@@ -91,7 +91,7 @@ def test_the_reduce_scatter_input_stays_referenced_until_wait(monkeypatch):
     from mindspore import ops
     from mindspore.mint import distributed
 
-    from finetune.dist import reduce_scatter_sum_async
+    from finetune.collectives import reduce_scatter_sum_async
     from tests.finetune.contracts import twins
 
     class Done:

@@ -15,6 +15,7 @@ and, per overlapped launch, how many gradients the backward had produced (``laun
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from finetune.dist import init_distributed, launched_world
 from finetune.optim import AdamW, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
 from finetune.train import accumulate
+from finetune.transport import Native
 from jobspec.layout import Layout
 from tests.finetune.contracts import twins
 
@@ -73,8 +75,8 @@ def main() -> None:
     grad_fn = ms.value_and_grad(lambda x, y, pos, seg, scale: model(x, y) * scale, None, params)
     batches = micro_batches(rank.dp_rank)
     result = {f"raw.{m}.{i}": g for m, gs in enumerate(raw_grads(grad_fn, batches)) for i, g in enumerate(gs)}
-    native = ShardedAdamW(params, CFG, rank, bucket_bytes=256)
-    native.native_rs = True  # Ascend's reduce_scatter_tensor, here its contract twin (CPU has no kernel)
+    ascend = dataclasses.replace(rank, transport=Native(rank.dp, rank.dp_rank, rank.dp_group))
+    native = ShardedAdamW(params, CFG, ascend, bucket_bytes=256)  # Ascend's reduce_scatter_tensor: its twin here
     calls: dict[str, int] = {}
     distributed.reduce_scatter_tensor = twins.reduce_scatter_tensor_twin(distributed.all_reduce, get_group_size,
                                                                          get_rank, calls)

@@ -1,4 +1,4 @@
-"""Host collectives through shared memory (finetune/parallel/hostcomm.py), with real processes."""
+"""Host collectives through shared memory (finetune/hostcomm.py), with real processes."""
 from __future__ import annotations
 
 import subprocess
@@ -15,7 +15,7 @@ ROUNDS = 3
 MEMBER = """
 import sys, time
 import numpy as np
-from finetune.parallel.hostcomm import HostGroup
+from finetune.hostcomm import HostGroup
 prefix, members, index, out, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 g = HostGroup(prefix, members, index, timeout_s=float(sys.argv[6]))
 if mode == "die" and index == members - 1:

@@ -37,3 +37,20 @@ def test_single_process_needs_no_collectives_and_refuses_a_split(monkeypatch):
     assert (rank.world_size, rank.tp, rank.dp, rank.dp_group, rank.is_main) == (1, 1, 1, None, True)
     with pytest.raises(ValueError, match="made for 2 worker"):
         init_distributed(Layout(tp=2))
+
+
+def test_parallel_zero_maps_onto_the_sharded_optimizer_and_refuses_what_is_not_built():
+    from jobspec.config import ConfigError, load_recipe
+
+    def layout(over, world=4):
+        return load_recipe("tiny-cpu", over).resolved(world, "cpu").decided_layout
+
+    assert [layout({}).zero, layout({}, 1).zero] == [1, 0]  # auto: ZeRO-1 with DP, nothing to shard without
+    assert layout({"parallel.zero": "2"}).zero == 2 and layout({"parallel.zero": "2"}).shard_optimizer
+    assert layout({"parallel.zero": "1"}).zero == 1 and layout({"parallel.zero": "2"}, 1).zero == 0
+    assert layout({"parallel.shard_optimizer": "false"}).zero == 0
+    for over, says in (({"parallel.zero": "3"}, "parallel.zero=3: ZeRO-3 (sharded weights) is not built yet"),
+                       ({"parallel.zero": "2", "parallel.shard_optimizer": "false"}, "parallel.zero=2: stage 2")):
+        with pytest.raises(ConfigError) as e:
+            layout(over)
+        assert any(says in p for p in e.value.problems), e.value.problems

@@ -11,6 +11,7 @@ import toy_worker
 
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, ShardedAdamW
+from jobspec.layout import Layout
 from jobspec.memory import shard_elements
 
 
@@ -69,3 +70,34 @@ def test_low_precision_params_get_an_fp32_master_shard():
     opt = ShardedAdamW(params, toy_worker.CFG, RankInfo(world_size=2, dp=2, dp_rank=1, rank=1))
     assert toy_worker.state_nbytes(opt) == 15 * 12 and opt.master[0].dtype == ms.float32
     assert {k.split(".")[1] for k in opt.state_dict() if k.startswith("shard.")} == {"layout", "master", "m", "v"}
+
+
+def test_zero2_accumulates_the_chunks_of_each_micro_batch_as_zero1_the_whole_gradients():
+    """One DP rank (a chunk is the whole bucket): ZeRO-2's chunk sums are ZeRO-1's reduced accumulator, bit for
+    bit (the same fp32 adds), over three micro-batches, with and without the hooks; the micro-batch lists are
+    emptied as read (each gradient dropped once reduced)."""
+    from finetune.parallel.overlap import GradReduction, ShardedAccumulation, reduction_for
+
+    params = list(toy_worker.Toy().trainable_params())
+    opt = ShardedAdamW(params, toy_worker.CFG, RankInfo(), bucket_bytes=200)
+    rng = np.random.default_rng(5)
+    micro = [[rng.standard_normal(p.shape).astype(np.float32) for p in params] for _ in range(3)]
+
+    def run(reduction):  # fresh tensors: ZeRO-1's accumulator adopts the first micro-batch's and adds into it
+        acc = None
+        for arrays in micro[:-1]:
+            g = [ms.Tensor(a.copy()) for a in arrays]
+            acc = reduction.add(acc, g)
+            assert g == [] or all(x is None for x in g)
+        reduction.arm(acc)
+        return [c.asnumpy().copy() for c in reduction.finish([ms.Tensor(a.copy()) for a in micro[-1]])]
+
+    zero1 = run(GradReduction(params, opt, overlap=False))
+    zero2 = run(ShardedAccumulation(params, opt, overlap=False))
+    layout = Layout(dp=2, shard_optimizer=True, shard_gradients=True)
+    assert isinstance(reduction_for(params, opt, layout, RankInfo()), ShardedAccumulation)
+    assert len(zero2) == len(opt.buckets) and layout.zero == 2
+    for a, b in zip(zero2, zero1):
+        np.testing.assert_array_equal(a, b)
+    whole = np.concatenate([sum(m[i] for m in micro).reshape(-1) for i in range(len(params))])
+    np.testing.assert_allclose(np.concatenate(zero2)[:whole.size], whole, rtol=1e-6, atol=1e-6)  # the sums

@@ -10,6 +10,7 @@ Writes <out_dir>/rank<r>.json (losses, norms, optimizer state bytes) and rank 0'
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from mindspore import nn, ops
 from finetune.dist import init_distributed, launched_world
 from finetune.optim import ShardedAdamW
 from finetune.parallel.grads import global_grad_norm, sum_bucket_over_dp
+from finetune.transport import Emulated
 from jobspec.config import TrainConfig
 from jobspec.layout import Layout
 
@@ -83,10 +85,10 @@ def main() -> None:
     rank = init_distributed(Layout(dp=launched_world()))
     model = Toy()
     params = list(model.trainable_params())
-    opt = ShardedAdamW(params, CFG, rank, bucket_bytes=256) if shard else RefAdamW(params)  # several buckets
     fallback = len(sys.argv) > 4 and sys.argv[4] == "fallback"
-    if fallback:
-        opt.native_rs = opt.native_ag = False
+    if fallback:  # the AllReduce emulation of ReduceScatter and AllGather, whatever the backend has
+        rank = dataclasses.replace(rank, transport=Emulated(rank.dp, rank.dp_rank, rank.dp_group, None))
+    opt = ShardedAdamW(params, CFG, rank, bucket_bytes=256) if shard else RefAdamW(params)  # several buckets
     grad_fn = ms.value_and_grad(model, None, params)
     rng = np.random.default_rng(123)
     losses, norms, gnorms = [], [], []
