@@ -8,6 +8,7 @@ TensorBoard as it is.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,9 @@ def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    rs = [r for r in records if isinstance(r.get(key), (int, float))]
+    """(steps, values) of ``key`` where it is a finite number: a skipped step's non-finite loss is no point of a
+    curve, and summary.json stays strict JSON (no NaN)."""
+    rs = [r for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return [r["step"] for r in rs], [float(r[key]) for r in rs]
 
 
@@ -84,7 +87,7 @@ def summarize(records: list[dict], run: RunDir, tokens: int, wall_s: float, titl
               **extra) -> dict:
     """Write summary.json and loss.png; return the summary (``extra``: see :func:`summary`)."""
     s = summary(records, tokens, wall_s, **extra)
-    run.summary.write_text(json.dumps(s, indent=1))
+    run.summary.write_text(json.dumps(s, indent=1, allow_nan=False))
     if records:
         plot(records, run.loss_plot, title)
     return s

@@ -44,6 +44,18 @@ def test_summary_without_eval_or_mfu():
     assert report.summary([], 0, 0.0)["first_loss"] is None
 
 
+def test_a_non_finite_loss_leaves_summary_json_strict(tmp_path):
+    """A logged step whose loss is NaN or inf (skipped as non-finite) is no summary number: summary.json stays
+    strict JSON, its losses the finite ones (issue 31: summary.json holds no NaN)."""
+    recs = records(with_eval=False)
+    recs[-1]["loss"], recs[2]["loss"], recs[3]["grad_norm"] = float("nan"), float("inf"), float("nan")
+    run = RunDir(tmp_path)
+    report.summarize(recs, run, 1, 1.0)
+    s = json.loads(run.summary.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+    assert s["last_loss"] == pytest.approx(recs[-2]["loss"]) and s["min_loss_step"] == 7
+    assert run.loss_plot.is_file()
+
+
 def test_smoothing_is_a_debiased_ema():
     assert report.smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0
     s = report.smooth([1.0, 0.0], weight=0.5)
