@@ -96,6 +96,12 @@ class MemoryEstimate:
     def total(self) -> int:
         return int(sum(getattr(self, t) for t in STATIC)) + max(self.phases().values())
 
+    @property
+    def step_peak(self) -> int:
+        """The static terms + the larger of backward and step: a step without a checkpoint save (step 1's peak)."""
+        phases = self.phases()
+        return int(sum(getattr(self, t) for t in STATIC)) + max(phases["backward"], phases["step"])
+
     def parts(self) -> dict[str, int]:
         """Every term in bytes, in :data:`TERMS` order."""
         return {f.name: getattr(self, f.name) for f in sorted(fields(self), key=lambda f: list(TERMS).index(f.name))}

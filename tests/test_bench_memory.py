@@ -16,19 +16,28 @@ def load_bench():
     return bench_memory
 
 
-def test_a_row_reads_the_plans_estimate_and_the_largest_peak_of_the_steps(tmp_path):
+def test_a_row_reads_both_estimates_the_step_1_peak_and_the_largest_peak_of_the_steps(tmp_path):
     bench = load_bench()
     from jobspec.memory import MemoryEstimate
 
     est = MemoryEstimate(weights=4, grads=2, master=0, optimizer=8, activations=1, workspace=1, staging=30)
     (tmp_path / "plan.json").write_text(json.dumps({"memory": {**est.parts(), "total": est.total}}))
-    rows = [{"step": 1, "peak_memory_bytes": 100}, {"step": 2, "peak_memory_bytes": 300},
+    rows = [{"step": 1, "peak_memory_bytes": 100, "memory_peak_rss_bytes": 90}, {"step": 2, "peak_memory_bytes": 300},
             {"step": 3, "peak_memory_bytes": 250}, {"step": 3, "eval_loss": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert bench.read_row(tmp_path) == (4 + 8 + 1 + 30, 300, "save")
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
-    with pytest.raises(ValueError, match="no peak_memory_bytes"):
+    assert bench.read_row(tmp_path) == {"estimate": 4 + 8 + 1 + 30, "phase": "save", "peak_rss": 300,
+                                        "step_estimate": 4 + 8 + 1 + 1 + 2, "step_rss": 90}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "peak_memory_bytes": 100}) + "\n")
+    with pytest.raises(ValueError, match="no step-1 memory_peak_rss_bytes"):
         bench.read_row(tmp_path)
+
+
+@pytest.mark.parametrize("step_rss, run_rss, ok", [(110, 130, True), (130, 130, False), (110, 150, False)])
+def test_a_row_is_ok_only_when_the_step_1_peak_and_the_run_peak_each_meet_the_goal(step_rss, run_rss, ok):
+    got = {"estimate": 120, "phase": "save", "peak_rss": run_rss, "step_estimate": 100, "step_rss": step_rss}
+    r = load_bench().row(got, 10)
+    assert (r["step_measured"], r["measured"]) == (step_rss - 10, run_rss - 10)
+    assert r["step_ratio"] == pytest.approx((step_rss - 10) / 100) and r["ok"] is ok
 
 
 @pytest.mark.parametrize("measured, ok", [(100, True), (86, True), (84, False), (105, True), (106, False)])
@@ -46,9 +55,10 @@ def test_grad_accum_growth_is_per_trained_parameter_and_judged_against_1_5_bytes
     growth = bench.ga_growth(rows)
     assert [g["ok"] for g in growth] == [True, False]
     assert growth[0]["bytes_per_param"] == pytest.approx(1.4, abs=1e-6) and growth[1]["bytes_per_param"] == 2.0
-    table = bench.markdown({"h256-ga1": {"estimate": 2**30, "measured": 2**30, "phase": "step", "ratio": 1.0,
-                                         "ok": True}}, growth, 500 * 2**20)
-    assert "| h256-ga1 | 256 x 2 | 1 | 1 | 1 | - | 1.00 (step) | 1.00 | 1.00 | ok |" in table
+    got = {"estimate": 2**30, "phase": "step", "peak_rss": 2**30, "step_estimate": 2**30, "step_rss": 2**31}
+    table = bench.markdown({"h256-ga1": bench.row(got, 0)}, growth, 500 * 2**20)
+    row = "| h256-ga1 | 256 x 2 | 1 | 1 | 1 | - | 1.00 | 2.00 | 2.00 | MISSED | 1.00 (step) | 1.00 | 1.00 | ok |"
+    assert row in table
     assert "500 MiB" in table and "MISSED" in table
 
 

@@ -34,6 +34,16 @@ def test_qwen7b_tp2_dp2_sharded_counts_every_buffer_of_the_backward_peak():
     assert est.peak_phase == "backward" and est.total == state + est.activations + est.logits + est.workspace + \
         est.collectives
     assert "total" in est.table() and "GiB" in est.table() and "accumulator" in est.summary()
+    assert est.step_peak == est.total  # no save term on an NPU: a step's peak is the run's
+
+
+def test_the_step_peak_leaves_out_the_checkpoint_save():
+    """tools/bench_memory.py checks step 1 (no save) against static + max(backward, step), the run against total."""
+    from jobspec.memory import MemoryEstimate
+
+    est = MemoryEstimate(weights=4, grads=2, master=0, optimizer=8, activations=1, workspace=1, totals=3, update=1,
+                         staging=30)
+    assert est.step_peak == 4 + 8 + 1 + max(2 + 1, 3 + 1) and est.total == 4 + 8 + 1 + 3 + 30
 
 
 def test_the_estimate_grows_with_what_grows():
