@@ -13,6 +13,7 @@ from finetune.dist import RankInfo
 from finetune.optim import AdamW, ShardedAdamW
 from jobspec.layout import Layout
 from jobspec.memory import shard_elements
+from tests.tolerances import assert_fp32_close
 
 
 def _run_in_process(opt_factory, steps=4):
@@ -100,4 +101,4 @@ def test_zero2_accumulates_the_chunks_of_each_micro_batch_as_zero1_the_whole_gra
     for a, b in zip(zero2, zero1):
         np.testing.assert_array_equal(a, b)
     whole = np.concatenate([sum(m[i] for m in micro).reshape(-1) for i in range(len(params))])
-    np.testing.assert_allclose(np.concatenate(zero2)[:whole.size], whole, rtol=1e-6, atol=1e-6)  # the sums
+    assert_fp32_close(np.concatenate(zero2)[:whole.size], whole, len(micro))  # the sums, whatever the add order
