@@ -20,6 +20,7 @@ from typing import Any
 from jobspec.config import ConfigError, Problem, Recipe, TrainConfig, resolved_model_dir
 from jobspec.lora_config import LoraConfig, trainable_elements
 from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
+from jobspec.shard_layout import ShardLayout
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
 
@@ -134,8 +135,7 @@ class MemoryEstimate:
 
 def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int:
     """fp32 elements one DP rank holds in the sharded optimizer (its chunk of every padded bucket)."""
-    per = max(1, bucket_bytes // 4)
-    return sum(math.ceil((min(a + per, total) - a) / dp) for a in range(0, total, per))
+    return sum(ShardLayout((total,), dp, bucket_bytes).chunks)
 
 
 def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:

@@ -33,6 +33,7 @@ class ShardLayout:
     offsets: tuple[int, ...] = field(init=False)  # each parameter's start in the flat space, and the total
     buckets: tuple[tuple[int, int], ...] = field(init=False)  # flat [lo, hi) of each bucket
     chunks: tuple[int, ...] = field(init=False)  # elements per DP rank of each bucket
+    bucket_pieces: tuple[tuple[Piece, ...], ...] = field(init=False)  # the parameter slices each bucket covers
 
     def __post_init__(self) -> None:
         offsets = [0]
@@ -43,6 +44,7 @@ class ShardLayout:
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "buckets", buckets)
         object.__setattr__(self, "chunks", tuple(math.ceil((hi - lo) / self.dp) for lo, hi in buckets))
+        object.__setattr__(self, "bucket_pieces", tuple(tuple(self.pieces(lo, hi)) for lo, hi in buckets))
 
     @property
     def total(self) -> int:

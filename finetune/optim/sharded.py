@@ -46,8 +46,10 @@ class ShardedAdamW:
         self.layout = ShardLayout(tuple(int(np.prod(p.shape)) for p in self.params), dp, bucket_bytes)
         self.sizes, self.offsets, self.buckets = self.layout.sizes, self.layout.offsets, self.layout.buckets
         self.chunk = self.layout.chunks
-        self.bucket_params = [[i for i, _, _ in self.layout.pieces(lo, hi)] for lo, hi in self.buckets]
+        self.bucket_params = [[i for i, _, _ in found] for found in self.layout.bucket_pieces]
         self.mine = [self.layout.pieces(*self.layout.owned(k, r)) for k in range(len(self.buckets))]
+        self.targets = [[(self.params[i], a, b, self.offsets[i] + a - lo) for i, a, b in found]  # _write_back's
+                        for (lo, _), found in zip(self.buckets, self.layout.bucket_pieces)]
         self.keep_master = any(p.dtype != ms.float32 for p in self.params)
         self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
         self.m = [ops.zeros((c,), dtype=ms.float32) for c in self.chunk]
@@ -94,8 +96,7 @@ class ShardedAdamW:
         """Start reducing bucket ``k`` of ``grads`` over DP (see overlap.GradReduction); ``wait()``
         gives this rank's chunk of the sum, fp32. An fp32 gradient filling a bucket alone may be
         overwritten with the sum."""
-        lo, hi = self.buckets[k]
-        parts = [(grads[i], a, b) for i, a, b in self.layout.pieces(lo, hi)]
+        parts = [(grads[i], a, b) for i, a, b in self.layout.bucket_pieces[k]]
         return self.channel.reduce_scatter(k, parts)
 
     def reduce(self, grads: tuple | list) -> list[ms.Tensor]:
@@ -148,10 +149,7 @@ class ShardedAdamW:
 
     def _write_back(self, k: int, chunk: ms.Tensor) -> None:
         """All-gather bucket ``k``'s updated chunks into the parameters (each written once whole)."""
-        lo, hi = self.buckets[k]
-        found = self.layout.pieces(lo, hi)
-        targets = [(self.params[i], a, b, self.offsets[i] + a - lo) for i, a, b in found]
-        self.channel.gather_into(k, chunk.astype(self.params[found[0][0]].dtype), targets, write_param)
+        self.channel.gather_into(k, chunk.astype(self.targets[k][0][0].dtype), self.targets[k], write_param)
 
     def masters(self) -> list[ms.Tensor]:
         """This rank's fp32 chunks the kernel updates (for optim.UpdateCheck)."""
