@@ -7,22 +7,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.eval.loaders import EvalDataError
 from finetune.eval.runner import Scorer, score_task
 from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
+from jobspec.data.chat_template import model_template, render_hf
 from jobspec.eval_config import EvalConfig, task_base
 from jobspec.rundir import EVAL_FILES
 
 
-def chat_renderer(model_dir: str) -> ChatRender:
-    """The model's own chat template (``tokenizer_config.json``) as transformers renders it, generation prompt on."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    template = env.from_string(cfg["chat_template"])
-    return lambda messages: template.render(messages=messages, add_generation_prompt=True,
-                                            **{k: cfg[k] for k in ("bos_token", "eos_token") if k in cfg})
+def chat_renderer(model_dir: str, tokenizer_config: dict[str, Any]) -> ChatRender:
+    """The model's own chat template as transformers renders it (``jobspec.data.chat_template``), generation prompt
+    on."""
+    template = model_template(model_dir)
+    if template is None:
+        raise EvalDataError(f"{model_dir} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                            "chat_template): set eval.apply_chat_template=false to score it without one")
+    special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := tokenizer_config.get(k), str)}
+    return lambda messages: render_hf(template, messages, add_generation_prompt=True, special_tokens=special)
 
 
 def load_scorer(model_dir: str, device: str, chat: bool) -> Scorer:
@@ -35,7 +36,7 @@ def load_scorer(model_dir: str, device: str, chat: bool) -> Scorer:
     prefix = tok.token_to_id(cfg.get("bos_token") or cfg.get("eos_token") or "<|endoftext|>")
     return Scorer(model, tok, stop_ids(tok, model_dir),
                   int(load_hf_config(model_dir).get("max_position_embeddings", 2048)),
-                  chat_renderer(model_dir) if chat else None, Sampling.of_model(model_dir).repetition_penalty,
+                  chat_renderer(model_dir, cfg) if chat else None, Sampling.of_model(model_dir).repetition_penalty,
                   prefix if prefix is not None else 0)
 
 

@@ -8,6 +8,7 @@ escaping), and names the first difference.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -54,22 +55,29 @@ def model_template(model_dir: str | Path) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-              add_generation_prompt: bool = False) -> str:
-    """The text transformers' ``apply_chat_template(messages, tools=tools, tokenize=False,
-    add_generation_prompt=add_generation_prompt)`` gives."""
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    """``template`` compiled once as transformers compiles a chat template (sandboxed, loop controls)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
         json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, tools=tools,
-                                              add_generation_prompt=add_generation_prompt)
+    return env.from_string(template)
+
+
+def render_hf(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+              add_generation_prompt: bool = False, special_tokens: dict[str, str] | None = None) -> str:
+    """The text transformers' ``apply_chat_template(messages, tools=tools, tokenize=False,
+    add_generation_prompt=add_generation_prompt)`` gives (``special_tokens``: the tokenizer's ``bos_token``,
+    ``eos_token``, which transformers passes to the template too)."""
+    return str(_compiled(template).render(messages=messages, tools=tools,
+                                          add_generation_prompt=add_generation_prompt, **(special_tokens or {})))
 
 
 def check_model_template(model_dir: str | Path, system_prompt: str) -> tuple[str, str]:

@@ -41,7 +41,9 @@ def run(loaded, model_dir, task: str, shots: int, chat: bool, max_length: int = 
 
     c = EvalConfig(tasks=[task], data_dir=str(DATA), num_fewshot=shots, apply_chat_template=chat, batch_size=3)
     subs = load_task(task, c)
-    scorer = dataclasses.replace(loaded, chat=chat_renderer(str(model_dir)) if chat else None, max_length=max_length)
+    tokenizer_config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    scorer = dataclasses.replace(loaded, chat=chat_renderer(str(model_dir), tokenizer_config) if chat else None,
+                                 max_length=max_length)
     results, records = score_task(scorer, task, subs, c, print)
     contexts = [] if task == "perplexity" else [context(s, i, scorer.chat) for s in subs for i in range(len(s.docs))]
     return results, records, contexts

@@ -86,3 +86,18 @@ def test_shots_need_enough_examples_and_perplexity_takes_none():
         load_task("hellaswag", cfg(DATA, "hellaswag", num_fewshot=3))
     (ppl,) = load_task("perplexity", cfg(DATA, "perplexity", num_fewshot=5))
     assert ppl.shots == [[], [], []] and ppl.docs[0]["text"].startswith("The quick brown fox")
+
+
+def test_the_chat_template_is_the_model_s_wherever_it_keeps_it(tmp_path):
+    """eval.apply_chat_template reads the template as training does (chat_template.jinja or
+    tokenizer_config.json); a model with none is refused naming the setting, not a KeyError."""
+    from finetune.eval.loaders import EvalDataError
+    from finetune.eval.report import chat_renderer
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(EvalDataError, match="eval.apply_chat_template=false"):
+        chat_renderer(str(tmp_path), {})
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}"
+                                                  "{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
+    render = chat_renderer(str(tmp_path), {"eos_token": "<e>"})
+    assert render([{"role": "user", "content": "q"}]) == "<q><e>"
