@@ -10,9 +10,10 @@ from typing import Any
 from finetune.eval.loaders import EvalDataError
 from finetune.eval.runner import Scorer, score_task
 from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
+from jobspec.checkpoints import model_hash
 from jobspec.data.chat_template import model_template, render_hf
 from jobspec.eval_config import EvalConfig, task_base
-from jobspec.rundir import EVAL_FILES
+from jobspec.rundir import EVAL_FILES, RunDir
 
 
 def chat_renderer(model_dir: str, tokenizer_config: dict[str, Any]) -> ChatRender:
@@ -74,13 +75,14 @@ def print_table(rows: list[dict[str, Any]], labels: list[str]) -> None:
         print(f"{r['task']:<24} {r['metric']:<30} {r['n']:>6} " + " ".join(_cell(r[c], c == "delta") for c in cols))
 
 
-def reusable(out: Path, label: str, model_dir: str, settings: dict[str, Any], tasks: list[str]) -> bool:
-    """Whether ``<out>/<label>.json`` holds this model's results for these settings and tasks."""
+def reusable(out: Path, label: str, identity: str, settings: dict[str, Any], tasks: list[str]) -> bool:
+    """Whether ``<out>/<label>.json`` holds the results of these weights (``identity``: jobspec.checkpoints'
+    model_hash) for these settings (the device included) and tasks."""
     path = out / f"{label}.json"
     if not path.is_file():
         return False
     old = json.loads(path.read_text())
-    same = old["model_dir"] == str(model_dir) and old["settings"] == settings
+    same = old.get("identity") == identity and old["settings"] == settings
     return same and all(t in old["results"] for t in tasks)
 
 
@@ -111,9 +113,11 @@ def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: Eva
     out.mkdir(parents=True, exist_ok=True)
     by_model: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in tasks}
-    settings = {k: v for k, v in dataclasses.asdict(c).items() if k != "after_training"}
+    settings = {**{k: v for k, v in dataclasses.asdict(c).items() if k != "after_training"},
+                "device": rank.device_target}  # fp32 on CPU, the compute dtype on an NPU: other scores
+    identity = {label: model_hash(d, RunDir(out.parent).hashes) for label, d in models.items()}
     for label, model_dir in models.items():
-        if label in reuse and reusable(out, label, model_dir, settings, list(tasks)):
+        if label in reuse and reusable(out, label, identity[label], settings, list(tasks)):
             rank.log(f"[eval] {label}: the results of {out / (label + '.json')} (same model and settings)")
             by_model[label] = json.loads((out / f"{label}.json").read_text())["results"]
             for name in tasks:
@@ -127,7 +131,7 @@ def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: Eva
             res, recs = score_task(scorer, name, subs, c, rank.log)
             by_model[label].update(res)
             samples[name] += [{"model": label, **r} for r in recs]
-    summary = {"models": models, "settings": settings, "table": table(by_model, list(tasks))}
+    summary = {"models": models, "identity": identity, "settings": settings, "table": table(by_model, list(tasks))}
     if rank.is_main:
         write_all(out, by_model, samples, summary)
     return summary
@@ -137,8 +141,8 @@ def write_all(out: Path, by_model: dict[str, dict[str, Any]], samples: dict[str,
               summary: dict[str, Any]) -> None:
     """``<label>.json`` per model, ``samples_<task>.jsonl``, the printed table, its scalars and summary.json."""
     for label, results in by_model.items():
-        doc = {"model": label, "model_dir": str(summary["models"][label]), "settings": summary["settings"],
-               "results": results}
+        doc = {"model": label, "model_dir": str(summary["models"][label]), "identity": summary["identity"][label],
+               "settings": summary["settings"], "results": results}
         (out / f"{label}.json").write_text(json.dumps(doc, indent=1) + "\n")
     for name, recs in samples.items():
         with (out / f"samples_{name}.jsonl").open("w", encoding="utf-8") as f:

@@ -101,3 +101,19 @@ def test_the_chat_template_is_the_model_s_wherever_it_keeps_it(tmp_path):
                                                   "{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
     render = chat_renderer(str(tmp_path), {"eos_token": "<e>"})
     assert render([{"role": "user", "content": "q"}]) == "<q><e>"
+
+
+def test_earlier_results_are_reused_only_for_the_same_weights_settings_and_device(tmp_path):
+    """A base model's results stand while its weights (model_hash), the settings and the device are the same;
+    new weights at the same path, or an NPU run after a CPU one (fp32 against bf16), score again."""
+    import json
+
+    from finetune.eval.report import reusable
+
+    settings = {"num_fewshot": 0, "device": "CPU"}
+    (tmp_path / "base.json").write_text(json.dumps({"identity": "abc", "settings": settings,
+                                                    "results": {"mmlu": {}}}))
+    assert reusable(tmp_path, "base", "abc", settings, ["mmlu"])
+    assert not reusable(tmp_path, "base", "new", settings, ["mmlu"])
+    assert not reusable(tmp_path, "base", "abc", {**settings, "device": "Ascend"}, ["mmlu"])
+    assert not reusable(tmp_path, "base", "abc", settings, ["mmlu", "gsm8k"])
