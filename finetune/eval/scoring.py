@@ -82,8 +82,12 @@ def generate_until(model, tok, contexts: list[str], until: list[str], max_gen_to
     greedy = Sampling(temperature=0.0, repetition_penalty=repetition_penalty, max_new_tokens=max_gen_toks)
     out = [""] * len(contexts)
 
+    # a stop string can only have just appeared in the last tokens (lm-eval's MultiTokenEOSCriteria): decoding
+    # those, not the whole answer, keeps the check per new token O(1)
+    tail = max((len(tok.encode(u, add_special_tokens=False).ids) for u in until), default=0) + 2
+
     def finished(ids: list[int]) -> bool:
-        text = tok.decode(ids, skip_special_tokens=True)
+        text = tok.decode(ids[-tail:], skip_special_tokens=True)
         return any(u in text for u in until)
 
     for b in range(0, len(order), batch_size):
