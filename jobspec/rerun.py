@@ -86,8 +86,8 @@ def finished_already(recipe: Recipe) -> str | None:
         raise _refusal(recipe, path, "on other data", data)
     missing = missing_outputs(recipe)
     if missing:
-        print(f"[rerun] the run finished at step {state['step']} but {missing[0]} is missing (its export or "
-              "inference check was interrupted): doing them again from the final checkpoint", flush=True)
+        print(f"[rerun] the run finished at step {state['step']} but {missing[0]} is missing or unreadable (its "
+              "export or inference check was interrupted): doing them again from the final checkpoint", flush=True)
         return None
     return (f"already finished at step {state['step']} ({run_dir_of(recipe).hf}); nothing to do "
             "(raise train.max_steps or train.epochs to train on from there)")
@@ -122,6 +122,7 @@ def missing_outputs(recipe: Recipe) -> list[Path]:
     them, so only nodes that see its OUTPUT_DIR look (one node, or data.shared_storage): every node decides alike."""
     run, e = run_dir_of(recipe), recipe.export
     want: list[Path] = []
+    unreadable: list[Path] = []
     if recipe.launch.nnodes > 1 and not recipe.data.shared_storage:
         return want
     if e.enabled and recipe.train.method == "lora":
@@ -129,12 +130,15 @@ def missing_outputs(recipe: Recipe) -> list[Path]:
     if e.enabled and (recipe.train.method != "lora" or e.merge):
         want.append(run.hf / "config.json")
         index = run.hf / INDEX
-        try:
-            want += [run.hf / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if not index.is_file():
             want.append(run.hf / SINGLE)
+        else:
+            try:
+                want += [run.hf / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                unreadable = [index]  # a torn index: the export did not complete, whatever else is there
     want.append(run.summary)  # written last, after the inference check: the run's end was reached
-    return [p for p in want if not p.is_file()]
+    return unreadable + [p for p in want if not p.is_file()]
 
 
 def rerun_answer(recipe: Recipe, who: str) -> int | None:

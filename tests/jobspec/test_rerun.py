@@ -108,3 +108,15 @@ def test_finished_means_the_outputs_exist(tmp_path, lost):
     # two nodes, node-local OUTPUT_DIRs: node 1 never has rank 0's export, so no node looks (all decide alike)
     local = load_recipe("tiny-cpu", {"output_dir": str(out), "train.method": "lora", "launch.nnodes": "2"})
     assert finished_already(local) is not None
+
+
+def test_a_torn_weight_index_is_no_finished_export(tmp_path, capsys):
+    """hf/'s sharded index cut short by a killed export, beside a stale model.safetensors: not finished (the
+    index's shards are unknown, so the export is redone), never "nothing to do"."""
+    out = tmp_path / "run"
+    _finished_run(out)
+    recipe = load_recipe("tiny-cpu", {"output_dir": str(out)})
+    assert finished_already(recipe) is not None
+    (out / "hf" / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-0000')
+    assert finished_already(recipe) is None
+    assert "model.safetensors.index.json is missing or unreadable" in capsys.readouterr().out
