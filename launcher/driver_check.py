@@ -15,9 +15,11 @@ MOUNT = f"-v /{cann.DRIVER_INFO}:/{cann.DRIVER_INFO}:ro"
 
 
 def host_driver(root: Path, npu_smi: NpuSmi | None) -> str | None:
-    """The mounted ``version.info``'s version, else ``npu-smi info``'s header."""
-    text = npu_smi(["info"]) if npu_smi is not None else None
-    return cann.driver_version(root) or (driver_version(text) if text else None)
+    """The mounted ``version.info``'s version, else ``npu-smi info``'s header (npu-smi runs only then)."""
+    found = cann.driver_version(root)
+    if found is None and npu_smi is not None and (text := npu_smi(["info"])):
+        found = driver_version(text)
+    return found
 
 
 def driver_rows(root: Path = Path("/"), npu_smi: NpuSmi | None = run_npu_smi) -> list[Row]:
