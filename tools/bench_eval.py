@@ -6,7 +6,7 @@ same requests, same machine.
 
 The model is a seeded Qwen2 of ``bench_train.SHAPE`` (hidden 512, 4 layers, vocab 151936, fp32) with the real
 tokenizer; the requests are the mmlu documents of ``--data-dir`` (default: the tests' synthetic files), 0-shot,
-four choices each, repeated ``--copies`` times. Rounds interleave ours and lm-eval's (``HFLM.loglikelihood``
+four choices each, ``--copies`` numbered copies of them. Rounds interleave ours and lm-eval's (``HFLM.loglikelihood``
 in its own process, kept alive between rounds); round 0 warms up. Prints tokens/s (the model's input tokens
 per second) per side, the median ratio with min/max, the largest log-likelihood difference, the CPU and the
 other work on the machine: when other processes average more than 0.5 runnable threads no ratio is
@@ -48,13 +48,15 @@ for line in sys.stdin:
 
 
 def requests(data_dir: Path, copies: int) -> list[tuple[str, str]]:
-    """(context, continuation) of every mmlu document's four choices, 0-shot, ``copies`` times."""
+    """(context, continuation) of every mmlu document's four choices, 0-shot, ``copies`` times; copy ``k``'s
+    contexts start with ``"(k) "``, so that every copy is a distinct document (neither side's reuse of identical
+    requests is measured)."""
     from finetune.eval.tasks import choices, context, load_task
     from jobspec.eval_config import EvalConfig
 
     subs = load_task("mmlu", EvalConfig(tasks=["mmlu"], data_dir=str(data_dir), num_fewshot=0))
     one = [(context(s, i, None), c) for s in subs for i, d in enumerate(s.docs) for c in choices("mmlu", d, False)]
-    return one * copies
+    return [(f"({k}) {c}", x) for k in range(copies) for c, x in one]
 
 
 def main(argv: list[str] | None = None) -> int:

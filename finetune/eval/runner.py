@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from finetune.dist import RankInfo
 from finetune.eval import scoring
@@ -27,6 +27,9 @@ from finetune.eval.tasks import (
     rolling_windows,
 )
 from jobspec.eval_config import EvalConfig
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -76,56 +79,77 @@ def _summary(per_doc: list[dict[str, float]], metrics: tuple[str, ...], k: int) 
     return out
 
 
-def doc_loglikelihoods(m: Scorer, groups: list[list[scoring.Request]], c: EvalConfig,
-                       meter: scoring.Meter) -> list[list[tuple[float, bool]]]:
-    """Each document's requests scored (this rank's documents; every rank's gathered), per document."""
+def pooled(parts: list[list[T]], fn: Callable[[list[T]], list[R]]) -> list[list[R]]:
+    """``fn`` over every part's items at once (one request pool, one sort by length), split back per part."""
+    flat = fn([x for part in parts for x in part])
+    ends = list(itertools.accumulate(len(p) for p in parts))
+    return [flat[end - len(p):end] for p, end in zip(parts, ends)]
+
+
+def doc_loglikelihoods(m: Scorer, docs: list[list[list[scoring.Request]]], c: EvalConfig,
+                       meter: scoring.Meter) -> list[list[list[tuple[float, bool]]]]:
+    """Each subtask's documents' requests scored in one pool (this rank's documents; every rank's gathered)."""
     def score(part: list[list[scoring.Request]]) -> list[list[tuple[float, bool]]]:
-        flat = scoring.loglikelihoods(m.model, [r for g in part for r in g], c.batch_size, m.max_length, meter)
-        ends = list(itertools.accumulate(len(g) for g in part))
-        return [flat[end - len(g):end] for g, end in zip(part, ends)]
-    return m.spread(groups, score)
+        return pooled(part, lambda flat: scoring.loglikelihoods(m.model, flat, c.batch_size, m.max_length, meter))
+    return pooled(docs, lambda flat: m.spread(flat, score))
 
 
-def score_subtask(m: Scorer, sub: Subtask, c: EvalConfig,
-                  log: Callable[[str], None]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One subject's numbers and its per-document records."""
-    spec = SPECS[sub.task]
-    meter = scoring.Meter(sub.name, log=log)
-    if spec.kind == "rolling":
-        return score_rolling(m, sub, c, meter)
-    contexts = [context(sub, i, m.chat) for i in range(len(sub.docs))]
-    records: list[dict[str, Any]] = []
-    per_doc: list[dict[str, float]] = []
-    if spec.kind == "mc":
-        groups = [[scoring.encode_pair(m.tok, ctx, cont) for cont in choices(sub.task, doc, m.chat is not None)]
-                  for ctx, doc in zip(contexts, sub.docs)]
-        for i, (doc, mine) in enumerate(zip(sub.docs, doc_loglikelihoods(m, groups, c, meter))):
+Scored = tuple[dict[str, Any], list[dict[str, Any]]]  # a subtask's numbers and its per-document records
+
+
+def _shots(sub: Subtask) -> int:
+    return len(sub.shots[0]) if sub.shots else 0
+
+
+def score_mc(m: Scorer, subs: list[Subtask], c: EvalConfig, meter: scoring.Meter) -> list[Scored]:
+    """Multiple choice: every choice's log-likelihood, acc (and acc_norm) per document."""
+    chat = m.chat is not None
+    docs = [[[scoring.encode_pair(m.tok, context(sub, i, m.chat), cont) for cont in choices(sub.task, doc, chat)]
+             for i, doc in enumerate(sub.docs)] for sub in subs]
+    out = []
+    for sub, lls in zip(subs, doc_loglikelihoods(m, docs, c, meter)):
+        per_doc, records = [], []
+        for i, (doc, mine) in enumerate(zip(sub.docs, lls)):
             per_doc.append(mc_scores([ll for ll, _ in mine], choice_texts(sub.task, doc), doc["answer"]))
             records.append({"doc_id": i, "subtask": sub.name, "target": doc["answer"],
                             "loglikelihoods": [ll for ll, _ in mine], "is_greedy": [g for _, g in mine], **per_doc[-1]})
-    else:
-        texts = m.spread(contexts, lambda part: scoring.generate_until(
-            m.model, m.tok, part, [*GSM8K_UNTIL], c.max_gen_toks, m.max_length, m.stops, c.batch_size,
-            m.repetition_penalty, meter))
-        for i, (doc, text) in enumerate(zip(sub.docs, texts)):
+        out.append((_summary(per_doc, SPECS[sub.task].metrics, _shots(sub)), records))
+    return out
+
+
+def score_gen(m: Scorer, subs: list[Subtask], c: EvalConfig, meter: scoring.Meter) -> list[Scored]:
+    """Generation: greedy answers, each filter's extraction and exact match per document."""
+    contexts = [[context(sub, i, m.chat) for i in range(len(sub.docs))] for sub in subs]
+    texts = pooled(contexts, lambda flat: m.spread(flat, lambda part: scoring.generate_until(
+        m.model, m.tok, part, [*GSM8K_UNTIL], c.max_gen_toks, m.max_length, m.stops, c.batch_size,
+        m.repetition_penalty, meter)))
+    out = []
+    for sub, answers in zip(subs, texts):
+        per_doc, records = [], []
+        for i, (doc, text) in enumerate(zip(sub.docs, answers)):
             scores, got = gen_scores(text, doc)
             per_doc.append(scores)
             records.append({"doc_id": i, "subtask": sub.name, "target": doc["answer"], "response": text,
                             "filtered": got, **scores})
-    k = len(sub.shots[0]) if sub.shots else 0
-    return _summary(per_doc, spec.metrics, k), records
+        out.append((_summary(per_doc, SPECS[sub.task].metrics, _shots(sub)), records))
+    return out
 
 
-def score_rolling(m: Scorer, sub: Subtask, c: EvalConfig,
-                  meter: scoring.Meter) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def score_rolling(m: Scorer, subs: list[Subtask], c: EvalConfig, meter: scoring.Meter) -> list[Scored]:
     """Perplexity: each document's log-likelihood over rolling windows, pooled as lm-eval's wikitext pools it."""
-    windows = [rolling_windows(m.tok.encode(d["text"], add_special_tokens=False).ids, m.prefix_id, m.max_length)
-               for d in sub.docs]
-    per_doc = [sum(ll for ll, _ in lls) for lls in doc_loglikelihoods(m, windows, c, meter)]
-    records = [{"doc_id": i, "subtask": sub.name, "loglikelihood": ll, "tokens": sum(len(w[1]) for w in ws)}
-               for i, (ll, ws) in enumerate(zip(per_doc, windows))]
-    out = {"n": len(sub.docs), "num_fewshot": 0, **perplexities(per_doc, sub.docs)}
-    return {**out, **{f"{k}_stderr": None for k in SPECS[sub.task].metrics}}, records
+    windows = [[rolling_windows(m.tok.encode(d["text"], add_special_tokens=False).ids, m.prefix_id, m.max_length)
+                for d in sub.docs] for sub in subs]
+    out = []
+    for sub, wins, lls in zip(subs, windows, doc_loglikelihoods(m, windows, c, meter)):
+        per_doc = [sum(ll for ll, _ in doc) for doc in lls]
+        records = [{"doc_id": i, "subtask": sub.name, "loglikelihood": ll, "tokens": sum(len(w[1]) for w in ws)}
+                   for i, (ll, ws) in enumerate(zip(per_doc, wins))]
+        numbers = {"n": len(sub.docs), "num_fewshot": 0, **perplexities(per_doc, sub.docs)}
+        out.append(({**numbers, **{f"{k}_stderr": None for k in SPECS[sub.task].metrics}}, records))
+    return out
+
+
+SCORERS = {"mc": score_mc, "gen": score_gen, "rolling": score_rolling}
 
 
 def score_task(m: Scorer, name: str, subs: list[Subtask], c: EvalConfig,
@@ -134,8 +158,8 @@ def score_task(m: Scorer, name: str, subs: list[Subtask], c: EvalConfig,
     results: dict[str, Any] = {}
     records: list[dict[str, Any]] = []
     start = time.time()
-    for sub in subs:
-        results[sub.name], recs = score_subtask(m, sub, c, log)
+    for sub, (numbers, recs) in zip(subs, SCORERS[SPECS[subs[0].task].kind](m, subs, c, scoring.Meter(name, log=log))):
+        results[sub.name] = numbers
         records += recs
     metrics = SPECS[subs[0].task].metrics
     if len(subs) > 1 or subs[0].name != name:

@@ -51,13 +51,12 @@ def loglikelihoods(model, requests: list[Request], batch_size: int, max_length: 
         for r, x in enumerate(rows):
             ids[r, :len(x)] = x
         hidden = model._hidden(ms.Tensor(ids))  # [b, s, H]; the head runs on the continuations' rows only
-        picks: list[int] = []
+        picks: list[int] = []  # each row's last positions once, as many as its longest continuation
         spans: list[tuple[int, int, int]] = []
         for r, x in enumerate(rows):
-            for i in inputs[x]:
-                n = len(requests[i][1])
-                spans.append((i, len(picks), n))
-                picks += [r * width + p for p in range(len(x) - n, len(x))]
+            longest = max(len(requests[i][1]) for i in inputs[x])
+            picks += [r * width + p for p in range(len(x) - longest, len(x))]
+            spans += [(i, len(picks) - len(requests[i][1]), len(requests[i][1])) for i in inputs[x]]
         flat = hidden.reshape(-1, hidden.shape[-1])
         logp = _log_softmax(model._project(flat.index_select(0, ms.Tensor(np.array(picks, np.int32)))).asnumpy())
         for i, start, n in spans:
