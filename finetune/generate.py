@@ -34,6 +34,7 @@ from jobspec.recipe_parse import Problem
 if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors before loading MindSpore
     from tokenizers import Tokenizer
 
+    from finetune.dist import RankInfo
     from finetune.model import Qwen2ForCausalLM
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
@@ -145,8 +146,10 @@ def check_weights_before_build(model_dir: str | Path) -> dict:
     return config
 
 
-def load_model(model_dir: str | Path, device: str = "auto") -> tuple[Qwen2ForCausalLM, Tokenizer, str]:
-    """(Qwen2ForCausalLM with the weights of an HF directory, its tokenizer, device target)."""
+def load_model(model_dir: str | Path, device: str = "auto", rank: RankInfo | None = None
+               ) -> tuple[Qwen2ForCausalLM, Tokenizer, str]:
+    """(Qwen2ForCausalLM with the weights of an HF directory, its tokenizer, device target); ``rank``: the TP slices
+    of an initialised rank (``finetune.dist.init_distributed``), else a whole model."""
     import mindspore as ms
     from tokenizers import Tokenizer
 
@@ -161,9 +164,10 @@ def load_model(model_dir: str | Path, device: str = "auto") -> tuple[Qwen2ForCau
                                 "(the fine-tune's export copies them)")
     target = device_target(device)
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    set_device(target, None)
+    if rank is None:
+        set_device(target, None)
     dtype = ms.bfloat16 if target == "Ascend" else ms.float32
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo(device_target=target), compute_dtype=dtype)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), rank or RankInfo(device_target=target), compute_dtype=dtype)
     load_weights(model, model_dir)
     return model, Tokenizer.from_file(str(tok_file)), target
 

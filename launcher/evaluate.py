@@ -27,7 +27,8 @@ def eval_argv(r: Recipe, models: dict[str, str]) -> list[str]:
     c = r.eval
     argv = [sys.executable, str(TOOL), "--data-dir", c.data_dir, "--out", str(run_dir_of(r).eval),
             "--tasks", ",".join(c.tasks), "--num-fewshot", str(c.num_fewshot), "--batch-size", str(c.batch_size),
-            "--limit", str(c.limit), "--max-gen-toks", str(c.max_gen_toks), "--device", r.launch.device]
+            "--limit", str(c.limit), "--max-gen-toks", str(c.max_gen_toks), "--device", r.launch.device,
+            "--tp", str(r.parallel.tp_size)]
     argv += ["--apply-chat-template"] if c.apply_chat_template else []
     argv += ["--reuse", "base"]  # the base model's results stay valid while its settings do
     return argv + [a for label, d in models.items() for a in ("--model", f"{label}={d}")]
@@ -76,10 +77,10 @@ def cmd_eval(job: Any, args: Any = None, host: Any = None) -> int:
     if "hf" not in models:
         print(f"[launcher] eval: no export at {run_dir_of(r).hf} yet; evaluating the base model only", flush=True)
     argv = eval_argv(r, models)
-    if job.world > 1:  # msrun's argv for the worker script, its --config replaced by the evaluator's options
+    if job.world > 1:  # msrun starting the evaluator with its options on every worker
         L = r.launch
         argv = launch.msrun_argv(job.world, job.nproc, L.master_addr, L.master_port, L.node_rank, L.cluster_time_out,
-                                 Path(), run_dir_of(r).eval / EVAL_FILES["logs"], TOOL)[:-2] + argv[2:]
+                                 Path(), run_dir_of(r).eval / EVAL_FILES["logs"], TOOL, worker_args=argv[2:])
     rc = subprocess.call(argv, env=job.env)
     if rc == 0:
         merge_summary(r)

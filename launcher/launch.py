@@ -22,14 +22,15 @@ WORKER_SCRIPT = REPO_ROOT / "finetune" / "worker.py"
 
 def msrun_argv(world: int, local_workers: int, master_addr: str, master_port: int, node_rank: int,
                cluster_time_out: int, plan_path: Path, log_dir: Path, worker_script: Path = WORKER_SCRIPT,
-               msrun: str | None = None) -> list[str]:
-    """The msrun command as an argument list (never a shell string); the venv's msrun when present."""
+               msrun: str | None = None, worker_args: list[str] | None = None) -> list[str]:
+    """The msrun command as an argument list (never a shell string); the venv's msrun when present. The worker
+    gets ``--config plan_path``, or ``worker_args`` when given."""
     venv_msrun = Path(sys.executable).parent / "msrun"
     msrun = msrun or (str(venv_msrun) if venv_msrun.exists() else "msrun")
     return [msrun, "--worker_num", str(world), "--local_worker_num", str(local_workers),
             "--master_addr", master_addr, "--master_port", str(master_port), "--node_rank", str(node_rank),
             "--log_dir", str(log_dir), "--join", "True", "--cluster_time_out", str(cluster_time_out),
-            str(worker_script), "--config", str(plan_path)]
+            str(worker_script), *(["--config", str(plan_path)] if worker_args is None else worker_args)]
 
 
 def direct_argv(plan_path: Path, worker_script: Path = WORKER_SCRIPT, python: str = sys.executable) -> list[str]:

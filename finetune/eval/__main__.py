@@ -9,6 +9,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
+from finetune.eval.dp import tp_problem
 from finetune.eval.loaders import EvalDataError
 from finetune.eval.tasks import SPECS, Subtask, load_task
 from jobspec.eval_config import EvalConfig, eval_problems
@@ -28,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=d.limit)
     ap.add_argument("--max-gen-toks", type=int, default=d.max_gen_toks)
     ap.add_argument("--device", default="auto", choices=["auto", "npu", "cpu"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per model (parallel.tp); DP the rest")
     ap.add_argument("--reuse", action="append", default=[], metavar="LABEL",
                     help="keep <out>/LABEL.json's results when its model directory and settings are the same")
     return ap.parse_args(argv)
@@ -62,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                    num_fewshot=args.num_fewshot, apply_chat_template=args.apply_chat_template,
                    batch_size=args.batch_size, limit=args.limit, max_gen_toks=args.max_gen_toks)
     models = dict(m.split("=", 1) if "=" in m else (Path(m).name, m) for m in args.model)
-    problems = eval_problems(c)
+    problems = [p.text() for p in eval_problems(c)] + [p for p in [tp_problem(args.tp)] if p]
     if problems:
-        print("[eval] " + "\n[eval] ".join(p.text() for p in problems), file=sys.stderr)
+        print("[eval] " + "\n[eval] ".join(problems), file=sys.stderr)
         return 2
     from finetune.hf_io import HFModelError
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from finetune.eval.report import evaluate_all
 
-    evaluate_all(models, tasks, c, Path(args.out), args.device, set(args.reuse))
+    evaluate_all(models, tasks, c, Path(args.out), args.device, set(args.reuse), args.tp)
     return 0
 
 

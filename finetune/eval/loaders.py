@@ -55,6 +55,15 @@ def _need(path: Path, have: list[str], want: tuple[str, ...]) -> None:
                             f"(found {', '.join(map(str, have)) or 'none'})")
 
 
+def _filled(files: Path | list[Path], docs: list[Doc]) -> list[Doc]:
+    """``docs``, refused when there are none: an empty split would score 0 (or divide by nothing)."""
+    names = ", ".join(map(str, files if isinstance(files, list) else [files]))
+    if not docs:
+        raise EvalDataError(f"{names}: no documents; each subject's file needs at least one row (delete the file to "
+                            "leave the subject out)")
+    return docs
+
+
 def _mc(question: str, choices: list[Any], answer: int, subject: str) -> Doc:
     return {"question": question, "choices": [str(c) for c in choices], "answer": answer, "subject": subject}
 
@@ -74,7 +83,7 @@ def mmlu_csv(path: Path, subject: str) -> list[Doc]:
             raise EvalDataError(f"{path}: row {i + 1} has {len(r)} fields; expected 6 without a header: "
                                 "question, A, B, C, D, answer (A-D)")
         docs.append(_mc(r[0], r[1:5], _letter(path, i, r[5]), subject))
-    return docs
+    return _filled(path, docs)
 
 
 def mmlu_parquet(paths: list[Path], subject: str) -> list[Doc]:
@@ -84,7 +93,7 @@ def mmlu_parquet(paths: list[Path], subject: str) -> list[Doc]:
         import pyarrow.parquet as pq
 
         _need(p, pq.read_schema(p).names, ("question", "choices", "answer"))
-    return [_mc(r["question"], list(r["choices"]), int(r["answer"]), subject) for r in rows]
+    return _filled(paths, [_mc(r["question"], list(r["choices"]), int(r["answer"]), subject) for r in rows])
 
 
 def labelled_csv(path: Path, subject: str, names: tuple[str, ...]) -> list[Doc]:
@@ -92,7 +101,8 @@ def labelled_csv(path: Path, subject: str, names: tuple[str, ...]) -> list[Doc]:
     header, *rows = _rows_csv(path) or [[]]
     _need(path, header, names)
     q, *opts, ans = (header.index(n) for n in names)
-    return [_mc(r[q], [r[o] for o in opts], _letter(path, i, r[ans]), subject) for i, r in enumerate(rows)]
+    return _filled(path, [_mc(r[q], [r[o] for o in opts], _letter(path, i, r[ans]), subject)
+                          for i, r in enumerate(rows)])
 
 
 def records(paths: list[Path], fields: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -136,7 +146,7 @@ def _split_reader(base: Path, names: Mapping[str, tuple[str, ...]], fields: tupl
         for pattern in names[split]:
             files = sorted(base.glob(pattern))
             if files:
-                return [make(r) for r in records(files, fields)]
+                return _filled(files, [make(r) for r in records(files, fields)])
         raise EvalDataError(f"{base}: no {' or '.join(names[split])}; expected records with {', '.join(fields)}")
     return read
 

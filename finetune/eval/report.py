@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.dist import RankInfo
 from finetune.eval.loaders import EvalDataError
 from finetune.eval.runner import Scorer, score_task
 from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
@@ -27,18 +28,40 @@ def chat_renderer(model_dir: str, tokenizer_config: dict[str, Any]) -> ChatRende
     return lambda messages: render_hf(template, messages, add_generation_prompt=True, special_tokens=special)
 
 
-def load_scorer(model_dir: str, device: str, chat: bool) -> Scorer:
-    """The model of ``model_dir`` on ``device`` with its tokenizer, stops, context length and generation penalty."""
+def load_scorer(model_dir: str, device: str, chat: bool, rank: RankInfo | None = None) -> Scorer:
+    """The model of ``model_dir`` on ``device`` (``rank``'s TP slices) with its tokenizer, stops, context length and
+    generation penalty."""
     from finetune.generate import Sampling, load_model, stop_ids
     from finetune.hf_io import load_hf_config
 
-    model, tok, _ = load_model(model_dir, device)
+    log = rank.log if rank else print
+    model, tok, _ = load_model(model_dir, device, rank)
     cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
     prefix = tok.token_to_id(cfg.get("bos_token") or cfg.get("eos_token") or "<|endoftext|>")
-    return Scorer(model, tok, stop_ids(tok, model_dir),
-                  int(load_hf_config(model_dir).get("max_position_embeddings", 2048)),
-                  chat_renderer(model_dir, cfg) if chat else None, Sampling.of_model(model_dir).repetition_penalty,
-                  prefix if prefix is not None else 0)
+    if prefix is None:
+        log(f"[eval] {model_dir}: the tokenizer has no bos_token, eos_token or <|endoftext|>: perplexity's first "
+            "window is scored after token 0")
+    length, source = context_length(load_hf_config(model_dir), cfg)
+    if source == "default":
+        log(f"[eval] {model_dir}: no max_position_embeddings in config.json nor model_max_length in "
+            f"tokenizer_config.json: requests are cut to lm-eval's default {length} tokens")
+    return Scorer(model, tok, stop_ids(tok, model_dir), length, chat_renderer(model_dir, cfg) if chat else None,
+                  Sampling.of_model(model_dir).repetition_penalty, prefix if prefix is not None else 0)
+
+
+def context_length(config: dict[str, Any], tokenizer_config: dict[str, Any]) -> tuple[int, str]:
+    """(max_length, where it came from) as lm-eval's ``resolve_max_length`` finds it: the config's n_positions,
+    max_position_embeddings or n_ctx, the tokenizer's model_max_length unless unset (1e30), else 2048."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        if isinstance(config.get(key), int):
+            return config[key], f"config.json {key}"
+    tok_max = tokenizer_config.get("model_max_length")
+    if isinstance(tok_max, int | float) and tok_max < 1e29:
+        return int(tok_max), "tokenizer_config.json model_max_length"
+    return LM_EVAL_MAX_LENGTH, "default"
+
+
+LM_EVAL_MAX_LENGTH = 2048  # lm-eval's DEFAULT_MAX_LENGTH, for a model that states none
 
 
 def headline(name: str) -> list[tuple[str, str]]:
@@ -103,13 +126,13 @@ def write_scalars(logdir: Path, rows: list[dict[str, Any]], labels: list[str]) -
 
 
 def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: EvalConfig, out: Path,
-                 device: str, reuse: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
-    """Score each model (loaded one at a time; under msrun each rank a share of the requests) and write the
-    results from rank 0; returns summary.json's content. Models in ``reuse`` keep their earlier results where
-    :func:`reusable` allows."""
+                 device: str, reuse: set[str] = frozenset(), tp: int = 1) -> dict[str, Any]:  # type: ignore[assignment]
+    """Score each model (loaded one at a time; under msrun each DP rank a share of the requests, each model split
+    over ``tp`` ranks) and write the results from rank 0; returns summary.json's content. Models in ``reuse`` keep
+    their earlier results where :func:`reusable` allows."""
     from finetune.eval.dp import Spread, join
 
-    rank = join(device)
+    rank = join(device, tp)
     out.mkdir(parents=True, exist_ok=True)
     by_model: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in tasks}
@@ -123,9 +146,10 @@ def evaluate_all(models: dict[str, str], tasks: dict[str, list[Subtask]], c: Eva
             for name in tasks:
                 samples[name] += earlier_samples(out, name, label)
             continue
-        rank.log(f"[eval] loading {label}: {model_dir}" + (f" on {rank.world_size} ranks" if rank.world_size > 1
-                                                             else ""))
-        scorer = dataclasses.replace(load_scorer(model_dir, device, c.apply_chat_template), spread=Spread(rank, out))
+        rank.log(f"[eval] loading {label}: {model_dir}" + (f" on {rank.world_size} ranks (TP {rank.tp} x DP {rank.dp})"
+                                                             if rank.world_size > 1 else ""))
+        scorer = dataclasses.replace(load_scorer(model_dir, device, c.apply_chat_template, rank),
+                                     spread=Spread(rank, out))
         by_model[label] = {}
         for name, subs in tasks.items():
             res, recs = score_task(scorer, name, subs, c, rank.log)

@@ -119,8 +119,10 @@ def test_eval_on_several_workers_runs_under_msrun(tmp_path, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(evaluate.subprocess, "call", lambda argv, env: seen.setdefault("argv", argv) and 0)
-    recipe = load_recipe("tiny-cpu", {"eval.data_dir": str(DATA), "output_dir": str(tmp_path)})
+    recipe = load_recipe("tiny-cpu", {"eval.data_dir": str(DATA), "output_dir": str(tmp_path), "parallel.tp": "2"})
     assert evaluate.cmd_eval(SimpleNamespace(recipe=recipe, env={}, world=2, nproc=2)) == 0
     argv = seen["argv"]
     assert argv[0].endswith("msrun") and argv[argv.index("--worker_num") + 1] == "2" and "--config" not in argv
-    assert argv[argv.index(str(evaluate.TOOL)) + 1:][:2] == ["--data-dir", str(DATA)]
+    tail = argv[argv.index(str(evaluate.TOOL)) + 1:]
+    assert tail == evaluate.eval_argv(recipe, evaluate.models_of(recipe))[2:]  # every option, none cut
+    assert tail[tail.index("--tp") + 1] == "2"  # the plan's TP layout

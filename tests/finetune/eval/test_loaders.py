@@ -73,6 +73,17 @@ def test_wrong_layout_is_refused_naming_file_and_columns(tmp_path):
         load_task("gsm8k", cfg(tmp_path, "gsm8k"))
 
 
+@pytest.mark.parametrize("task,path", [("mmlu", "mmlu/data/test/anatomy_test.csv"),
+                                       ("ceval-valid", "ceval-valid/val/accountant_val.csv"),
+                                       ("gsm8k", "gsm8k/test.jsonl")])
+def test_an_empty_file_is_refused_naming_it(tmp_path, task, path):
+    shutil.copytree(DATA / task, tmp_path / task)
+    lines = (tmp_path / path).read_text(encoding="utf-8").splitlines()
+    (tmp_path / path).write_text("".join(line + "\n" for line in lines[:1 if task == "ceval-valid" else 0]))
+    with pytest.raises(EvalDataError, match=f"{tmp_path / path}: no documents"):  # not a score of 0
+        load_task(task, cfg(tmp_path, task, num_fewshot=0))
+
+
 def test_config_problems_name_the_key():
     problems = eval_problems(EvalConfig(tasks=["mmlu", "gsm8"], batch_size=0))
     assert [p.key for p in problems] == ["eval.tasks", "eval.batch_size"]
@@ -117,3 +128,12 @@ def test_earlier_results_are_reused_only_for_the_same_weights_settings_and_devic
     assert not reusable(tmp_path, "base", "new", settings, ["mmlu"])
     assert not reusable(tmp_path, "base", "abc", {**settings, "device": "Ascend"}, ["mmlu"])
     assert not reusable(tmp_path, "base", "abc", settings, ["mmlu", "gsm8k"])
+
+
+def test_the_context_length_is_found_where_lm_eval_finds_it():
+    from finetune.eval.report import LM_EVAL_MAX_LENGTH, context_length
+
+    assert context_length({"max_position_embeddings": 32768}, {"model_max_length": 512}) == \
+        (32768, "config.json max_position_embeddings")
+    assert context_length({}, {"model_max_length": 131072}) == (131072, "tokenizer_config.json model_max_length")
+    assert context_length({}, {"model_max_length": 1e30}) == (LM_EVAL_MAX_LENGTH, "default")  # transformers' unset
