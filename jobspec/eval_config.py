@@ -22,6 +22,8 @@ class EvalConfig:
     data_dir: str = ""  # one folder per task name, in the task's published layout
     num_fewshot: int = -1  # -1: the task's own (lm-eval's: 0, gsm8k 5), sampled as lm-eval does (first_n)
     apply_chat_template: bool = False  # render each request as a chat turn (lm-eval --apply_chat_template)
+    fewshot_as_multiturn: bool = True  # with the chat template: each shot a user and an assistant turn (lm-eval's
+    # --fewshot_as_multiturn, on by default there with --apply_chat_template); false: all shots in one user turn
     batch_size: int = 16  # requests per forward (log-likelihood) or per generation batch
     limit: int = 0  # the first N documents of each task (or subject); 0: all
     max_gen_toks: int = 256  # generation tasks (gsm8k): new tokens per answer, lm-eval's default

@@ -30,6 +30,7 @@ def eval_argv(r: Recipe, models: dict[str, str]) -> list[str]:
             "--limit", str(c.limit), "--max-gen-toks", str(c.max_gen_toks), "--device", r.launch.device,
             "--tp", str(r.parallel.tp_size)]
     argv += ["--apply-chat-template"] if c.apply_chat_template else []
+    argv += ["--fewshot-as-multiturn" if c.fewshot_as_multiturn else "--no-fewshot-as-multiturn"]
     argv += ["--reuse", "base"]  # the base model's results stay valid while its settings do
     return argv + [a for label, d in models.items() for a in ("--model", f"{label}={d}")]
 

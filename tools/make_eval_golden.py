@@ -35,10 +35,16 @@ TASKS = Path(lm_eval.__file__).parent / "tasks"
 MODEL = {"overrides": {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
                        "num_key_value_heads": 2, "tie_word_embeddings": True}, "seed": 3, "std": 0.3}
 SUBJECTS = {"mmlu": ["anatomy", "high_school_physics"], "ceval-valid": ["accountant", "high_school_physics"]}
-# case -> (tasks, num_fewshot or None for the task's own, apply_chat_template)
-CASES = {"zero-shot": (["mmlu", "ceval-valid"], 0, False), "two-shot": (["mmlu", "ceval-valid"], 2, False),
-         "chat": (["mmlu"], 0, True), "gsm8k": (["gsm8k"], None, False),
-         "choice-texts": (["arc_easy", "hellaswag"], 2, False), "perplexity": (["perplexity"], 0, False)}
+# case -> (tasks, num_fewshot or None for the task's own, apply_chat_template, fewshot_as_multiturn)
+CASES = {"zero-shot": (["mmlu", "ceval-valid"], 0, False, False),
+         "two-shot": (["mmlu", "ceval-valid"], 2, False, False), "chat": (["mmlu"], 0, True, True),
+         "chat-two-shot-multiturn": (["mmlu"], 2, True, True), "chat-two-shot-one-turn": (["mmlu"], 2, True, False),
+         "gsm8k": (["gsm8k"], None, False, False), "choice-texts": (["arc_easy", "hellaswag"], 2, False, False),
+         "perplexity": (["perplexity"], 0, False, False)}
+# mmlu's group tree as lm-eval's YAMLs build it (mmlu over its four groups, each over its subjects; ours are all
+# stem), aggregated as they aggregate: acc weighted by size, stderr pooled at each level
+MMLU_GROUP = "golden_mmlu"
+MMLU_GROUPS = {"mmlu_stem": "_mmlu_stem.yaml", "mmlu": "_mmlu.yaml"}
 PERPLEXITY_MAX_LENGTH = 16  # the model's context in the perplexity case, so documents span several windows
 
 
@@ -72,6 +78,12 @@ def task_yamls(tmp: Path) -> dict[str, list[str]]:
         cfg.pop("dataset_name", None), cfg.pop("tag", None)
         names.setdefault("mmlu", []).append(cfg["task"])
         (tmp / f"{cfg['task']}.yaml").write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    members = {"mmlu_stem": names["mmlu"], "mmlu": ["golden_mmlu_stem"]}
+    for ours, theirs in MMLU_GROUPS.items():
+        group = lm_eval_yaml("mmlu/default", theirs)
+        (tmp / f"golden_{ours}.yaml").write_text(yaml.safe_dump({
+            "group": f"golden_{ours}", "task": members[ours], "aggregate_metric_list": group["aggregate_metric_list"],
+            "metadata": group.get("metadata", {})}))
     for s in SUBJECTS["ceval-valid"]:
         cfg = lm_eval_yaml("ceval", f"ceval-valid_{s}.yaml")
         files = {sp: str(DATA / "ceval-valid" / sp / f"{s}_{sp}.csv") for sp in ("dev", "val")}
@@ -134,12 +146,12 @@ def our_key(key: str) -> str:
 
 
 def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str) -> dict:
-    tasks, shots, chat = CASES[case]
+    tasks, shots, chat, multiturn = CASES[case]
     extra = f",max_length={PERPLEXITY_MAX_LENGTH}" if case == "perplexity" else ""
+    asked = [t for task in tasks for t in ([MMLU_GROUP] if task == "mmlu" else names[task])]
     res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32{extra}",
-                                  device="cpu",
-                                  tasks=[t for task in tasks for t in names[task]], num_fewshot=shots,
-                                  apply_chat_template=chat, log_samples=True, batch_size=4,
+                                  device="cpu", tasks=asked, num_fewshot=shots, apply_chat_template=chat,
+                                  fewshot_as_multiturn=multiturn, log_samples=True, batch_size=4,
                                   task_manager=TaskManager(include_path=str(tmp)), random_seed=0,
                                   numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=1234)
     out = {}
@@ -159,6 +171,9 @@ def run_case(model_dir: Path, tmp: Path, names: dict[str, list[str]], case: str)
                 entry["is_greedy"] = [[r[0][1] for r in d["resps"]] for d in docs]
             entry["contexts"] = [first_arg(d["arguments"]) for d in docs]
             out[name] = entry
+    if "mmlu" in tasks:  # the groups' numbers under our names for them
+        out["_groups"] = {g: {our_key(k): v for k, v in res["results"][f"golden_{g}"].items() if isinstance(v, float)}
+                          for g in MMLU_GROUPS}
     return out
 
 

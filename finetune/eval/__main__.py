@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="results folder (OUTPUT_DIR/eval)")
     ap.add_argument("--num-fewshot", type=int, default=d.num_fewshot)
     ap.add_argument("--apply-chat-template", action="store_true")
+    ap.add_argument("--fewshot-as-multiturn", action=argparse.BooleanOptionalAction, default=d.fewshot_as_multiturn,
+                    help="with the chat template: each shot its own user and assistant turn (lm-eval's default)")
     ap.add_argument("--batch-size", type=int, default=d.batch_size)
     ap.add_argument("--limit", type=int, default=d.limit)
     ap.add_argument("--max-gen-toks", type=int, default=d.max_gen_toks)
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     c = EvalConfig(tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], data_dir=args.data_dir,
                    num_fewshot=args.num_fewshot, apply_chat_template=args.apply_chat_template,
+                   fewshot_as_multiturn=args.fewshot_as_multiturn,
                    batch_size=args.batch_size, limit=args.limit, max_gen_toks=args.max_gen_toks)
     models = dict(m.split("=", 1) if "=" in m else (Path(m).name, m) for m in args.model)
     problems = [p.text() for p in eval_problems(c)] + [p for p in [tp_problem(args.tp)] if p]

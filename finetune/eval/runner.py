@@ -1,5 +1,6 @@
 """One loaded model on one task: each subject's metrics with lm-eval's stderr, its per-document records, and the
-task's (and mmlu's groups') averages weighted by size, under lm-eval's names."""
+task's (and mmlu's groups') averages weighted by size with pooled stderr, under lm-eval's names; all subjects of a
+task are scored in one request pool."""
 from __future__ import annotations
 
 import itertools
@@ -101,11 +102,15 @@ def _shots(sub: Subtask) -> int:
     return len(sub.shots[0]) if sub.shots else 0
 
 
+def _contexts(m: Scorer, subs: list[Subtask], c: EvalConfig) -> list[list[str]]:
+    return [[context(sub, i, m.chat, c.fewshot_as_multiturn) for i in range(len(sub.docs))] for sub in subs]
+
+
 def score_mc(m: Scorer, subs: list[Subtask], c: EvalConfig, meter: scoring.Meter) -> list[Scored]:
     """Multiple choice: every choice's log-likelihood, acc (and acc_norm) per document."""
     chat = m.chat is not None
-    docs = [[[scoring.encode_pair(m.tok, context(sub, i, m.chat), cont) for cont in choices(sub.task, doc, chat)]
-             for i, doc in enumerate(sub.docs)] for sub in subs]
+    docs = [[[scoring.encode_pair(m.tok, ctx, cont) for cont in choices(sub.task, doc, chat)]
+             for doc, ctx in zip(sub.docs, contexts)] for sub, contexts in zip(subs, _contexts(m, subs, c))]
     out = []
     for sub, lls in zip(subs, doc_loglikelihoods(m, docs, c, meter)):
         per_doc, records = [], []
@@ -119,7 +124,7 @@ def score_mc(m: Scorer, subs: list[Subtask], c: EvalConfig, meter: scoring.Meter
 
 def score_gen(m: Scorer, subs: list[Subtask], c: EvalConfig, meter: scoring.Meter) -> list[Scored]:
     """Generation: greedy answers, each filter's extraction and exact match per document."""
-    contexts = [[context(sub, i, m.chat) for i in range(len(sub.docs))] for sub in subs]
+    contexts = _contexts(m, subs, c)
     texts = pooled(contexts, lambda flat: m.spread(flat, lambda part: scoring.generate_until(
         m.model, m.tok, part, [*GSM8K_UNTIL], c.max_gen_toks, m.max_length, m.stops, c.batch_size,
         m.repetition_penalty, meter)))
@@ -167,9 +172,11 @@ def score_task(m: Scorer, name: str, subs: list[Subtask], c: EvalConfig,
         for sub in subs:
             if sub.group:
                 groups.setdefault(sub.group, []).append(results[sub.name])
-        if SPECS[subs[0].task].groups:
+        if SPECS[subs[0].task].groups:  # lm-eval's tree: mmlu over its groups, each over its subjects
             results.update({g: aggregate(parts, metrics) for g, parts in sorted(groups.items())})
-        results[name] = aggregate([results[s.name] for s in subs], metrics)
+            results[name] = aggregate([results[g] for g in sorted(groups)], metrics)
+        else:
+            results[name] = aggregate([results[s.name] for s in subs], metrics)
     log(f"[eval] {name}: " + ", ".join(f"{m} {results[name][m]:.4f}" for m in metrics)
         + f" (n={results[name]['n']}, {time.time() - start:.1f} s)")
     return results, records

@@ -131,14 +131,19 @@ def target(task: str, doc: Doc) -> str:
 ChatRender = Callable[[list[dict[str, str]]], str]
 
 
-def context(sub: Subtask, i: int, chat: ChatRender | None) -> str:
-    """The prompt of document ``i`` as lm-eval's ``fewshot_context`` builds it (without ``fewshot_as_multiturn``)."""
+def context(sub: Subtask, i: int, chat: ChatRender | None, multiturn: bool = False) -> str:
+    """The prompt of document ``i`` as lm-eval's ``fewshot_context`` builds it; with the chat template and
+    ``multiturn`` (its ``fewshot_as_multiturn``) each shot is a user turn (question) and an assistant turn (answer)."""
+    system = [{"role": "system", "content": sub.description}] if sub.description else []
+    if chat is not None and multiturn:
+        shots = [{"role": role, "content": text} for d in sub.shots[i]
+                 for role, text in (("user", question(sub.task, d)), ("assistant", target(sub.task, d)))]
+        return chat(system + shots + [{"role": "user", "content": question(sub.task, sub.docs[i])}])
     turns = [question(sub.task, d) + " " + target(sub.task, d) + "\n\n" for d in sub.shots[i]]
     body = "".join(turns) + question(sub.task, sub.docs[i])
     if chat is None:
         return sub.description + body
-    return chat(([{"role": "system", "content": sub.description}] if sub.description else [])
-                + [{"role": "user", "content": body}])
+    return chat(system + [{"role": "user", "content": body}])
 
 
 def choice_texts(task: str, doc: Doc) -> list[str]:

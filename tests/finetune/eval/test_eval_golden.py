@@ -36,26 +36,32 @@ def loaded(model_dir):
     return load_scorer(str(model_dir), "cpu", chat=False)
 
 
-def run(loaded, model_dir, task: str, shots: int, chat: bool, max_length: int = 4096) -> tuple[dict, list, list]:
+def run(loaded, model_dir, task: str, shots: int, chat: bool, max_length: int = 4096,
+        multiturn: bool = True) -> tuple[dict, list, list]:
     from finetune.eval.report import chat_renderer
 
-    c = EvalConfig(tasks=[task], data_dir=str(DATA), num_fewshot=shots, apply_chat_template=chat, batch_size=3)
+    c = EvalConfig(tasks=[task], data_dir=str(DATA), num_fewshot=shots, apply_chat_template=chat, batch_size=3,
+                   fewshot_as_multiturn=multiturn)
     subs = load_task(task, c)
     tokenizer_config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
     scorer = dataclasses.replace(loaded, chat=chat_renderer(str(model_dir), tokenizer_config) if chat else None,
                                  max_length=max_length)
     results, records = score_task(scorer, task, subs, c, print)
-    contexts = [] if task == "perplexity" else [context(s, i, scorer.chat) for s in subs for i in range(len(s.docs))]
+    contexts = [] if task == "perplexity" else [context(s, i, scorer.chat, multiturn) for s in subs
+                                                for i in range(len(s.docs))]
     return results, records, contexts
 
 
 @pytest.mark.parametrize("case,task", [("zero-shot", "mmlu"), ("zero-shot", "ceval-valid"), ("two-shot", "mmlu"),
-                                       ("two-shot", "ceval-valid"), ("chat", "mmlu"), ("choice-texts", "arc_easy"),
+                                       ("two-shot", "ceval-valid"), ("chat", "mmlu"),
+                                       ("chat-two-shot-multiturn", "mmlu"), ("chat-two-shot-one-turn", "mmlu"),
+                                       ("choice-texts", "arc_easy"),
                                        ("choice-texts", "hellaswag")])
 def test_multiple_choice_equals_lm_eval(loaded, model_dir, case, task):
     gold = {k: v for k, v in GOLDEN["cases"][case].items() if k == task or k.startswith(task + "_")}
-    shots = 2 if case in ("two-shot", "choice-texts") else 0  # choice-texts: lm-eval's seeded sampler, 2 shots
-    results, records, contexts = run(loaded, model_dir, task, shots, case == "chat")
+    shots = 0 if case in ("zero-shot", "chat") else 2  # choice-texts: lm-eval's seeded sampler, 2 shots
+    results, records, contexts = run(loaded, model_dir, task, shots, case.startswith("chat"),
+                                     multiturn=case != "chat-two-shot-one-turn")  # lm-eval's fewshot_as_multiturn
     assert contexts == [c for g in gold.values() for c in g["contexts"]]
     ours = np.array([r["loglikelihoods"] for r in records])
     ref = np.array([ll for g in gold.values() for ll in g["loglikelihoods"]])
@@ -67,6 +73,9 @@ def test_multiple_choice_equals_lm_eval(loaded, model_dir, case, task):
             assert results[name][metric] == (pytest.approx(value) if metric.endswith("_stderr") else value), metric
     n = sum(g["n"] for g in gold.values())  # lm-eval's group average: weighted by size
     assert results[task]["acc"] == pytest.approx(sum(g["metrics"]["acc"] * g["n"] for g in gold.values()) / n)
+    for group, metrics in GOLDEN["cases"][case].get("_groups", {}).items():  # lm-eval's group tree: pooled stderr
+        assert results[group]["acc"] == metrics["acc"], group
+        assert results[group]["acc_stderr"] == pytest.approx(metrics["acc_stderr"]), group
 
 
 def test_gsm8k_equals_lm_eval(loaded, model_dir):
