@@ -27,3 +27,9 @@ def fp32_atol(reference: np.ndarray, terms: int) -> float:
 def assert_fp32_close(actual: np.ndarray, reference: np.ndarray, terms: int, err_msg: str = "") -> None:
     """actual equals reference up to the rounding of `terms`-term fp32 sums done in another order."""
     np.testing.assert_allclose(actual, reference, rtol=0, atol=fp32_atol(reference, terms), err_msg=err_msg)
+
+
+def total_rtol(term_atol: float, terms: int, total: float) -> float:
+    """The relative tolerance of a sum of `terms` values each within `term_atol` (a document's log-likelihood from its
+    tokens' log-probabilities), which also bounds what is linear in it: log perplexity, bits per byte."""
+    return term_atol * terms / abs(total)
