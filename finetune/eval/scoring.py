@@ -4,8 +4,9 @@
 Tokenizing mirrors lm-eval's ``_encode_pair``: the context's trailing whitespace moves to the continuation,
 the whole is encoded and the continuation is the tokens after the context's own encoding. Requests are
 sorted by length and scored in batches, one forward per batch; requests whose model input is the same
-(the choices of a one-token multiple-choice question) share one row. Only the continuation's positions
-go through the LM head.
+(the choices of a one-token multiple-choice question) share one row. Only the continuations' positions
+go through the LM head, each row's once (as many as its longest continuation), and the log-softmax runs over
+those rows only.
 """
 from __future__ import annotations
 
