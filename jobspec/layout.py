@@ -86,8 +86,8 @@ def decide(tp: int, dp: int, pp: int, shard_optimizer: bool | None, overlap_grad
            vocab_parallel: bool, micro_batch_size: int, grad_accum: int, seq_len: int, world: int,
            device: Device, host_collectives: bool | None = None, nnodes: int = 1, zero: int | str = "auto") -> Layout:
     """The layout of a ``parallel`` request on ``world`` workers: dp 0 -> world / (tp x pp), an unset
-    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1 or 2 sets it, 2 shards the gradients too), overlap
-    only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
+    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1-3 sets it, 2 and 3 shard the gradients, 3 the
+    weights), overlap only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
     :func:`host_collectives_refusal` finds no reason against them. The request is checked against the world
     first (:func:`world_problems`) and ``zero`` against shard_optimizer (:func:`zero_problems`)."""
     dp = dp or world // (tp * pp)

@@ -96,3 +96,14 @@ def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(m
           f"= {saved / (8 * layer_params):.0%} of the layers' weight + gradient bytes, {saved / (8 * every):.0%} of "
           "the whole model's")
     assert saved >= 0.4 * 8 * layer_params
+
+
+def test_zero3_fp16_with_loss_scale_is_zero2s(tmp):
+    """fp16 + dynamic loss scale (fp32 masters in the optimizer): ZeRO-3 gathers the same fp16 chunks ZeRO-2
+    all-gathers into its weights and sums the same gradients in the same order, so the losses agree."""
+    fp16 = {"train.precision": "fp16", "train.max_steps": "8"}
+    runs = [_run(tmp, f"dp2-zero{z}-fp16", 2, **{"parallel.zero": str(z), **fp16}) for z in (2, 3)]
+    a, b = _losses(runs[0]), _losses(runs[1])
+    assert len(a) == len(b) == 8 and np.isfinite(a).all()
+    print(f"fp16 ZeRO-3 vs ZeRO-2: largest loss difference {np.abs(a - b).max():.3g}")
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=0)
