@@ -88,11 +88,12 @@ def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(m
     short = {"model.dir": str(model), "train.max_steps": "3", "export.enabled": "false",
              "train.compile_layers": "false"}  # ZeRO-3 refuses graphs: op by op in both
     peak = {}
-    for zero in (1, 3):
+    for zero in (1, 2, 3):  # ZeRO-2: what sharding the layers' weights adds to sharding the gradients
         out = _run(module_tmp, f"big-zero{zero}", 2, **{"parallel.zero": str(zero), **short})
         peak[zero] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["peak_memory_bytes"]
     saved = peak[1] - peak[3]
-    print(f"peak RSS rank 0: ZeRO-1 {peak[1] / 1e9:.2f} GB, ZeRO-3 {peak[3] / 1e9:.2f} GB: {saved / 1e6:.0f} MB less "
+    print(f"peak RSS rank 0: ZeRO-1 {peak[1] / 1e9:.2f} GB, ZeRO-2 {peak[2] / 1e9:.2f} GB, ZeRO-3 {peak[3] / 1e9:.2f} "
+          f"GB: {saved / 1e6:.0f} MB less "
           f"= {saved / (8 * layer_params):.0%} of the layers' weight + gradient bytes, {saved / (8 * every):.0%} of "
           "the whole model's")
     assert saved >= 0.4 * 8 * layer_params
@@ -100,10 +101,12 @@ def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(m
 
 def test_zero3_fp16_with_loss_scale_is_zero2s(tmp):
     """fp16 + dynamic loss scale (fp32 masters in the optimizer): ZeRO-3 gathers the same fp16 chunks ZeRO-2
-    all-gathers into its weights and sums the same gradients in the same order, so the losses agree."""
+    all-gathers into its weights; its recomputed backward adds the fp16 gradient terms of a layer's input in
+    another order than the whole tape does (measured 1.3e-6 relative over 8 steps), so the losses agree within one
+    fp16 rounding (2^-11 relative); a stale or wrong weight moves the loss by ~1e-2 per step."""
     fp16 = {"train.precision": "fp16", "train.max_steps": "8"}
     runs = [_run(tmp, f"dp2-zero{z}-fp16", 2, **{"parallel.zero": str(z), **fp16}) for z in (2, 3)]
     a, b = _losses(runs[0]), _losses(runs[1])
     assert len(a) == len(b) == 8 and np.isfinite(a).all()
     print(f"fp16 ZeRO-3 vs ZeRO-2: largest loss difference {np.abs(a - b).max():.3g}")
-    np.testing.assert_allclose(b, a, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(b, a, rtol=2.0 ** -11, atol=0)
