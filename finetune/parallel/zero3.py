@@ -33,8 +33,8 @@ class ShardedWeights:
     """This rank's weight chunks of ``opt``'s buckets (compute dtype; fp32 where a bucket holds an fp32 weight) and
     which decoder layers they hold. Built while every weight is whole; :meth:`release` shards them."""
 
-    def __init__(self, opt: Any, layers: list, rank: RankInfo):
-        self.opt, self.rank = opt, rank
+    def __init__(self, opt: Any, layers: list):
+        self.opt = opt
         index = {id(p): i for i, p in enumerate(opt.params)}
         self.layers = [[index[id(p)] for p in layer.trainable_params()] for layer in layers]
         self.sharded = {i for idx in self.layers for i in idx}
@@ -147,7 +147,7 @@ def shard_layers(model: Any, opt: Any, rank: RankInfo) -> ShardedWeights:
     """Wrap ``model``'s decoder layers in :class:`GatheredLayer` over ``opt``'s chunks (the weights stay whole
     until :meth:`ShardedWeights.release`)."""
     layers = model.model.layers
-    weights = ShardedWeights(opt, list(layers), rank)
+    weights = ShardedWeights(opt, list(layers))
     names = {id(p): p.name for p in model.get_parameters()}
     for n in range(len(layers)):
         layers[n] = GatheredLayer(layers[n], n, weights)
