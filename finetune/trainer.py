@@ -162,13 +162,14 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
     layout = recipe.decided_layout
     opt = build_optimizer(params, tc, rank, layout.shard_optimizer)
     overlap = layout.overlap_grad_reduce
-    zero3 = None
+    zero3, reduction = None, None
     if layout.shard_weights:
-        from finetune.parallel.zero3 import shard_layers
+        from finetune.parallel.zero3 import Zero3Reduction, shard_layers
 
         zero3 = shard_layers(model, opt, rank)
+        reduction = Zero3Reduction(params, opt, zero3)
     trainer = Trainer(recipe, run, rank, model, model_dir, params, opt,
-                      reduction_for(params, opt, layout, rank, zero3),
+                      reduction or reduction_for(params, opt, layout, rank),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps,
                       zero3=zero3)
     if rank.dp > 1:

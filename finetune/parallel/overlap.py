@@ -212,13 +212,9 @@ class ShardedAccumulation(GradReduction):
         return last if self.chunks is None else self._sum(self.chunks, last)
 
 
-def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo, weights: Any = None) -> GradReduction:
+def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo) -> GradReduction:
     """The step's gradient reduction for the plan's ``layout``: ZeRO-2's per-micro-batch one when it shards
-    the gradients, ZeRO-3's when ``weights`` (``zero3.ShardedWeights``) shards the layers."""
-    if weights is not None:
-        from finetune.parallel.zero3 import Zero3Reduction
-
-        return Zero3Reduction(params, opt, weights)
+    the gradients (ZeRO-3's is ``zero3.Zero3Reduction``)."""
     if not layout.shard_gradients:
         return GradReduction(params, opt, layout.overlap_grad_reduce)
     rank.log("[train] ZeRO-2: each micro-batch's gradients reduce-scattered over DP, each rank accumulating its "

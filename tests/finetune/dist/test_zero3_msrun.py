@@ -67,13 +67,13 @@ def test_a_zero3_checkpoint_resumes_at_zero1_and_in_one_process(tmp, dp, zero):
     _same_run(out, src, f"ZeRO-3 dp 2 -> ZeRO-{zero} dp {dp}", after=10)  # only steps 11..20: it resumed
 
 
-# Memory: 16 decoder layers of hidden 512 (45 M parameters) beside the tied 151,936 x 512 embedding (78 M), fp32
-BIG = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 16, "num_attention_heads": 8,
+# Memory: 16 decoder layers of hidden 256 (11.8 M parameters) beside the tied 151,936 x 256 embedding (38.9 M), fp32
+BIG = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 16, "num_attention_heads": 4,
        "num_key_value_heads": 2}
 
 
 def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(module_tmp):
-    """Rank 0's peak RSS after 3 steps (metrics.jsonl's ``peak_memory_bytes``) at DP 2: ZeRO-3 holds half the
+    """Rank 0's peak RSS after 2 steps (metrics.jsonl's ``peak_memory_bytes``) at DP 2: ZeRO-3 holds half the
     decoder layers' weights and fp32 gradient chunks where ZeRO-1 holds them whole, so its peak is lower by at
     least 40 % of the layers' weight + gradient bytes (8 per parameter). The embedding stays whole in both."""
     from jobspec.qwen2_layout import full_shapes
@@ -85,14 +85,14 @@ def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(m
     layer_params = sum(int(np.prod(s)) for n, s in shapes.items() if ".layers." in n)
     every = sum(int(np.prod(s)) for s in shapes.values())
     assert every >= 50e6
-    short = {"model.dir": str(model), "train.max_steps": "3", "export.enabled": "false",
+    short = {"model.dir": str(model), "train.max_steps": "2", "export.enabled": "false",
              "train.compile_layers": "false"}  # ZeRO-3 refuses graphs: op by op in both
     peak = {}
-    for zero in (1, 2, 3):  # ZeRO-2: what sharding the layers' weights adds to sharding the gradients
+    for zero in (1, 3):
         out = _run(module_tmp, f"big-zero{zero}", 2, **{"parallel.zero": str(zero), **short})
         peak[zero] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["peak_memory_bytes"]
     saved = peak[1] - peak[3]
-    print(f"peak RSS rank 0: ZeRO-1 {peak[1] / 1e9:.2f} GB, ZeRO-2 {peak[2] / 1e9:.2f} GB, ZeRO-3 {peak[3] / 1e9:.2f} "
+    print(f"peak RSS rank 0: ZeRO-1 {peak[1] / 1e9:.2f} GB, ZeRO-3 {peak[3] / 1e9:.2f} "
           f"GB: {saved / 1e6:.0f} MB less "
           f"= {saved / (8 * layer_params):.0%} of the layers' weight + gradient bytes, {saved / (8 * every):.0%} of "
           "the whole model's")
