@@ -93,13 +93,16 @@ def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> 
     trainer = setup(recipe, rank, dtype, run_dir or run_dir_of(recipe), model_hash)
     reporter = Reporter(trainer)
     code = train_loop(trainer, reporter, StopFlag())
-    return finish(trainer, reporter) if code == 0 else code
+    if code:
+        return code
+    with trainer.whole_weights():  # ZeRO-3: the final checks, checkpoint, export and sample of whole weights
+        return finish(trainer, reporter)
 
 
 def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
     """Run the steps from ``t.step`` to ``t.total_steps`` (or an early stop); the exit code (0: finish)."""
     tc, rank = t.recipe.train, t.rank
-    grad_fn = ms.value_and_grad(t.scaled_loss, None, t.params)
+    grad_fn = ms.value_and_grad(t.scaled_loss, None, t.reduction.taped(t.params))
     batches = iter(t.loader)  # positioned at step t.step; pulled only for a step that runs
     profiler = StepProfiler(tc.profile_steps, rank, t.run.profile)
     timer = reporter.timer
@@ -147,7 +150,8 @@ def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
             return EXIT_DIVERGED
         record = reporter.step_record(t, loss_sum / scale, lr, norm, scale) if logged else {"step": t.step}
         if evaluating:
-            record.update(evaluate(t))
+            with t.whole_weights():
+                record.update(evaluate(t))
             better = record["eval_loss"] < t.best_eval * (1 - EVAL_MIN_GAIN)
             t.best_eval, t.evals_without_gain = (record["eval_loss"], 0) if better else \
                 (t.best_eval, t.evals_without_gain + 1)

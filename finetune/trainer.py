@@ -6,6 +6,7 @@ loss scale and counters together).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,11 @@ class Trainer:
     skipped_steps: int = 0  # steps skipped for non-finite gradients, over this run and those it resumed
     bad_streak: int = 0  # consecutive non-finite steps up to the last sync point (no checkpoint while > 0)
     finished_at: Path | None = None  # the run's final checkpoint when it resumed one (its export is redone)
+    zero3: Any = None  # ZeRO-3's sharded layer weights (finetune/parallel/zero3.py), or None
+
+    def whole_weights(self) -> contextlib.AbstractContextManager:
+        """Every weight whole inside (ZeRO-3 gathers the layers: collective); nothing to do otherwise."""
+        return self.zero3.whole() if self.zero3 is not None else contextlib.nullcontext()
 
     def elapsed_s(self) -> float:
         """Training wall time over this run and the runs it resumed."""
@@ -85,9 +91,10 @@ class Trainer:
                              evals_without_gain=self.evals_without_gain, skipped_steps=self.skipped_steps,
                              bad_streak=self.bad_streak, settings=run_settings(self.recipe), finished=finished)
         sharded = self.opt.sharded
-        path = save_checkpoint(self.run.checkpoints, state, self.params, self.opt.state_dict(), self.rank,
-                               self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
-                               owns_optim=sharded or self.rank.dp_rank == 0)
+        with self.whole_weights():
+            path = save_checkpoint(self.run.checkpoints, state, self.params, self.opt.state_dict(), self.rank,
+                                   self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
+                                   owns_optim=sharded or self.rank.dp_rank == 0)
         self.rank.log(f"[train] checkpoint {path}")
         return path
 
@@ -155,9 +162,16 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
     layout = recipe.decided_layout
     opt = build_optimizer(params, tc, rank, layout.shard_optimizer)
     overlap = layout.overlap_grad_reduce
+    zero3, reduction = None, None
+    if layout.shard_weights:
+        from finetune.parallel.zero3 import Zero3Reduction, shard_layers
+
+        zero3 = shard_layers(model, opt, rank)
+        reduction = Zero3Reduction(params, opt, zero3)
     trainer = Trainer(recipe, run, rank, model, model_dir, params, opt,
-                      reduction_for(params, opt, layout, rank),
-                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps)
+                      reduction or reduction_for(params, opt, layout, rank),
+                      LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps,
+                      zero3=zero3)
     if rank.dp > 1:
         rank.log(f"[train] DP gradient reduction in {len(opt.bucket_params)} bucket(s), "
                  + ("each started by the backward as soon as its gradients exist" if overlap else
@@ -174,6 +188,8 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
         trainer.identity.update(lora_identity(recipe.lora))
     if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
         trainer.restore(None if tc.resume == "auto" else Path(tc.resume))
+    if zero3 is not None:  # restored whole; from now on each rank keeps its shard
+        zero3.release()
     return trainer
 
 
@@ -215,7 +231,8 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
         from finetune.lora import apply_lora
 
         params = apply_lora(model, recipe.lora, tc.seed)
-    if tc.recompute:  # last: the recomputed layers differentiate the parameters trainable now
+    # last: the recomputed layers differentiate the parameters trainable now (ZeRO-3 recomputes each layer itself)
+    if tc.recompute and not layout.shard_weights:
         model.model.recompute_layers()
     model.set_train(True)  # training mode: the LM head keeps its logits for the backward (evaluate() leaves it)
     return model, params

@@ -237,8 +237,8 @@ class Recipe:
         p, t, dev, nodes = self.parallel, self.train, cast(Device, device), self.launch.nnodes  # dev: see docstring
         if p.tp == "auto":
             raise ConfigError([Problem("parallel.tp", "auto is resolved by the launcher first", "2", "'auto'")])
-        problems = world_problems(p.tp, p.dp, p.pp, world) + t.device_problems(device) + zero_problems(p.zero,
-                                                                                                     p.shard_optimizer)
+        problems = world_problems(p.tp, p.dp, p.pp, world) + t.device_problems(device) + zero_problems(
+            p.zero, p.shard_optimizer, t.method)
         if problems:
             raise ConfigError(problems)
         r = copy.deepcopy(self)
@@ -331,7 +331,9 @@ def compile_layers_refusals(r: Recipe) -> list[str]:
            f"data.max_tokens_per_batch={r.data.max_tokens_per_batch}: every new batch shape compiles each layer "
            "again; packing keeps one shape": r.data.max_tokens_per_batch > 0,
            "launch.device=npu: the fused attention's spec is host data per batch; graphs there are not measured":
-               r.launch.device == "npu"}
+               r.launch.device == "npu",
+           "parallel.zero=3: a layer's weights are gathered around each call, which a graph does not see":
+               r.parallel.zero == 3}
     return [what for what, on in why.items() if on]
 
 

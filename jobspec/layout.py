@@ -24,6 +24,7 @@ class Layout:
     pp: int = 1
     shard_optimizer: bool = False  # the AdamW state split over DP (ZeRO-1); only with dp > 1
     shard_gradients: bool = False  # and each micro-batch's gradients reduce-scattered into fp32 shards (ZeRO-2)
+    shard_weights: bool = False  # and each decoder layer's weights held as shards, gathered per use (ZeRO-3)
     overlap_grad_reduce: bool = False  # DP reduction started by the backward; only with dp > 1
     vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows; only with tp > 1
     host_collectives: bool = False  # DP sums through shared memory (finetune/hostcomm.py); CPU, one node
@@ -43,8 +44,8 @@ class Layout:
 
     @property
     def zero(self) -> int:
-        """The ZeRO stage over DP: 0 (nothing sharded), 1 (optimizer state), 2 (and gradients)."""
-        return 2 if self.shard_gradients else int(self.shard_optimizer)
+        """The ZeRO stage over DP: 0 (nothing sharded), 1 (optimizer state), 2 (and gradients), 3 (and weights)."""
+        return 3 if self.shard_weights else 2 if self.shard_gradients else int(self.shard_optimizer)
 
     @property
     def device_target(self) -> Literal["Ascend", "CPU"]:
@@ -85,16 +86,16 @@ def decide(tp: int, dp: int, pp: int, shard_optimizer: bool | None, overlap_grad
            vocab_parallel: bool, micro_batch_size: int, grad_accum: int, seq_len: int, world: int,
            device: Device, host_collectives: bool | None = None, nnodes: int = 1, zero: int | str = "auto") -> Layout:
     """The layout of a ``parallel`` request on ``world`` workers: dp 0 -> world / (tp x pp), an unset
-    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1 or 2 sets it, 2 shards the gradients too), overlap
-    only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
+    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1-3 sets it, 2 and 3 shard the gradients, 3 the
+    weights), overlap only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
     :func:`host_collectives_refusal` finds no reason against them. The request is checked against the world
     first (:func:`world_problems`) and ``zero`` against shard_optimizer (:func:`zero_problems`)."""
     dp = dp or world // (tp * pp)
     shard = shard_optimizer if shard_optimizer is not None else dp > 1
-    shard = shard or zero in (1, 2)
+    shard = shard or zero in (1, 2, 3)
     host = host_collectives is not False and host_collectives_refusal(device, dp, nnodes) is None
     return Layout(tp=tp, dp=dp, pp=pp, shard_optimizer=shard and dp > 1, host_collectives=host,
-                  shard_gradients=zero == 2 and dp > 1,
+                  shard_gradients=zero in (2, 3) and dp > 1, shard_weights=zero == 3 and dp > 1,
                   overlap_grad_reduce=overlap_grad_reduce and dp > 1, vocab_parallel=vocab_parallel and tp > 1,
                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, seq_len=seq_len, device=device)
 
@@ -115,14 +116,17 @@ def host_collectives_choice(asked: bool | None, layout: Layout, nnodes: int) -> 
     return f"off{auto}: {host_collectives_refusal(layout.device, layout.dp, nnodes)}"
 
 
-ZERO_STAGES = ("auto", 1, 2)  # ZeRO-3 (sharded weights) is not built yet: docs/distributed.md
+ZERO_STAGES = ("auto", 1, 2, 3)
 
 
-def zero_problems(zero: int | str, shard_optimizer: bool | None) -> list[Problem]:
-    """``parallel.zero`` outside ``ZERO_STAGES``, or a stage that contradicts ``parallel.shard_optimizer=false``."""
+def zero_problems(zero: int | str, shard_optimizer: bool | None, method: str = "full") -> list[Problem]:
+    """``parallel.zero`` outside ``ZERO_STAGES``, a stage that contradicts ``parallel.shard_optimizer=false``, or
+    ZeRO-3 with LoRA (``method``: train.method; the frozen base is not sharded yet)."""
     if zero not in ZERO_STAGES:
-        why = "ZeRO-3 (sharded weights) is not built yet" if zero == 3 else "the stages are auto, 1 and 2"
-        return [Problem("parallel.zero", why, "2", repr(zero))]
+        return [Problem("parallel.zero", "the stages are auto, 1, 2 and 3", "2", repr(zero))]
+    if zero == 3 and method == "lora":
+        return [Problem("parallel.zero", "ZeRO-3 with train.method=lora is not built (the frozen base would need "
+                        "its own shards); LoRA's trained state is small: ZeRO-2 covers it", "2", "3")]
     if zero != "auto" and shard_optimizer is False:
         return [Problem("parallel.zero", f"stage {zero} shards the optimizer state, which parallel.shard_optimizer="
                         "false turns off; leave parallel.shard_optimizer unset", "auto", repr(zero))]

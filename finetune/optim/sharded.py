@@ -18,6 +18,8 @@ the DP transport's (``finetune/transport.py``), logged once.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mindspore as ms
 import numpy as np
 from mindspore import ops
@@ -27,11 +29,14 @@ from finetune.dist import RankInfo
 from finetune.hostmem import snapshot
 from finetune.optim.update import BiasCorrection, StepGate, write_param
 from finetune.parallel.grads import NormPiece, finish_norm, norm_partials, norm_weights
-from finetune.parallel.overlap import reduce_now
+from finetune.parallel.overlap import fp32, reduce_now
 from finetune.transport import Flight
 from jobspec.config import TrainConfig
 from jobspec.memory import BUCKET_BYTES
 from jobspec.shard_layout import LAYOUT_KEY, ShardLayout, state_key
+
+if TYPE_CHECKING:
+    from finetune.parallel.zero3 import ShardedWeights
 
 
 class ShardedAdamW:
@@ -50,8 +55,9 @@ class ShardedAdamW:
         self.mine = [self.layout.pieces(*self.layout.owned(k, r)) for k in range(len(self.buckets))]
         self.targets = [[(self.params[i], a, b, self.offsets[i] + a - lo) for i, a, b in found]  # _write_back's
                         for (lo, _), found in zip(self.buckets, self.layout.bucket_pieces)]
+        self.weights: ShardedWeights | None = None  # ZeRO-3's weight chunks (finetune/parallel/zero3.py)
         self.keep_master = any(p.dtype != ms.float32 for p in self.params)
-        self.master = [self._own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
+        self.master = [self.own_chunk(k) for k in range(len(self.buckets))] if self.keep_master else []
         self.m = [ops.zeros((c,), dtype=ms.float32) for c in self.chunk]
         self.v = [ops.zeros((c,), dtype=ms.float32) for c in self.chunk]
         self.segs = [self._segments(k) for k in range(len(self.buckets))]
@@ -63,8 +69,11 @@ class ShardedAdamW:
         rank.log(f"[train] sharded optimizer over dp={dp}: {len(self.buckets)} bucket(s); {self.channel.describe()}")
 
     # ---------------------------------------------------------------- layout helpers
-    def _own_chunk(self, k: int) -> ms.Tensor:
-        """This rank's chunk of bucket ``k`` of the parameters in fp32, zero-padded to the chunk size."""
+    def own_chunk(self, k: int) -> ms.Tensor:
+        """This rank's chunk of bucket ``k`` of the parameters in fp32, zero-padded to the chunk size (ZeRO-3: the
+        weight chunk it keeps)."""
+        if self.weights is not None:
+            return fp32(self.weights.chunks[k])
         parts = [self.params[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in self.mine[k]]
         return self._pad(parts, self.chunk[k], ms.float32)
 
@@ -123,7 +132,7 @@ class ShardedAdamW:
         keep = 1.0 - lr * self.cfg.weight_decay
         keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
         for k, g in enumerate(chunks):
-            w = self.master[k] if self.keep_master else self._own_chunk(k)
+            w = self.master[k] if self.keep_master else self.own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
@@ -148,12 +157,16 @@ class ShardedAdamW:
         return finish_norm(both[0], both[1], self.rank)
 
     def _write_back(self, k: int, chunk: ms.Tensor) -> None:
-        """All-gather bucket ``k``'s updated chunks into the parameters (each written once whole)."""
+        """All-gather bucket ``k``'s updated chunks into the parameters (each written once whole); ZeRO-3 keeps
+        the chunk instead (``ShardedWeights.write``)."""
+        if self.weights is not None:
+            self.weights.write(k, chunk)
+            return
         self.channel.gather_into(k, chunk.astype(self.targets[k][0][0].dtype), self.targets[k], write_param)
 
     def masters(self) -> list[ms.Tensor]:
         """This rank's fp32 chunks the kernel updates (for optim.UpdateCheck)."""
-        return self.master if self.keep_master else [self._own_chunk(k) for k in range(len(self.buckets))]
+        return self.master if self.keep_master else [self.own_chunk(k) for k in range(len(self.buckets))]
 
     # ---------------------------------------------------------------- state
     def _meta(self) -> np.ndarray:

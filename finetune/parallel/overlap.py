@@ -68,8 +68,16 @@ class GradReduction:
         self.launched_after: list[int] = []  # per launch, in order: how many gradients had arrived
         self._start(None, armed=False)
         if overlap:
-            for i, p in enumerate(params):
-                p.register_hook(self._hook(i))
+            for i in self.hooked(params):
+                params[i].register_hook(self._hook(i))
+
+    def hooked(self, params: list) -> list[int]:
+        """The parameters whose backward hooks report their gradients (overlap): all."""
+        return list(range(len(params)))
+
+    def taped(self, params: list) -> list:
+        """The parameters the step's autodiff differentiates: all."""
+        return params
 
     def add(self, acc: list | None, grads: list) -> list:
         """The fp32 accumulator ``acc`` (one tensor per trained parameter) with ``grads`` (one micro-batch's)
@@ -206,7 +214,7 @@ class ShardedAccumulation(GradReduction):
 
 def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo) -> GradReduction:
     """The step's gradient reduction for the plan's ``layout``: ZeRO-2's per-micro-batch one when it shards
-    the gradients."""
+    the gradients (ZeRO-3's is ``zero3.Zero3Reduction``)."""
     if not layout.shard_gradients:
         return GradReduction(params, opt, layout.overlap_grad_reduce)
     rank.log("[train] ZeRO-2: each micro-batch's gradients reduce-scattered over DP, each rank accumulating its "

@@ -49,7 +49,13 @@ def test_parallel_zero_maps_onto_the_sharded_optimizer_and_refuses_what_is_not_b
     assert layout({"parallel.zero": "2"}).zero == 2 and layout({"parallel.zero": "2"}).shard_optimizer
     assert layout({"parallel.zero": "1"}).zero == 1 and layout({"parallel.zero": "2"}, 1).zero == 0
     assert layout({"parallel.shard_optimizer": "false"}).zero == 0
-    for over, says in (({"parallel.zero": "3"}, "parallel.zero=3: ZeRO-3 (sharded weights) is not built yet"),
+    z3 = layout({"parallel.zero": "3"})
+    assert z3.zero == 3 and z3.shard_gradients and z3.shard_optimizer and layout({"parallel.zero": "3"}, 1).zero == 0
+    assert not load_recipe("tiny-cpu", {"parallel.zero": "3"}).resolved(4, "cpu").train.compile_layers  # refused
+    for over, says in (({"parallel.zero": "4"}, "parallel.zero=4: the stages are auto, 1, 2 and 3"),
+                       ({"parallel.zero": "3", "train.method": "lora"}, "ZeRO-3 with train.method=lora is not built"),
+                       ({"parallel.zero": "3", "train.compile_layers": "true"}, "train.compile_layers=true: not with "
+                        "parallel.zero=3"),
                        ({"parallel.zero": "2", "parallel.shard_optimizer": "false"}, "parallel.zero=2: stage 2")):
         with pytest.raises(ConfigError) as e:
             layout(over)

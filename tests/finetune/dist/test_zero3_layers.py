@@ -1,0 +1,57 @@
+"""ZeRO-3's gathered layers in one process (DP 1, so a gather is the chunk itself): after ``release`` every decoder
+layer's Parameters are one-element placeholders (the whole weights are freed), the loss and the gradients the
+layers' backward hands to the reduction are the plain model's, and ``whole`` gives back exactly the weights.
+The DP sums and the parity with one process over 20 steps are test_zero3_msrun.py's."""
+import mindspore as ms
+import numpy as np
+
+from finetune.dist import RankInfo
+from finetune.model import Qwen2Config, Qwen2ForCausalLM
+from finetune.optim import ShardedAdamW
+from finetune.parallel.zero3 import Zero3Reduction, shard_layers
+from jobspec.config import TrainConfig
+from jobspec.tiny import tiny_config
+from tests.tolerances import assert_fp32_close
+
+SEQ = 16
+
+
+def _model() -> Qwen2ForCausalLM:
+    ms.set_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config.from_dict(tiny_config({"vocab_size": 512})))
+
+
+def _batch() -> list[ms.Tensor]:
+    ids = np.random.default_rng(0).integers(0, 512, (2, SEQ)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (2, SEQ)).copy()
+    return [ms.Tensor(ids), ms.Tensor(ids), ms.Tensor(pos), ms.Tensor(np.ones((2, SEQ), np.int32))]
+
+
+def test_gathered_layers_free_their_weights_and_give_the_plain_models_loss_and_gradients():
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    plain, model = _model(), _model()
+    for a, b in zip(plain.trainable_params(), model.trainable_params()):
+        b.set_data(a.copy())
+    params = model.trainable_params()
+    whole = {p.name: p.asnumpy().copy() for p in params}
+    opt = ShardedAdamW(params, TrainConfig(), RankInfo())
+    weights = shard_layers(model, opt, RankInfo())
+    reduction = Zero3Reduction(params, opt, weights)
+    weights.release()
+    layer_params = [p for p in params if ".layers." in p.name]
+    assert layer_params and all(int(np.prod(p.shape)) == 1 for p in layer_params)
+    assert sorted(p.name for p in model.get_parameters()) == sorted(p.name for p in plain.get_parameters())
+
+    loss, grads = ms.value_and_grad(model, None, reduction.taped(params))(*_batch())
+    chunks = reduction.finish(list(grads))
+    ref_loss, ref_grads = ms.value_and_grad(plain, None, plain.trainable_params())(*_batch())
+    assert_fp32_close(loss.asnumpy(), ref_loss.asnumpy(), SEQ * 2)
+    got = np.concatenate([c.asnumpy() for c in chunks])[:opt.layout.total]
+    ref = np.concatenate([g.asnumpy().reshape(-1) for g in ref_grads])
+    assert_fp32_close(got, ref, SEQ * 2)
+    assert all(int(np.prod(p.shape)) == 1 for p in layer_params)  # released again after the backward
+
+    with weights.whole():
+        for p in params:
+            np.testing.assert_array_equal(p.asnumpy(), whole[p.name], err_msg=p.name)
+    assert all(int(np.prod(p.shape)) == 1 for p in layer_params)
