@@ -76,20 +76,35 @@ def weight_files(model_dir: str | os.PathLike) -> dict[str, Path]:
                        "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))")
 
 
-def read_tensor(path: Path, name: str, part: tuple[int, int, int] | None = None) -> np.ndarray:
-    """Tensor ``name`` of a safetensors file as float32; ``part`` = (axis, start, size) reads a slice only."""
+def _mapped(path: Path, name: str, part: tuple[int, int, int] | None) -> tuple[np.ndarray, str]:
+    """Tensor ``name`` of a safetensors file (its slice ``part`` = (axis, start, size)) as a view of the file's
+    memory map, no copy; (view, safetensors dtype)."""
     header, data_start = read_header(path)
     meta = header[name]
     if meta["dtype"] not in _NP:
         raise HFModelError(f"{path}: tensor {name} has dtype {meta['dtype']}; supported: {', '.join(_NP)}")
     begin = meta["data_offsets"][0]
     shape = tuple(meta["shape"])
-    a: np.ndarray = np.memmap(path, dtype=_NP[meta["dtype"]], mode="r", offset=data_start + begin, shape=shape)
+    a = np.asarray(np.memmap(path, dtype=_NP[meta["dtype"]], mode="r", offset=data_start + begin, shape=shape))
     if part is not None:
         axis, start, size = part
         a = a[start:start + size] if axis == 0 else a[:, start:start + size]
-    a = np.array(a)
-    return bf16_to_fp32(a) if meta["dtype"] == "BF16" else a.astype(np.float32)
+    return a, meta["dtype"]
+
+
+def read_tensor(path: Path, name: str, part: tuple[int, int, int] | None = None) -> np.ndarray:
+    """Tensor ``name`` of a safetensors file as float32 (one copy); ``part`` = (axis, start, size): a slice only."""
+    a, dtype = _mapped(path, name, part)
+    return bf16_to_fp32(a) if dtype == "BF16" else a.astype(np.float32)
+
+
+def read_into(out: np.ndarray, path: Path, name: str, part: tuple[int, int, int] | None = None) -> None:
+    """Tensor ``name`` (its slice ``part``) converted to float32 straight into ``out``: no copy of it in memory."""
+    a, dtype = _mapped(path, name, part)
+    if dtype == "BF16":
+        np.left_shift(a, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, a, casting="same_kind")
 
 
 def check_weights(model_dir: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
@@ -127,10 +142,13 @@ def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = No
     shapes = model.hf_shapes()
     files = check_weights(model_dir, {name: shapes[name] for name in model.hf_state()})
     layout = model.tp_layout
+    in_place = ms.get_context("device_target") == "CPU"  # there a Parameter's asnumpy() is its own storage
     for name, param in model.hf_state().items():
         part = layout.get(name)
-        data = read_tensor(files[name], name, part[:3] if part else None)
-        param.set_data(ms.Tensor(data, ms.float32))
+        if in_place:  # no host copy left behind (glibc keeps freed heap: the load's copies would stay in the RSS)
+            read_into(param.asnumpy(), files[name], name, part[:3] if part else None)
+        else:
+            param.set_data(ms.Tensor(read_tensor(files[name], name, part[:3] if part else None), ms.float32))
 
 
 # ---------------------------------------------------------------------------- export

@@ -25,9 +25,14 @@ from jobspec.shard_layout import ShardLayout
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
 
 WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers, allocator fragmentation
-# CPU: what a training process holds beyond an empty MindSpore process (same imports, same device setup):
-# the token cache, the tokenizer, compiled layer graphs, thread pools; measured by tools/bench_memory.py
-CPU_WORKSPACE_BYTES = 300 * 2**20
+# CPU: what a training process holds beyond an empty MindSpore process (same imports, same device setup) and the
+# tensors counted: the token cache, the tokenizer, thread pools, and freed heap that glibc keeps (the launcher's
+# malloc settings) but a later buffer does not fit in; measured by tools/bench_memory.py (docs/memory.md)
+CPU_WORKSPACE_BYTES = 200 * 2**20
+# CPU, train.compile_layers: what each decoder layer's graph (finetune/model.py compile_layers) holds beyond op by
+# op, fitted to step-1 peaks with and without graphs (docs/memory.md): per graph, per fp32 byte of the layer's
+# weights, per token x hidden of the micro-batch
+GRAPH_BYTES, GRAPH_PER_WEIGHT_BYTE, GRAPH_PER_TOKEN_HIDDEN = 45 * 2**20, 5, 109
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Which code allocates each term (the plan prints the terms; docs/memory.md measures them).
 TERMS = {
@@ -45,6 +50,7 @@ TERMS = {
                    "(CPU, parallel/hostcomm.py)",
     "staging": "checkpoint-save host copies (checkpoint.py save_checkpoint; host memory: CPU only)",
     "workspace": "framework workspace beyond the tensors (NPU: runtime, HCCL, fragmentation; CPU: measured)",
+    "graphs": "the compiled decoder-layer graphs' own buffers (CPU, train.compile_layers: finetune/model.py)",
 }
 # The setting that shrinks each term (the worker's step-1 warning names it with the largest term).
 SHRINKS = {
@@ -60,11 +66,12 @@ SHRINKS = {
     "collectives": "parallel.host_collectives=false (CPU)",
     "staging": "parallel.shard_optimizer=true (each rank stages its shard)",
     "workspace": "nothing in the recipe (the framework's)",
+    "graphs": "train.compile_layers=false (op by op, slower)",
 }
 # a checkpoint is saved after the update while the loop still holds the step's totals (train.py train_loop)
 PHASES = {"backward": ("accumulator", "grads", "activations", "logits"), "step": ("totals", "update"),
           "save": ("totals", "staging")}
-STATIC = ("weights", "master", "optimizer", "collectives", "workspace")
+STATIC = ("weights", "master", "optimizer", "collectives", "workspace", "graphs")
 
 
 @dataclass
@@ -83,6 +90,7 @@ class MemoryEstimate:
     update: int = 0
     collectives: int = 0
     staging: int = 0
+    graphs: int = 0
 
     def phases(self) -> dict[str, int]:
         """Bytes of each phase on top of the static terms."""
@@ -122,7 +130,8 @@ class MemoryEstimate:
         def terms(names: tuple[str, ...]) -> str:
             return " + ".join(f"{t} {getattr(self, t) / 2**30:.1f}" for t in names)
         phases = " | ".join(f"{k}{' (peak)' if k == self.peak_phase else ''}: {terms(v)}" for k, v in PHASES.items())
-        return f"{terms(STATIC)} + max({phases}) = {self.total / 2**30:.1f}"
+        static = tuple(t for t in STATIC if t != "graphs" or self.graphs)  # graphs: CPU only
+        return f"{terms(static)} + max({phases}) = {self.total / 2**30:.1f}"
 
     def table(self) -> str:
         peak = set(PHASES[self.peak_phase])
@@ -147,14 +156,23 @@ def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
     return replicated + split
 
 
+def graph_bytes(model_config: dict[str, Any], tokens: int) -> int:
+    """The compiled layer graphs' buffers on CPU (train.compile_layers) at ``tokens`` per micro-batch (fp32)."""
+    layers, h = int(model_config["num_hidden_layers"]), int(model_config["hidden_size"])
+    per_layer = sum(math.prod(s) for n, s in local_shapes(model_config, 1).items() if ".layers.0." in n)
+    return layers * (GRAPH_BYTES + GRAPH_PER_WEIGHT_BYTE * 4 * per_layer + GRAPH_PER_TOKEN_HIDDEN * tokens * h)
+
+
 def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
                     vocab_parallel: bool = False, loss_chunk_tokens: int = 0, grad_accum: int = 1,
-                    lora: LoraConfig | None = None, device: str = "npu") -> MemoryEstimate:
+                    lora: LoraConfig | None = None, device: str = "npu",
+                    compile_layers: bool = False) -> MemoryEstimate:
     """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout. ``lora`` (a
     LoraConfig, train.method=lora): the base is frozen in the compute dtype; only the fp32 adapters
     (and modules_to_save, with fp32 masters) have gradients and optimizer state. ``device`` 'cpu': the
-    host is the device (checkpoint staging counts, the measured CPU workspace)."""
+    host is the device (checkpoint staging counts, the measured CPU workspace, the compiled layer graphs
+    with ``compile_layers``: never on Ascend, where the layers run op by op)."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}: one of bf16, fp16, fp32 for the estimate")
     nbytes = _DTYPE_BYTES[precision]
@@ -200,7 +218,8 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=grad_nbytes, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=CPU_WORKSPACE_BYTES if device == "cpu" else WORKSPACE_BYTES,
                           accumulator=accumulator, logits=logits, totals=totals, update=update,
-                          collectives=collectives, staging=staging)
+                          collectives=collectives, staging=staging,
+                          graphs=graph_bytes(model_config, tokens) if compile_layers and device == "cpu" else 0)
 
 
 def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
@@ -249,6 +268,7 @@ class TrainShape:
     lora: LoraConfig | None = None  # train.method=lora
     grad_accum: int = 8  # the NPU recipes'
     device: str = "npu"
+    compile_layers: bool = False  # train.compile_layers (CPU only)
 
     @classmethod
     def of(cls, recipe: Recipe, device: str) -> TrainShape:
@@ -256,7 +276,7 @@ class TrainShape:
         t, p = recipe.train, recipe.parallel
         return cls(t.precision_on(device), t.micro_batch_size, t.recompute, p.shard_optimizer is not False,
                    p.vocab_parallel, t.loss_chunk_tokens, recipe.lora if t.method == "lora" else None,
-                   t.grad_accum, device)
+                   t.grad_accum, device, bool(t.compile_layers))
 
     def estimate(self, cfg: dict[str, Any], tp: int, dp: int, seq_len: int,
                  estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
@@ -264,7 +284,8 @@ class TrainShape:
                                precision=self.precision, recompute=self.recompute,
                                shard_optimizer=self.shard_optimizer, vocab_parallel=self.vocab_parallel and tp > 1,
                                loss_chunk_tokens=self.loss_chunk_tokens, lora=self.lora,
-                               grad_accum=self.grad_accum, device=self.device)
+                               grad_accum=self.grad_accum, device=self.device,
+                               compile_layers=self.compile_layers)
 
 
 FULL_FT = TrainShape()

@@ -12,15 +12,13 @@ tp > num_key_value_heads), which are counted on their owner rank only. Parameter
 """
 from __future__ import annotations
 
-from typing import Any
-
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
 from finetune.collectives import Ready, all_reduce_sum
 from finetune.dist import RankInfo
-from finetune.hostmem import in_blocks, own_memory
+from finetune.hostmem import in_blocks
 from finetune.transport import Channel
 from jobspec.memory import BUCKET_BYTES
 
@@ -127,16 +125,15 @@ NormPiece = tuple[int, "slice | None", float, float]  # (tensor index, flat slic
 def norm_partials(tensors: list, pieces: list[NormPiece], on_host: bool = False) -> tuple[ms.Tensor, ms.Tensor]:
     """(split, replicated) square partials of ``pieces`` of ``tensors``, summed in order: the one accumulation
     of the whole-model norm. Weights from ``norm_weights``. ``on_host`` (CPU, ``StepGate.on_host``): in numpy,
-    one pass over the gradients' own memory instead of MindSpore's square, sum and adds, when every tensor
-    owns its memory."""
-    arrays = host_views(tensors) if on_host else None
-    host = arrays is not None
-    src: list[Any] = arrays if arrays is not None else tensors
+    one pass over each fp32 tensor's memory (``asnumpy``: its own, or a copy of a view, one at a time) instead
+    of MindSpore's square, sum and adds, whose temporaries were 3x the largest gradient (docs/memory.md)."""
+    host = on_host and all(t.dtype == ms.float32 for t in tensors)
     square = host_square_partials if host else square_partials
     split, rep = ((np.zeros(PARTIALS, np.float32), np.zeros(PARTIALS, np.float32)) if host
                   else (ops.zeros((PARTIALS,), dtype=ms.float32), ops.zeros((PARTIALS,), dtype=ms.float32)))
     for i, part, ws, wr in pieces:
-        sq = square(src[i] if part is None else src[i][part])
+        x = tensors[i].asnumpy().reshape(-1) if host else tensors[i]
+        sq = square(x if part is None else x[part])
         if ws:
             split = split + sq * ws
         if wr:
@@ -157,17 +154,6 @@ def host_square_partials(x: np.ndarray) -> np.ndarray:
             np.einsum("ij,ij->i", rows[lo:hi], rows[lo:hi], out=out[lo:hi])
         in_blocks(PARTIALS, 8, part)
     out[:n - body] += np.square(x[body:])
-    return out
-
-
-def host_views(tensors: list) -> list[np.ndarray] | None:
-    """Every tensor's own memory, flat (``hostmem.own_memory``), or None when one of them has none."""
-    out = []
-    for t in tensors:
-        a = own_memory(t)
-        if a is None:
-            return None
-        out.append(a.reshape(-1))
     return out
 
 

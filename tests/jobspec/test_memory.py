@@ -208,3 +208,20 @@ def test_auto_tp_estimates_the_recipe_as_it_will_be_resolved(recipe, over):
     for tp, world in ((1, 8), (2, 8), (4, 16)):
         resolved = load_recipe(recipe, {**over, "parallel.tp": str(tp)}).resolved(world, "npu")
         assert shape.estimate(cfg, tp, world // tp, 4096) == memory_estimate(resolved, cfg), (tp, world)
+
+
+def test_compiled_layer_graphs_count_on_cpu_only_and_grow_with_layers_tokens_and_width():
+    """train.compile_layers: each decoder layer's graph holds buffers beyond op by op (measured, docs/memory.md);
+    a CPU term (the layers run op by op on Ascend), growing with the layers, the micro-batch's tokens, the width."""
+    from jobspec.memory import GRAPH_BYTES, graph_bytes
+
+    base = dict(seq_len=256, micro_batch_size=1, precision="fp32", recompute=False, device="cpu")
+    off, on = estimate_memory(TINY, **base), estimate_memory(TINY, **base, compile_layers=True)
+    assert off.graphs == 0 and on.graphs == graph_bytes(TINY, 256) > 2 * GRAPH_BYTES
+    assert on.step_peak - off.step_peak == on.total - off.total == on.graphs and "graphs" in on.summary()
+    assert "graphs" not in off.summary()
+    assert estimate_memory(TINY, **{**base, "device": "npu"}, compile_layers=True).graphs == 0
+    deeper = {**TINY, "num_hidden_layers": 4}
+    wider = {**TINY, "hidden_size": 128, "num_attention_heads": 2}
+    assert graph_bytes(deeper, 256) == 2 * graph_bytes(TINY, 256)
+    assert graph_bytes(TINY, 512) > graph_bytes(TINY, 256) and graph_bytes(wider, 256) > graph_bytes(TINY, 256)
