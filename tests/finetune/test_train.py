@@ -8,8 +8,9 @@ from safetensors.numpy import load_file
 
 from finetune.train import run
 from jobspec.checkpoints import unhealthy
-from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.config import resolved_model_dir
 from jobspec.memory import MemoryEstimate
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 

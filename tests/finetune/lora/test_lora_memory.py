@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.config import resolved_model_dir
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 from launcher.settings import CPU_MALLOC_DEFAULTS
