@@ -25,7 +25,7 @@ RUN = {"train.max_steps": "2", "train.log_every": "1", "train.micro_batch_size":
 # well above the noise of a process's RSS
 BIG = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2, "num_attention_heads": 8,
        "num_key_value_heads": 2, "tie_word_embeddings": True}
-CHILD = ("import json, sys; from finetune.train import run; from jobspec.config import load_recipe; "
+CHILD = ("import json, sys; from finetune.train import run; from jobspec.recipe_load import load_recipe; "
          "sys.exit(run(load_recipe('tiny-cpu-lora', json.loads(sys.argv[1]))))")
 
 
