@@ -1,7 +1,7 @@
 """A recipe key's facts, kept on its dataclass field: ``lr: float = key(2e-5, gt=0, example="2e-5", training=True)``.
 
 From these facts, and nowhere else, come: ``validate``'s range checks (:func:`range_problems`), the settings a
-rerun may not change (:func:`training_keys`, jobspec/rerun.py), the token cache's settings (:func:`cache_keys`,
+rerun may not change (:func:`training_keys`, jobspec/rerun.py), the token cache's settings (:func:`cache_settings`,
 jobspec/data/cache.py), the recipe keys that hold paths and the environment variables that set keys
 (:func:`path_keys`, :func:`env_keys`, launcher/settings.py's contract). Pure Python.
 """
