@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jobspec.config import resolved_model_dir
+from jobspec.finish import finished
 from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
@@ -37,7 +38,7 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path, recompute):
     from finetune.trainer import batch_tensors, setup
 
     overrides = {"output_dir": str(tmp_path), "train.recompute": str(recompute).lower(), **RUN}
-    recipe = load_recipe("tiny-cpu-lora", overrides).resolved(1, "cpu")
+    recipe = finished(load_recipe("tiny-cpu-lora", overrides).resolved(1, "cpu"))
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     t = setup(recipe, RankInfo(), ms_cpu.float32, RunDir(tmp_path))
     names = [p.name for p in t.opt.params]
