@@ -27,7 +27,8 @@ from finetune.progress import Reporter, evaluate
 from finetune.trainer import Trainer, batch_tensors, setup
 from jobspec.checkpoints import condemn
 from jobspec.config import Recipe
-from jobspec.rundir import RunDir, run_dir_of
+from jobspec.planfile import unplanned
+from jobspec.rundir import RunDir
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
@@ -77,8 +78,11 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
 
 
 def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> int:
-    """Fine-tune as the recipe says into ``run_dir`` (plan.json's; None: the recipe's own, ``run_dir_of``;
-    ``model_hash``: the plan's, see trainer.setup); returns the process exit code."""
+    """Fine-tune as the finished recipe says into ``run_dir`` (plan.json's; None: a recipe without a plan, e.g. a
+    test's, finished here as the launcher does, jobspec.planfile.unplanned; ``model_hash``: the plan's, see
+    trainer.setup); returns the process exit code."""
+    if run_dir is None:
+        recipe, run_dir, _ = unplanned(recipe)
     # the plan's recipe comes resolved: this checks its layout against the world msrun started (a recipe
     # without a plan, e.g. a test's, is resolved here for that world on its launch.device)
     device = recipe.layout.device if recipe.layout else launch_device(recipe.launch.device)
@@ -90,7 +94,7 @@ def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> 
     head = ("vocab-parallel" if layout.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {layout.device_target}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, "
              f"embedding/LM head {head}), compute dtype {dtype}, output {recipe.output_dir}")
-    trainer = setup(recipe, rank, dtype, run_dir or run_dir_of(recipe), model_hash)
+    trainer = setup(recipe, rank, dtype, run_dir, model_hash)
     reporter = Reporter(trainer)
     code = train_loop(trainer, reporter, StopFlag())
     if code:

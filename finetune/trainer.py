@@ -21,7 +21,7 @@ from finetune.dist import RankInfo
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction, reduction_for
 from jobspec.checkpoints import condemn, run_identity, usable, ways_out
-from jobspec.config import Recipe, TrainConfig, resolved_model_dir
+from jobspec.config import Recipe, TrainConfig
 from jobspec.data.batching import BatchLoader
 from jobspec.rerun import changed_settings, run_settings
 from jobspec.rundir import RunDir
@@ -139,15 +139,16 @@ class Trainer:
 
 
 def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = "") -> Trainer:
-    """Model, optimizer, loss scaler and data for this rank in ``run``, resumed when a checkpoint says so;
-    ``model_hash``: the base model's identity from the plan (jobspec.checkpoints.model_hash)."""
+    """Model, optimizer, loss scaler and data for this rank of the finished ``recipe`` (jobspec/finish.py) in
+    ``run``, resumed when a checkpoint says so; ``model_hash``: the base model's identity from the plan
+    (jobspec.checkpoints.model_hash)."""
     tc = recipe.train
-    model_dir = Path(resolved_model_dir(recipe))
+    model_dir = Path(recipe.model.dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json; set MODEL_DIR (model.dir) to a Hugging Face Qwen2 "
                                 "model directory, or start through the launcher, which creates the tiny default "
                                 "model (model.init)")
-    loader, val_loader = build_loaders(recipe, rank, model_dir)
+    loader, val_loader = build_loaders(recipe, rank, run)
     total_steps = min(tc.max_steps, loader.total_steps) if tc.max_steps else loader.total_steps
     if total_steps == 0:
         what = "token-budget batches" if loader.dynamic else "packed sequences" if recipe.data.packing else "sequences"
@@ -193,14 +194,16 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
     return trainer
 
 
-def build_loaders(recipe: Recipe, rank: RankInfo, model_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
-    """This DP rank's deterministic training batches from the token cache (prepared once per node or
-    job), and its share of the validation set when the cache holds one."""
+def build_loaders(recipe: Recipe, rank: RankInfo, run: RunDir) -> tuple[BatchLoader, BatchLoader | None]:
+    """This DP rank's deterministic training batches from the token cache in ``run.data`` (prepared once per
+    node or job), and its share of the validation set when the cache holds one."""
     from jobspec.data.cache import INDEX, VAL_INDEX
     from jobspec.data.prepare import ensure_cache
+    from jobspec.data.runcheck import Resumed
 
     tc, d = recipe.train, recipe.data
-    cache = ensure_cache(recipe, model_dir / "tokenizer.json", rank, progress=rank.is_main)
+    cache = ensure_cache(d, run.data, recipe.model.tokenizer, rank, progress=rank.is_main,
+                         resumed=Resumed.of(run, tc.resume))
 
     def loader(index_name: str) -> BatchLoader:
         return BatchLoader(cache.dir, d.seq_len, tc.micro_batch_size, tc.grad_accum, rank.dp, rank.dp_rank, tc.seed,

@@ -3,25 +3,25 @@
 Pure Python (no mindspore import) so the launcher can validate recipes in milliseconds. A recipe is
 YAML whose sections mirror these dataclasses; ``key=value`` overrides use dotted paths (``train.lr=1e-5``).
 Unknown keys and bad values are collected, never asserted, and reported all at once by :class:`ConfigError`.
-Reading YAML and overrides and coercing values to these types: ``jobspec/recipe_parse.py``.
+Each key's facts (range, what it changes, path, env variable) sit on its field (``key(...)``, jobspec/keys.py).
+Loading a recipe: ``jobspec/recipe_load.py``; its checks: ``jobspec/validate.py``; reading YAML and overrides and
+coercing values to these types: ``jobspec/recipe_parse.py``; resolving for a world and device: ``Recipe.resolved``.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
-from jobspec.eval_config import EvalConfig, eval_problems
-from jobspec.input_checks import input_problems
+from jobspec.eval_config import EvalConfig
+from jobspec.keys import key
 from jobspec.layout import Device, Layout, decide, host_collectives_problems, world_problems, zero_problems
-from jobspec.lora_config import LoraConfig, lora_problems
+from jobspec.lora_config import LoraConfig
 from jobspec.recipe_parse import ConfigError as ConfigError
 from jobspec.recipe_parse import Problem as Problem
-from jobspec.recipe_parse import build, merge, nest, read_recipe
 from jobspec.recipe_parse import overridden as overridden
 from jobspec.recipe_parse import parse_overrides as parse_overrides
 from jobspec.recipe_parse import parse_size as parse_size
@@ -30,19 +30,32 @@ from jobspec.rundir import run_dir_of
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 ASSETS_DIR = REPO_ROOT / "assets"
-# Mappings an override replaces whole instead of key by key (model.init: the tiny model's config.json fields)
-WHOLE_KEYS = frozenset({"model.init"})
+# The environment variables' longer meanings (the env table, launcher/settings.py), on their keys below
+MODEL_HELP = ("Hugging Face model dir (`config.json`, safetensors + index, `tokenizer.json`); unset with `tiny-cpu`: "
+              "the tiny model created in `OUTPUT_DIR/base-model`")
+DATA_HELP = ("files or dirs, comma-separated (JSON, JSONL, Parquet, .txt); the format is detected "
+             "(`data.format=auto`) unless `DATA_FORMAT` is set")
+OUTPUT_HELP = ("checkpoints, `logs/worker_<rank>.log`, `plan.json`, `hf/` export; a relative path is relative to the "
+               "current directory")
+NPROC_HELP = ("workers per node; default the visible NPU count (no NPU: 1); more than the NPUs (CPU workers: the "
+              "allowed CPUs) is refused")
+HOSTFILE_HELP = ("`host slots=N` (or MPI's `host:N`) lines, the same slots on every line (see `hostfiles/`); this node "
+                 "is the line naming one of its host names or interface addresses, or `NODE_RANK`")
+NUMA_HELP = "`auto` (numactl if installed, else CPU affinity) \\| `numactl` \\| `affinity` \\| `off`"
 
 
 @dataclass
 class ModelConfig:
     """Where the Hugging Face model lives (MODEL_DIR), or how to create the tiny default."""
 
-    dir: str = ""  # HF layout: config.json, *.safetensors (+ index), tokenizer.json
+    # HF layout: config.json, *.safetensors (+ index), tokenizer.json
+    dir: str = key("", path="input", example="models/Qwen2.5-7B-Instruct", env="MODEL_DIR", env_help=MODEL_HELP)
     # When set and `dir` holds no config.json: create a seeded random-init Qwen2 model there,
     # with these config.json fields over a tiny default, and the bundled Qwen2.5 tokenizer.
     init: dict[str, Any] | None = None
     init_seed: int = 0
+    # tokenizer.json; empty: <dir>/tokenizer.json (the created tiny model: the bundled one)
+    tokenizer: str = key("", path="input", example="models/Qwen2.5-7B-Instruct/tokenizer.json")
 
 
 @dataclass
@@ -52,88 +65,100 @@ class CleanConfig:
     empty_response: bool = True
     repeat_prompt: bool = True
     repeated_chars: bool = True
-    repeated_chars_max_run: int = 10  # a run of the same punctuation/char longer than this drops
+    # a run of the same punctuation/char longer than this drops
+    repeated_chars_max_run: int = key(10, ge=1, example="1")
     mojibake: bool = True
-    mojibake_max_ratio: float = 0.3  # share of non-printable / U+FFFD characters that drops
+    # share of non-printable / U+FFFD characters that drops
+    mojibake_max_ratio: float = key(0.3, gt=0, le=1, rule="a share in (0, 1]", example="0.3")
     invalid_utf8: bool = True
     dedup: bool = True
-    min_tokens: int = 4  # whole templated sample, in tokens
-    max_tokens: int = 0  # 0: no upper bound beyond data.seq_len truncation
+    min_tokens: int = key(4, ge=0, example="0")  # whole templated sample, in tokens
+    max_tokens: int = key(0, ge=0, example="0")  # 0: no upper bound beyond data.seq_len truncation
 
 
 @dataclass
 class DataConfig:
     """Instruction data (DATA, DATA_FORMAT) and how it becomes token batches."""
 
-    paths: list[str] = field(default_factory=list)  # files or dirs; JSON, JSONL or Parquet
-    format: Literal["auto", "alpaca", "sharegpt", "text"] = "auto"
+    # files or dirs; JSON, JSONL or Parquet
+    paths: list[str] = key(factory=list, path="input", example="sft/train.jsonl", env="DATA", env_help=DATA_HELP)
+    format: Literal["auto", "alpaca", "sharegpt", "text"] = key(
+        "auto", cache="always", env="DATA_FORMAT", env_help="`auto` \\| `alpaca` \\| `sharegpt` \\| `text`")
     # the formats' field names -> this dataset's own, e.g. {"instruction": "question", "output": "answer"}
-    columns: dict[str, str] = field(default_factory=dict)
-    on_error: Literal["fail", "skip"] = "fail"  # skip: malformed records are dropped and counted in the report
-    val_size: float = 0.0  # held out for validation: a fraction (< 1) or a count (>= 1) of the samples
-    val_paths: list[str] = field(default_factory=list)  # validation files (instead of val_size)
+    columns: dict[str, str] = key(factory=dict, cache="when_set")
+    # skip: malformed records are dropped and counted in the report
+    on_error: Literal["fail", "skip"] = key("fail", cache="when_set")
+    # held out for validation: a fraction (< 1) or a count (>= 1) of the samples
+    val_size: float = key(0.0, cache="when_set")
+    # validation files (instead of val_size)
+    val_paths: list[str] = key(factory=list, cache="when_set", path="input", example="sft/val.jsonl")
     weights: list[float] = field(default_factory=list)  # one per path; empty: all 1.0
-    seq_len: int = 1024
-    packing: bool = True
-    system_prompt: str = "You are a helpful assistant."
+    seq_len: int = key(1024, ge=8, example="1024", training=True, cache="always")
+    packing: bool = key(True, training=True)
+    system_prompt: str = key("You are a helpful assistant.", cache="always")
     # reasoning (reasoning_content, or <think>...</think> opening an answer); auto: keep what the data has
-    thinking: Literal["auto", "keep", "drop"] = "auto"
-    max_tokens_per_batch: int = 0  # >0: dynamic batching by token budget instead of packing
-    cache_dir: str = ""  # token cache; default <output_dir>/data
+    thinking: Literal["auto", "keep", "drop"] = key("auto", cache="when_set")
+    # >0: dynamic batching by token budget instead of packing
+    max_tokens_per_batch: int = key(0, ge=0, example="0", training=True)
+    cache_dir: str = key("", path="output", example="output/run1/data")  # token cache; default <output_dir>/data
     shared_storage: bool = False  # True: one process per job prepares (output on shared FS)
-    num_workers: int = 0  # tokenizer processes for prepare-data; 0: auto (from 8 MB of input one per CPU, at most 8)
-    max_samples: int = 0  # 0: all
+    # tokenizer processes for prepare-data; 0: auto (from 8 MB of input one per CPU, at most 8)
+    num_workers: int = key(0, ge=0, example="0")
+    max_samples: int = key(0, ge=0, example="0", cache="always")  # 0: all
     # tokenizer processes' malloc: auto (the cmeel-mimalloc wheel, else a system tcmalloc/jemalloc/mimalloc)
     # | system | path
     worker_malloc: str = "auto"
-    clean: CleanConfig = field(default_factory=CleanConfig)
+    clean: CleanConfig = key(factory=CleanConfig, cache="always")
 
 
 @dataclass
 class LossScaleConfig:
     """Dynamic loss scaling for train.precision=fp16."""
 
-    initial: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    initial: float = key(65536.0, gt=0, example="65536")
+    growth_factor: float = key(2.0, ge=1, example="2")
+    backoff_factor: float = key(0.5, gt=0, lt=1, rule="a factor in (0, 1)", example="0.5")
+    growth_interval: int = key(2000, ge=1, example="1")
 
 
 @dataclass
 class TrainConfig:
     """Optimizer, schedule, batch and checkpoint settings (defaults from the field guide)."""
 
-    method: Literal["full", "lora"] = "full"  # lora: adapters on the frozen base (the lora section)
-    lr: float = 2e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-6
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr: float = 0.0
-    clip_grad: float = 1.0  # 0: no clipping
-    grad_accum: int = 1
-    micro_batch_size: int = 1
-    epochs: int = 1
-    max_steps: int = 0  # 0: derived from epochs
+    method: Literal["full", "lora"] = key("full", training=True)  # lora: adapters on the frozen base (the lora section)
+    lr: float = key(2e-5, gt=0, example="2e-5", training=True)
+    betas: list[float] = key(factory=lambda: [0.9, 0.999], training=True)
+    eps: float = key(1e-6, gt=0, example="1e-6", training=True)
+    weight_decay: float = key(0.01, ge=0, example="0", training=True)
+    warmup_steps: int = key(0, ge=0, example="0", training=True)
+    schedule: Literal["cosine", "constant"] = key("cosine", training=True)
+    min_lr: float = key(0.0, ge=0, example="0", training=True)
+    clip_grad: float = key(1.0, ge=0, example="0", training=True)  # 0: no clipping
+    grad_accum: int = key(1, ge=1, example="1")
+    micro_batch_size: int = key(1, ge=1, example="1", training=True)
+    epochs: int = key(1, ge=1, example="1")
+    max_steps: int = key(0, ge=0, example="0")  # 0: derived from epochs
     recompute: bool = False  # per-layer activation recompute
     # each decoder layer as one mindspore.jit graph (docs/speed.md); unset (auto): on wherever
     # compile_layers_refusals finds no reason against it (on CPU: DP, ZeRO and fp16 included)
     compile_layers: bool | None = None
-    loss_chunk_tokens: int = 1024  # LM head + cross-entropy over chunks of this many label tokens (0: all at once)
+    # LM head + cross-entropy over chunks of this many label tokens (0: all at once)
+    loss_chunk_tokens: int = key(1024, ge=0, example="0")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on Ascend
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    seed: int = 42
-    log_every: int = 1
-    save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2  # 0: keep all
+    seed: int = key(42, training=True)
+    log_every: int = key(1, ge=1, example="1")
+    save_every: int = key(0, ge=0, example="0")  # 0: only at the end
+    keep_checkpoints: int = key(2, ge=0, example="0")  # 0: keep all
     resume: str = "auto"  # auto | never | <checkpoint dir>
     tensorboard: bool = True  # scalar event files under <output_dir>/tensorboard (rank 0)
     # Stop after this many consecutive steps with a non-finite loss or gradients. fp16's dynamic loss
     # scale skips a step per backoff (65536 -> 1 takes 16); bf16/fp32 have no scale to lower.
-    max_bad_steps: int = 20
-    eval_every: int = 0  # eval loss on the validation set (data.val_size / data.val_paths) every N steps; 0: at the end
-    early_stop_patience: int = 0  # stop after this many evaluations without a better eval loss; 0: never
+    max_bad_steps: int = key(20, ge=1, example="1")
+    # eval loss on the validation set (data.val_size / data.val_paths) every N steps; 0: at the end
+    eval_every: int = key(0, ge=0, example="0")
+    # stop after this many evaluations without a better eval loss; 0: never
+    early_stop_patience: int = key(0, ge=0, example="0")
     profile_steps: list[int] = field(default_factory=list)  # [start, end]: profile these steps on rank 0
 
     def precision_on(self, device: str) -> Literal["fp32", "bf16", "fp16"]:
@@ -154,14 +179,16 @@ class ParallelConfig:
     """The layout asked for: world = tp x dp x pp (tp auto: the launcher's ``jobspec.memory.auto_tp``).
     ``Recipe.resolved`` decides the rest into its ``layout``."""
 
-    tp: int | Literal["auto"] = 1
-    dp: int = 0
-    pp: int = 1
+    tp: int | Literal["auto"] = key(1, ge=1, example="1", env="TP", env_help="tensor-parallel size (world = TP x DP x "
+                                    "PP), or `auto`: the smallest that fits")
+    dp: int = key(0, ge=0, example="0", env="DP", env_help="data-parallel size; `0` derives it from the world size")
+    pp: int = key(1, ge=1, example="1", env="PP", env_help="pipeline-parallel size (1)")
     shard_optimizer: bool | None = None  # unset: on when dp > 1
     vocab_parallel: bool = True  # tp > 1: embedding/LM head split by vocab rows, parallel cross-entropy
     overlap_grad_reduce: bool = True  # dp > 1: each gradient bucket's reduction starts during the backward
     host_collectives: bool | None = None  # DP sums via /dev/shm (CPU, one node); unset: where jobspec.layout allows
-    zero: int | Literal["auto"] = "auto"  # ZeRO stage over DP (jobspec.layout.zero_problems); auto: 1 when dp > 1
+    # ZeRO stage over DP (jobspec.layout.zero_problems); auto: 1 when dp > 1
+    zero: int | Literal["auto"] = key("auto", example="2")
 
     @property
     def tp_size(self) -> int:  # 1 while tp is an unresolved "auto" (Recipe.resolved refuses it)
@@ -186,17 +213,23 @@ class LaunchConfig:
     """Host-side topology and supervision (filled by the launcher from env/CLI)."""
 
     device: Literal["auto", "npu", "cpu"] = "auto"
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 8118
-    nproc_per_node: int = 0  # 0: visible NPU count (CPU: 1)
-    hostfile: str = ""
-    numa_bind: Literal["auto", "numactl", "affinity", "off"] = "auto"
-    max_restarts: int = 0
-    cluster_time_out: int = 600
-    master_resolve_timeout_s: int = 600  # how long the launcher retries resolving MASTER_ADDR's name
-    dry_run: bool = False
+    nnodes: int = key(1, ge=1, example="1", env="NNODES",
+                      env_help="nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`")
+    node_rank: int = key(0, ge=0, example="0", env="NODE_RANK", env_help="this node, 0 = master")
+    master_addr: str = key("127.0.0.1", env="MASTER_ADDR", env_help="node 0's address (msrun scheduler)")
+    master_port: int = key(8118, ge=1, le=65535, rule="a TCP port 1..65535", example="8118", env="MASTER_PORT",
+                           env_help="scheduler port, default {default}, same on every node")
+    # 0: visible NPU count (CPU: 1)
+    nproc_per_node: int = key(0, ge=0, example="0", env="NPROC_PER_NODE", env_help=NPROC_HELP)
+    hostfile: str = key("", path="input", example="hostfiles/two-nodes.txt", env="HOSTFILE", env_help=HOSTFILE_HELP)
+    numa_bind: Literal["auto", "numactl", "affinity", "off"] = key("auto", env="NUMA_BIND", env_help=NUMA_HELP)
+    max_restarts: int = key(0, ge=0, example="0", env="MAX_RESTARTS",
+                            env_help="relaunches after a failure; each resumes from the newest checkpoint")
+    cluster_time_out: int = key(600, ge=1, example="1")
+    # how long the launcher retries resolving MASTER_ADDR's name
+    master_resolve_timeout_s: int = key(600, ge=1, example="1")
+    dry_run: bool = key(False, env="DRY_RUN",
+                        env_help="`1`: `train` writes and prints the plan and starts nothing (same as `plan`)")
     npu_monitor_s: float = 30.0  # npu-smi sampling into OUTPUT_DIR/npu.jsonl while training; 0: off
 
 
@@ -205,7 +238,7 @@ class Recipe:
     """A whole job: the YAML recipe resolved with env and CLI overrides."""
 
     name: str = ""
-    output_dir: str = "./output"
+    output_dir: str = key("./output", path="output", example="output/run1", env="OUTPUT_DIR", env_help=OUTPUT_HELP)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -254,70 +287,6 @@ class Recipe:
         return r
 
 
-def resolve_recipe_path(name_or_path: str) -> Path:
-    """A recipe name in recipes/ (with or without .yaml) or a path to a YAML file."""
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    for cand in (RECIPES_DIR / f"{name_or_path}.yaml", RECIPES_DIR / name_or_path, p):
-        if cand.is_file():
-            return cand
-    known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
-    if p.is_dir():
-        yamls = sorted(x.name for x in p.glob("*.y*ml"))
-        raise ConfigError([f"RECIPE={name_or_path!r}: a directory, not a recipe; give a YAML file"
-                           + (f" in it (e.g. RECIPE={p / yamls[0]})" if yamls else f" or one of: {known}")])
-    raise ConfigError([f"RECIPE={name_or_path!r}: no such recipe; use one of: {known}, or a path to a YAML file"])
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
-def load_recipe(name_or_path: str | None = None, overrides: dict[str, Any] | None = None,
-                raw: dict[str, Any] | None = None, render: Callable[[Problem], str] = Problem.text) -> Recipe:
-    """Recipe YAML (or ``raw``) + dotted overrides -> validated :class:`Recipe`.
-
-    Raises :class:`ConfigError` listing every problem at once, one per key; a problem about a value
-    from the recipe file names its line, ``render`` words the rest (the launcher names env variables).
-    """
-    problems: list[Problem] = []
-    data: dict[str, Any] = {}
-    lines: dict[str, int] = {}
-    where = ""
-    if raw is not None:
-        data = raw
-    elif name_or_path:
-        path = resolve_recipe_path(name_or_path)
-        data, lines = read_recipe(path)
-        data.setdefault("name", path.stem)
-        where = _shown(path)
-    data = merge(data, nest(overrides or {}), WHOLE_KEYS)
-    if "layout" in data and raw is None:  # only a plan's recipe (raw) carries one
-        problems.append(Problem("layout", "decided by the launcher from the parallel section (Recipe.resolved), "
-                                "not set in a recipe; set parallel.tp, parallel.dp, parallel.shard_optimizer ...",
-                                "parallel.shard_optimizer=false"))
-        del data["layout"]
-    recipe: Recipe = build(Recipe, data, "", problems)
-    bad = {p.key for p in problems}
-    problems += [p for p in validate(recipe) if p.key not in bad]  # a value that failed to parse fails no range
-    if problems:
-        over = list(overrides or {})
-        problems = [dataclasses.replace(p, where=f"{where}:{lines[p.key]}")
-                    if p.key in lines and not overridden(p.key, over) else p for p in problems]
-        raise ConfigError(problems, render)
-    return recipe
-
-
-def _at_least(p: list[Problem], lo: float, example: str, **values: float) -> None:
-    for key, v in values.items():
-        if v < lo:
-            p.append(Problem(key.replace("__", "."), f"must be >= {lo:g}", example, repr(v)))
-
-
 def compile_layers_refusals(r: Recipe) -> list[str]:
     """Why decoder layers cannot run as graphs for ``r``, each "<setting>: <reason>" (the graphs read the
     weights' own memory: every writer of a weight writes in place, optim.update.write_param and the host
@@ -351,68 +320,6 @@ def compile_layers_choice(r: Recipe, asked: bool | None) -> str:
     if asked is False:
         return "off (train.compile_layers=false): each layer op by op"
     return "off (auto): " + "; ".join(compile_layers_refusals(r))
-
-
-def validate(r: Recipe) -> list[Problem]:
-    """Ranges and cross-field checks that the types alone do not catch (floats are finite already)."""
-    p: list[Problem] = []
-    t, c, L = r.train, r.data.clean, r.launch
-    p += compile_layers_problems(r) + lora_problems(r.lora)
-    p += input_problems(r.data, t.method, r.lora) + eval_problems(r.eval)
-    _at_least(p, 1, "1", train__grad_accum=t.grad_accum, train__micro_batch_size=t.micro_batch_size,
-              train__epochs=t.epochs, train__log_every=t.log_every, train__max_bad_steps=t.max_bad_steps,
-              train__loss_scale__growth_interval=t.loss_scale.growth_interval, parallel__tp=r.parallel.tp_size,
-              parallel__pp=r.parallel.pp, launch__nnodes=L.nnodes, launch__cluster_time_out=L.cluster_time_out,
-              launch__master_resolve_timeout_s=L.master_resolve_timeout_s,
-              data__clean__repeated_chars_max_run=c.repeated_chars_max_run)
-    _at_least(p, 8, "1024", data__seq_len=r.data.seq_len)
-    _at_least(p, 0, "0", train__max_steps=t.max_steps, train__warmup_steps=t.warmup_steps,
-              train__save_every=t.save_every, train__keep_checkpoints=t.keep_checkpoints, parallel__dp=r.parallel.dp,
-              launch__max_restarts=L.max_restarts, launch__node_rank=L.node_rank,
-              launch__nproc_per_node=L.nproc_per_node, data__max_tokens_per_batch=r.data.max_tokens_per_batch,
-              train__loss_chunk_tokens=t.loss_chunk_tokens, data__num_workers=r.data.num_workers,
-              data__max_samples=r.data.max_samples, data__clean__min_tokens=c.min_tokens,
-              data__clean__max_tokens=c.max_tokens, train__weight_decay=t.weight_decay, train__min_lr=t.min_lr,
-              train__clip_grad=t.clip_grad, train__eval_every=t.eval_every,
-              train__early_stop_patience=t.early_stop_patience)
-    if t.profile_steps and not (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]):
-        p.append(Problem("train.profile_steps", "two steps [start, end], 1 <= start <= end", "3,5",
-                         repr(t.profile_steps)))
-    for key, v, example in (("train.lr", t.lr, "2e-5"), ("train.eps", t.eps, "1e-6"),
-                            ("train.loss_scale.initial", t.loss_scale.initial, "65536")):
-        if not v > 0:
-            p.append(Problem(key, "must be > 0", example, repr(v)))
-    if not t.loss_scale.growth_factor >= 1:
-        p.append(Problem("train.loss_scale.growth_factor", "must be >= 1", "2", repr(t.loss_scale.growth_factor)))
-    if not 0 < t.loss_scale.backoff_factor < 1:
-        p.append(Problem("train.loss_scale.backoff_factor", "a factor in (0, 1)", "0.5",
-                         repr(t.loss_scale.backoff_factor)))
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        p.append(Problem("train.betas", "two numbers in [0, 1)", "0.9,0.999", repr(t.betas)))
-    if r.parallel.pp != 1:
-        p.append(Problem("parallel.pp", "pipeline parallelism is not supported yet; use parallel.pp=1 with "
-                                        "tensor parallelism (parallel.tp=2) instead", "1", repr(r.parallel.pp)))
-    wm = r.data.worker_malloc
-    if wm not in ("auto", "system") and not (wm.startswith("/") and ".so" in wm):
-        p.append(Problem("data.worker_malloc", "auto, system or the absolute path of a malloc library",
-                         "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", repr(wm)))
-    if not 0 < c.mojibake_max_ratio <= 1:
-        p.append(Problem("data.clean.mojibake_max_ratio", "a share in (0, 1]", "0.3", repr(c.mojibake_max_ratio)))
-    if any(w < 0 for w in r.data.weights):
-        p.append(Problem("data.weights", "weights are >= 0", "1,0.5", repr(r.data.weights)))
-    if r.data.weights and len(r.data.weights) != len(r.data.paths):
-        p.append(Problem("data.weights", f"{len(r.data.weights)} weights for {len(r.data.paths)} paths; "
-                                         "give one weight per data.paths entry or none"))
-    if not 1 <= L.master_port <= 65535:
-        p.append(Problem("launch.master_port", "a TCP port 1..65535", "8118", repr(L.master_port)))
-    if L.node_rank >= L.nnodes and not L.hostfile:
-        p.append(Problem("launch.node_rank", f"must be < launch.nnodes={L.nnodes}", "0", repr(L.node_rank)))
-    try:
-        if parse_size(r.export.shard_size) <= 0:
-            raise ValueError
-    except (ValueError, OverflowError):
-        p.append(Problem("export.shard_size", "a size like 2GB or 500MB", "2GB", repr(r.export.shard_size)))
-    return p
 
 
 def resolved_model_dir(r: Recipe) -> str:

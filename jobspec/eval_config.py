@@ -6,8 +6,9 @@ benchmark is published in (README "Evaluating a fine-tune"; the loaders are fine
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from jobspec.keys import key, range_problems
 from jobspec.recipe_parse import Problem
 
 # lm-eval task names this project scores; mmlu_<subject> / ceval-valid_<subject> / cmmlu_<subject> name one subject
@@ -18,15 +19,22 @@ TASKS = ("mmlu", "ceval-valid", "cmmlu", "gsm8k", "arc_easy", "arc_challenge", "
 class EvalConfig:
     """Benchmarks on the base model and the run's ``hf/`` export, written to ``<output_dir>/eval``."""
 
-    tasks: list[str] = field(default_factory=list)  # lm-eval names, e.g. [mmlu, gsm8k]; empty: each folder of data_dir
-    data_dir: str = ""  # one folder per task name, in the task's published layout
-    num_fewshot: int = -1  # -1: the task's own (lm-eval's: 0, gsm8k 5), sampled as lm-eval does (first_n)
+    # lm-eval names, e.g. [mmlu, gsm8k]; empty: each folder of data_dir
+    tasks: list[str] = key(factory=list, env="EVAL_TASKS", env_help="`make eval`: lm-eval task names, comma-separated "
+                           "(`mmlu,ceval-valid,gsm8k`); unset: each task folder found in `EVAL_DATA`")
+    # one folder per task name, in the task's published layout
+    data_dir: str = key("", path="input", example="benchmarks", env="EVAL_DATA", env_help="`make eval`: the benchmark "
+                        "folder, one subfolder per task in its published layout (README \"Evaluating a fine-tune\")")
+    # -1: the task's own (lm-eval's: 0, gsm8k 5), sampled as lm-eval does (first_n)
+    num_fewshot: int = key(-1, ge=-1, rule="a count of examples, or -1 for the task's own", example="5")
     apply_chat_template: bool = False  # render each request as a chat turn (lm-eval --apply_chat_template)
     fewshot_as_multiturn: bool = True  # with the chat template: each shot a user and an assistant turn (lm-eval's
     # --fewshot_as_multiturn, on by default there with --apply_chat_template); false: all shots in one user turn
-    batch_size: int = 16  # requests per forward (log-likelihood) or per generation batch
-    limit: int = 0  # the first N documents of each task (or subject); 0: all
-    max_gen_toks: int = 256  # generation tasks (gsm8k): new tokens per answer, lm-eval's default
+    batch_size: int = key(16, ge=1, example="16")  # requests per forward (log-likelihood) or per generation batch
+    # the first N documents of each task (or subject); 0: all
+    limit: int = key(0, ge=0, rule="a count of documents per task (0: all)", example="100")
+    # generation tasks (gsm8k): new tokens per answer, lm-eval's default
+    max_gen_toks: int = key(256, ge=1, example="16")
     after_training: bool = False  # run the tasks at the end of make train (the base once, cached)
 
 
@@ -46,14 +54,7 @@ def eval_problems(c: EvalConfig) -> list[Problem]:
             close = difflib.get_close_matches(t, TASKS, n=1)
             p.append(Problem("eval.tasks", f"unknown task {t!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                              + f"; tasks: {', '.join(TASKS)} (a subject: mmlu_anatomy)", "mmlu,gsm8k", repr(t)))
-    if c.num_fewshot < -1:
-        p.append(Problem("eval.num_fewshot", "a count of examples, or -1 for the task's own", "5",
-                         repr(c.num_fewshot)))
-    for key, v in (("eval.batch_size", c.batch_size), ("eval.max_gen_toks", c.max_gen_toks)):
-        if v < 1:
-            p.append(Problem(key, "must be >= 1", "16", repr(v)))
-    if c.limit < 0:
-        p.append(Problem("eval.limit", "a count of documents per task (0: all)", "100", repr(c.limit)))
+    p += range_problems(c, "eval.")
     if c.after_training and not c.data_dir:
         p.append(Problem("eval.data_dir", "eval.after_training needs the benchmark folder: one subfolder per task "
                          "(EVAL_DATA)", "/data/benchmarks"))

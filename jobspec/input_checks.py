@@ -1,5 +1,5 @@
 """Recipe checks of what a user points the job at: data sources (columns, validation split, URLs) and
-``lora.*`` settings that the chosen method would ignore. Called by ``jobspec.config.validate``."""
+``lora.*`` settings that the chosen method would ignore. Called by ``jobspec.validate.validate``."""
 from __future__ import annotations
 
 import dataclasses

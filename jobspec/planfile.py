@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-from jobspec.config import ConfigError, Recipe, load_recipe
+from jobspec.config import ConfigError, Recipe
+from jobspec.finish import finished
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir, run_dir_of
 
 
@@ -25,13 +27,19 @@ def load_plan(path: str | Path) -> Recipe:
     return load_run(path).recipe
 
 
+def unplanned(recipe: Recipe) -> Run:
+    """A recipe that no launcher planned (a recipe file, a test's): finished as the launcher does
+    (jobspec/finish.py), its run directory the one rule's (``run_dir_of``)."""
+    recipe = finished(recipe)
+    return Run(recipe, run_dir_of(recipe))
+
+
 def load_run(path: str | Path) -> Run:
-    """:func:`load_plan`'s recipe, its run directory (plan.json's ``run_dir``, else ``run_dir_of(recipe)``)
-    and plan.json's ``model_hash``."""
+    """:func:`load_plan`'s recipe (finished, jobspec/finish.py: a plan's comes so), its run directory (plan.json's
+    ``run_dir``, else ``run_dir_of(recipe)``) and plan.json's ``model_hash``."""
     p = Path(path)
     if p.suffix in (".yaml", ".yml"):
-        recipe = load_recipe(str(p))
-        return Run(recipe, run_dir_of(recipe))
+        return unplanned(load_recipe(str(p)))
     try:
         raw = json.loads(p.read_text())
     except (OSError, ValueError) as e:
@@ -42,4 +50,8 @@ def load_run(path: str | Path) -> Run:
     if model_hash is not None and not isinstance(model_hash, str):
         raise ConfigError([f"{p}: model_hash {model_hash!r} is not a string; make the plan again (python -m "
                            "launcher plan)"])
-    return Run(recipe, RunDir.from_json(run) if isinstance(run, dict) else run_dir_of(recipe), model_hash or "")
+    if not isinstance(run, dict):
+        return unplanned(recipe)._replace(model_hash=model_hash or "")
+    decided = RunDir.from_json(run)
+    recipe.data.cache_dir = str(decided.data)  # the plan's run_dir wins (the launcher's plan: the same path)
+    return Run(finished(recipe), decided, model_hash or "")

@@ -10,6 +10,7 @@ Other data is refused by ``jobspec/data/runcheck.py``. Pure Python: the launcher
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import fields
@@ -19,12 +20,11 @@ from typing import Any
 from jobspec.checkpoints import STATE, usable, ways_out
 from jobspec.config import Recipe
 from jobspec.hf_files import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, SINGLE
+from jobspec.keys import training_keys
 from jobspec.lora_config import LoraConfig
 from jobspec.rundir import run_dir_of
 
-TRAINING_KEYS = ("train.method", "train.lr", "train.betas", "train.eps", "train.weight_decay", "train.warmup_steps",
-                 "train.schedule", "train.min_lr", "train.clip_grad", "train.seed", "train.micro_batch_size",
-                 "data.seq_len", "data.packing", "data.max_tokens_per_batch")
+TRAINING_KEYS = training_keys(Recipe())  # the keys whose facts say so (jobspec/keys.py)
 LORA_KEYS = tuple(f"lora.{f.name}" for f in fields(LoraConfig))  # recorded by a LoRA run
 LENGTH_KEYS = ("train.max_steps", "train.epochs")
 GLOBAL_BATCH = "global batch (train.micro_batch_size x train.grad_accum x dp)"
@@ -35,8 +35,7 @@ class RunSettingsChanged(ValueError):
 
 
 def _value(recipe: Recipe, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(recipe, section), name)
+    return functools.reduce(getattr, key.split("."), recipe)
 
 
 def run_settings(recipe: Recipe) -> dict[str, Any]:
@@ -104,14 +103,16 @@ def data_changes_of(recipe: Recipe, state: dict[str, Any]) -> list[str]:
     from jobspec.checkpoints import data_id
     from jobspec.config import ConfigError
     from jobspec.data import cache
-    from jobspec.data.prepare import tokenizer_path_for
+    from jobspec.data.prepare import tokenizer_checked
     from jobspec.data.runcheck import data_changes
+    from jobspec.finish import finished
 
-    old = cache.read_manifest(cache.cache_dir_for(recipe))
+    done = finished(recipe)
+    old = cache.read_manifest(Path(done.data.cache_dir))
     if old is None or data_id(old) != (state.get("identity") or {}).get("data"):
         return []
     try:
-        return data_changes(old, recipe, tokenizer_path_for(recipe))
+        return data_changes(old, done.data, tokenizer_checked(done.model.tokenizer))
     except ConfigError:  # no tokenizer: prepare-data says so
         return []
 

@@ -43,6 +43,7 @@ from jobspec.config import (
     resolved_model_dir,
     to_dict,
 )
+from jobspec.finish import finished
 from jobspec.layout import host_collectives_choice
 from jobspec.memory import auto_tp
 from jobspec.rerun import rerun_answer
@@ -158,16 +159,14 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         raise ConfigError(problems, s.render)
     ranks, binding = numa.plan(nproc, recipe.launch.numa_bind, devs, host.sys_root, have_numactl=host.have_numactl,
                                probe=host.membind_probe)
-    nodes, run = numa.numa_nodes(host.sys_root), run_dir_of(recipe)  # run: decided here, read by the workers
+    done = finished(recipe, nproc)  # every path the workers read, decided here and serialised once
+    nodes, run = numa.numa_nodes(host.sys_root), run_dir_of(done)
     env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)}, cpu=device == "cpu")
     if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
-    rd = to_dict(recipe)
-    rd["model"]["dir"], rd["data"]["cache_dir"] = resolved_model_dir(recipe), str(run.data)
-    rd["launch"]["nproc_per_node"] = nproc
     L = recipe.launch
     plan = planlib.Plan(
-        recipe=rd, path=run.plan, run_dir=run, cluster_time_out=L.cluster_time_out,
+        recipe=to_dict(done), path=run.plan, run_dir=run, cluster_time_out=L.cluster_time_out,
         topology=planlib.Topology(L.nnodes, L.node_rank, nproc, world, L.master_addr, L.master_port),
         ranks=[{"local_rank": i, "global_rank": L.node_rank * nproc + i,
                 "device": devs.visible[i] if i < len(devs.visible) else None} for i in range(nproc)],
@@ -271,7 +270,7 @@ def prepare_data(recipe: Recipe) -> int:
     """prepare-data: build the token cache unless a fresh one exists (jobspec.data.prepare decides)."""
     from jobspec.data.prepare import main as prepare_main
 
-    return prepare_main(rundir_prep.cleaned(recipe, log), table_when_fresh=False)
+    return prepare_main(finished(rundir_prep.cleaned(recipe, log)), table_when_fresh=False)
 
 
 # ------------------------------------------------------------------------------------ commands

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from jobspec.config import RECIPES_DIR, ConfigError, LaunchConfig, resolve_recipe_path
+from jobspec.config import RECIPES_DIR, ConfigError, LaunchConfig
+from jobspec.recipe_load import resolve_recipe_path
 from launcher import settings
 
 DEFAULT_IMAGE = "ascend-finetune:latest"

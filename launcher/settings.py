@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobspec.config import ConfigError, LaunchConfig, Problem, Recipe, load_recipe, overridden, parse_overrides
+from jobspec.config import ConfigError, Problem, Recipe, overridden, parse_overrides
+from jobspec.keys import env_keys, path_keys
+from jobspec.recipe_load import load_recipe
 
 # HCCL variables: defaults the launcher sets when unset (CANN's are 120 s connect and 1836 s exec on Atlas A2,
 # CANN env var reference; the connect wait is raised for multi-node start-up, the exec wait never set below
@@ -27,42 +29,16 @@ HCCL_VARS = (*HCCL_DEFAULTS, *HCCL_PASSTHROUGH)
 # of a DP 2 run (perf), and DP 2 went from 0.75x to 0.94x one process (docs/speed.md, "DP 2").
 CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
-# The env contract, the one table: (variable, recipe key or "", meaning). The README's table is
-# generated from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
+# The env contract, the one table: (variable, recipe key or "", meaning). The rows of recipe keys come from the
+# keys' facts (jobspec/keys.py: ``env``, ``env_help``), in the schema's order. The README's table is generated
+# from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
 ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("RECIPE", "", "name in `recipes/` or a YAML path; default `qwen2.5-7b-full` when NPUs are present and "
                    "`MODEL_DIR` and `DATA` are set, else `tiny-cpu`"),
-    ("MODEL_DIR", "model.dir", "Hugging Face model dir (`config.json`, safetensors + index, `tokenizer.json`); "
-                               "unset with `tiny-cpu`: the tiny model created in `OUTPUT_DIR/base-model`"),
-    ("DATA", "data.paths", "files or dirs, comma-separated (JSON, JSONL, Parquet, .txt); the format is detected "
-                           "(`data.format=auto`) unless `DATA_FORMAT` is set"),
-    ("DATA_FORMAT", "data.format", "`auto` \\| `alpaca` \\| `sharegpt` \\| `text`"),
-    ("OUTPUT_DIR", "output_dir", "checkpoints, `logs/worker_<rank>.log`, `plan.json`, `hf/` export; a relative "
-                                 "path is relative to the current directory"),
-    ("NNODES", "launch.nnodes", "nodes in the job (else detected, see below); more than one needs `MASTER_ADDR`"),
-    ("NODE_RANK", "launch.node_rank", "this node, 0 = master"),
-    ("MASTER_ADDR", "launch.master_addr", "node 0's address (msrun scheduler)"),
-    ("MASTER_PORT", "launch.master_port",
-     f"scheduler port, default {LaunchConfig.master_port}, same on every node"),
-    ("NPROC_PER_NODE", "launch.nproc_per_node", "workers per node; default the visible NPU count (no NPU: 1); "
-                                                "more than the NPUs (CPU workers: the allowed CPUs) is refused"),
-    ("HOSTFILE", "launch.hostfile", "`host slots=N` (or MPI's `host:N`) lines, the same slots on every line (see "
-                                    "`hostfiles/`); this node is the line naming one of its host names or interface "
-                                    "addresses, or `NODE_RANK`"),
-    ("TP", "parallel.tp", "tensor-parallel size (world = TP x DP x PP), or `auto`: the smallest that fits"),
-    ("PP", "parallel.pp", "pipeline-parallel size (1)"),
-    ("DP", "parallel.dp", "data-parallel size; `0` derives it from the world size"),
+    *((var, key, meaning) for var, (key, meaning) in env_keys(Recipe()).items()),
     ("OVERRIDES", "", "space-separated `key=value` for any recipe key, e.g. "
                       "`OVERRIDES=\"train.lr=1e-5 train.epochs=1\"`; a value with spaces in quotes after the `=` "
                       "(`OVERRIDES='data.system_prompt=\"You are a pirate\"'`), `key=\"\"` the empty value"),
-    ("NUMA_BIND", "launch.numa_bind", "`auto` (numactl if installed, else CPU affinity) \\| `numactl` \\| "
-                                      "`affinity` \\| `off`"),
-    ("MAX_RESTARTS", "launch.max_restarts", "relaunches after a failure; each resumes from the newest checkpoint"),
-    ("EVAL_TASKS", "eval.tasks", "`make eval`: lm-eval task names, comma-separated (`mmlu,ceval-valid,gsm8k`); "
-                                 "unset: each task folder found in `EVAL_DATA`"),
-    ("EVAL_DATA", "eval.data_dir", "`make eval`: the benchmark folder, one subfolder per task in its published "
-                                   "layout (README \"Evaluating a fine-tune\")"),
-    ("DRY_RUN", "launch.dry_run", "`1`: `train` writes and prints the plan and starts nothing (same as `plan`)"),
     (", ".join(HCCL_DEFAULTS), "", f"defaulted for workers to {' / '.join(HCCL_DEFAULTS.values())} s (CANN's A2 "
                                    "default) when unset"),
     (", ".join(HCCL_PASSTHROUGH), "", "passed through to workers unchanged"),
@@ -72,17 +48,9 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
                                    "to use; read"),
     ("ASCEND_RT_VISIBLE_DEVICES", "", "logical NPU ids; read, and set for workers when only some NPUs are used"),
 )
-# Recipe keys that hold paths: key -> (input | output, an example under a data dir). absolutize makes
-# them absolute for the workers; render checks that each is a pod path.
-PATH_KEYS: dict[str, tuple[str, str]] = {
-    "output_dir": ("output", "output/run1"),
-    "data.cache_dir": ("output", "output/run1/data"),
-    "model.dir": ("input", "models/Qwen2.5-7B-Instruct"),
-    "data.paths": ("input", "sft/train.jsonl"),
-    "data.val_paths": ("input", "sft/val.jsonl"),
-    "launch.hostfile": ("input", "hostfiles/two-nodes.txt"),
-    "eval.data_dir": ("input", "benchmarks"),
-}
+# Recipe keys that hold paths: key -> (input | output, an example under a data dir), from the keys' facts.
+# absolutize makes them absolute for the workers; render checks that each is a pod path.
+PATH_KEYS: dict[str, tuple[str, str]] = path_keys(Recipe())
 # Environment variable -> dotted recipe key.
 ENV_KEYS: dict[str, str] = {var: key for var, key, _ in ENV_CONTRACT if key}
 NPU_RECIPE = "qwen2.5-7b-full"

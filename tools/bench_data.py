@@ -27,12 +27,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobspec.config import ASSETS_DIR, load_recipe
+from jobspec.config import ASSETS_DIR
 from jobspec.data import malloc
 from jobspec.data.encode import load_tokenizer
 from jobspec.data.formats import iter_samples
 from jobspec.data.prepare import prepare
 from jobspec.data.template import render
+from jobspec.recipe_load import load_recipe
 
 _CHILD = """
 import json, sys, time

@@ -128,7 +128,7 @@ class Ours:
         from finetune.dist import init_distributed
         from finetune.parallel.overlap import GradReduction
         from finetune.trainer import build_model, build_optimizer
-        from jobspec.config import load_recipe
+        from jobspec.recipe_load import load_recipe
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
         self.ms = ms

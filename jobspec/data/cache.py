@@ -15,7 +15,6 @@ renamed into place, ``jobspec/fsutil.atomic_dir``) and decides which process pre
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from jobspec.config import Recipe
+from jobspec.config import DataConfig
 from jobspec.data.files import Source, resolve_sources
 from jobspec.data.template import TEMPLATE_VERSIONS, chat_format
-from jobspec.rundir import run_dir_of
+from jobspec.keys import cache_settings
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -49,11 +48,6 @@ class CacheInfo:
     num_val: int = 0  # validation samples (val_index.npy)
 
 
-def cache_dir_for(recipe: Recipe) -> Path:
-    """data.cache_dir, or <output_dir>/data."""
-    return run_dir_of(recipe).data
-
-
 def file_hash(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -62,18 +56,11 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict[str, Any]:
-    """Every setting that changes the cache's content (batching settings do not; settings added
-    later appear only when set, so a cache made before them stays fresh)."""
-    d = recipe.data
-    later = (("columns", d.columns), ("on_error", d.on_error if d.on_error != "fail" else ""),
-             ("val_size", d.val_size), ("val_paths", d.val_paths),
-             ("thinking", d.thinking if d.thinking != "auto" else ""))
+def settings_of(d: DataConfig, tokenizer_path: str | Path) -> dict[str, Any]:
+    """Every setting that changes the cache's content: the keys whose facts say so (jobspec/keys.py; batching
+    settings do not), the template and the tokenizer. It hashes the tokenizer: once per wait, not per poll."""
     return {"format_version": FORMAT_VERSION, "template": TEMPLATE_VERSIONS[chat_format(tokenizer_path)],
-            "tokenizer_sha256": file_hash(Path(tokenizer_path)), "system_prompt": d.system_prompt,
-            "seq_len": d.seq_len, "format": d.format, "max_samples": d.max_samples,
-            "clean": dataclasses.asdict(d.clean),
-            **{k: v for k, v in later if v}}
+            "tokenizer_sha256": file_hash(Path(tokenizer_path)), **cache_settings(d)}
 
 
 def source_entry(src: Source, with_hash: bool = True) -> dict[str, Any]:
@@ -93,17 +80,18 @@ def read_manifest(cache_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def cache_is_fresh(recipe: Recipe, tokenizer_path: str | Path) -> bool:
-    """True when the cache exists and matches the current inputs and settings.
+def cache_is_fresh(data: DataConfig, cache_dir: Path, settings: dict[str, Any]) -> bool:
+    """True when the cache in ``cache_dir`` exists and matches ``data``'s inputs and ``settings``
+    (:func:`settings_of`).
 
     A source whose size, mtime and change time are unchanged is trusted (:func:`same_stat`); otherwise its hash
     decides.
     """
-    m = read_manifest(cache_dir_for(recipe))
-    if not m or m.get("settings") != settings_of(recipe, tokenizer_path):
+    m = read_manifest(cache_dir)
+    if not m or m.get("settings") != settings:
         return False
     try:
-        sources = resolve_sources(recipe.data) + resolve_sources(recipe.data, val=True)
+        sources = resolve_sources(data) + resolve_sources(data, val=True)
     except ValueError:
         return False
     old = m.get("sources", [])

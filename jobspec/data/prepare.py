@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from jobspec.config import ASSETS_DIR, ConfigError, DataConfig, Recipe, resolved_model_dir
+from jobspec.config import ConfigError, DataConfig, Recipe
 from jobspec.cpus import available_cpus
 from jobspec.data import cache, malloc
 from jobspec.data.clean import RULES
@@ -30,10 +30,11 @@ from jobspec.data.encode import ordered_map, start_pool, stop_pool
 from jobspec.data.files import DataError, Source, resolve_sources
 from jobspec.data.formats import Sample, file_format, is_text, read_samples
 from jobspec.data.report import Progress, example, format_report, make_report
-from jobspec.data.runcheck import check_same_data
+from jobspec.data.runcheck import Resumed, check_same_data
 from jobspec.data.template import IGNORE
 from jobspec.fsutil import ForeignDirectory, atomic_dir
 from jobspec.planfile import load_plan
+from jobspec.rundir import run_dir_of
 
 CHUNK = 256  # samples per worker task
 # data.num_workers=0 (auto): below this much input, starting processes costs more than it gains
@@ -90,15 +91,12 @@ def _index_rows(lengths: NDArray[Any], labels: NDArray[Any], offset: int) -> NDA
     return np.stack([offset + begins, lengths, csum[ends] - csum[begins] - first, first], axis=1)
 
 
-def tokenizer_path_for(recipe: Recipe) -> Path:
-    """<model dir>/tokenizer.json; the bundled Qwen2.5 tokenizer for the created tiny default."""
-    model_dir = resolved_model_dir(recipe)
-    if model_dir and (Path(model_dir) / "tokenizer.json").is_file():
-        return Path(model_dir) / "tokenizer.json"
-    if recipe.model.init is not None:
-        return ASSETS_DIR / "tokenizer" / "tokenizer.json"
-    raise ConfigError([f"model.dir={model_dir!r}: no tokenizer.json there; set MODEL_DIR to a Hugging Face "
-                       "model directory (config.json, *.safetensors, tokenizer.json)"])
+def tokenizer_checked(tokenizer: str | Path) -> Path:
+    """The finished recipe's ``model.tokenizer`` (jobspec/finish.py), or ConfigError when it is no file."""
+    if tokenizer and Path(tokenizer).is_file():
+        return Path(tokenizer)
+    raise ConfigError([f"model.tokenizer={str(tokenizer)!r}: no tokenizer.json there; set MODEL_DIR to a Hugging "
+                       "Face model directory (config.json, *.safetensors, tokenizer.json)"])
 
 
 def hold_out(index: NDArray[Any], val_size: float) -> tuple[NDArray[Any], NDArray[Any]]:
@@ -118,8 +116,8 @@ def hold_out(index: NDArray[Any], val_size: float) -> tuple[NDArray[Any], NDArra
 class _Build:
     """The cache being written: token and label streams, index rows, drop counts, dedup keys."""
 
-    def __init__(self, tmp: Path, recipe: Recipe, progress: bool):
-        self.tmp, self.cfg = tmp, recipe.data
+    def __init__(self, tmp: Path, cfg: DataConfig, progress: bool):
+        self.tmp, self.cfg = tmp, cfg
         self.tokens = cache.ArrayStream(tmp / "tokens.npy", np.int32)
         self.labels = cache.ArrayStream(tmp / "labels.npy", np.int32)
         self.parts: dict[str, list[NDArray[Any]]] = {"train": [], "val": []}
@@ -211,17 +209,15 @@ class _Build:
         return index, val
 
 
-def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -> cache.CacheInfo:
-    """Build the token cache of recipe.data under cache_dir_for(recipe); returns what was written."""
+def prepare(cfg: DataConfig, out: Path, tokenizer_path: str | Path, progress: bool = True) -> cache.CacheInfo:
+    """Build the token cache of ``cfg`` in ``out`` (data.cache_dir); returns what was written."""
     t0 = time.monotonic()
-    cfg = recipe.data
     sources, val_sources = resolve_sources(cfg), resolve_sources(cfg, val=True)
     kinds = {}
     for src in sources + val_sources:  # every file's format (or its error) before any work
         kinds[src.path], why = file_format(src.path, cfg.format, cfg.columns)
         if progress:
             print(f"prepare-data: {src.path}: {kinds[src.path]} ({why})", file=sys.stderr, flush=True)
-    out = cache.cache_dir_for(recipe)
     size = sum(src.path.stat().st_size for src in sources + val_sources)
     workers = cfg.num_workers or (min(available_cpus(), MAX_AUTO_WORKERS) if size >= AUTO_POOL_BYTES else 1)
     malloc_name, malloc_lib = malloc.choose(cfg.worker_malloc) if workers > 1 else ("system", None)
@@ -235,9 +231,9 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
     n_read = 0
     try:
         with atomic_dir(out, "token-cache") as tmp:
-            manifest: dict[str, Any] = {"settings": cache.settings_of(recipe, tokenizer_path),
+            manifest: dict[str, Any] = {"settings": cache.settings_of(cfg, tokenizer_path),
                         "sources": [cache.source_entry(s) for s in sources + val_sources]}
-            build = _Build(tmp, recipe, progress)
+            build = _Build(tmp, cfg, progress)
             for part, srcs in (("train", sources), ("val", val_sources)):
                 for (samples, copies), res in ordered_map(args, pool, workers, _chunks(cfg, srcs, kinds, build)):
                     if not build.n_read and malloc_lib is not None and res.get("preloaded") != str(malloc_lib):
@@ -250,7 +246,7 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
                     if stop:
                         break
             index, val = build.finish(sources)
-            report = make_report(recipe, build, index, val, time.monotonic() - t0)
+            report = make_report(cfg, build, index, val, time.monotonic() - t0)
             report["tokenizer"] = {"workers": workers, "malloc": malloc_name,
                                    "malloc_library": str(malloc_lib) if malloc_lib else None}
             report["sources"] = [{"path": str(s.path), "weight": s.weight, "records": build.counts.get(str(s.path), 0),
@@ -272,17 +268,19 @@ def prepare(recipe: Recipe, tokenizer_path: str | Path, progress: bool = True) -
 
 
 def main(recipe: Recipe, table_when_fresh: bool = True) -> int:
-    """prepare-data: build (or reuse a fresh) cache and print the report table; 0 on success."""
+    """prepare-data for a finished recipe (jobspec/finish.py): build (or reuse a fresh) cache and print the
+    report table; 0 on success."""
+    d, out = recipe.data, Path(recipe.data.cache_dir)
     try:
-        tok = tokenizer_path_for(recipe)
-        if cache.cache_is_fresh(recipe, tok):
-            info = cache.load_info(cache.cache_dir_for(recipe))
+        tok = tokenizer_checked(recipe.model.tokenizer)
+        if cache.cache_is_fresh(d, out, cache.settings_of(d, tok)):
+            info = cache.load_info(out)
             print(f"prepare-data: cache {info.dir} is up to date ({info.num_samples} samples)")
             if not table_when_fresh:
                 return 0
         else:
-            check_same_data(recipe, tok)  # before anything is written
-            info = prepare(recipe, tok, progress=True)
+            check_same_data(d, out, tok, Resumed.of(run_dir_of(recipe), recipe.train.resume))  # before any write
+            info = prepare(d, out, tok, progress=True)
         if info.report:
             print(format_report(info.report))
         print(f"prepare-data: cache at {info.dir}")
@@ -292,9 +290,11 @@ def main(recipe: Recipe, table_when_fresh: bool = True) -> int:
         return 2
 
 
-def ensure_cache(recipe: Recipe, tokenizer_path: str | Path, rank: Any = 0, local_rank: int = 0,
-                 timeout_s: float = 3600.0, poll_s: float = 1.0, progress: bool = False) -> cache.CacheInfo:
-    """Make sure a fresh cache exists; exactly one process per node (or per job) prepares it.
+def ensure_cache(data: DataConfig, out: Path, tokenizer: str | Path, rank: Any = 0, local_rank: int = 0,
+                 timeout_s: float = 3600.0, poll_s: float = 1.0, progress: bool = False,
+                 resumed: Resumed | None = None) -> cache.CacheInfo:
+    """Make sure a fresh cache of ``data`` exists in ``out`` (data.cache_dir); exactly one process per node (or
+    per job) prepares it, refusing to overwrite the data of the checkpoint ``resumed`` continues.
 
     ``rank`` is the global rank or any object with ``rank`` and ``local_rank`` (e.g. RankInfo).
     The preparer is local rank 0 of each node, or global rank 0 when data.shared_storage; the
@@ -302,23 +302,24 @@ def ensure_cache(recipe: Recipe, tokenizer_path: str | Path, rank: Any = 0, loca
     """
     if hasattr(rank, "rank"):
         rank, local_rank = rank.rank, rank.local_rank
-    out = cache.cache_dir_for(recipe)
-    preparer = rank == 0 if recipe.data.shared_storage else local_rank == 0
+    tokenizer = tokenizer_checked(tokenizer)
+    want = cache.settings_of(data, tokenizer)  # hashes the tokenizer: once, not per poll
+    preparer = rank == 0 if data.shared_storage else local_rank == 0
     failed = out.parent / f".{out.name}.failed"
     if preparer:
-        if cache.cache_is_fresh(recipe, tokenizer_path):
+        if cache.cache_is_fresh(data, out, want):
             return cache.load_info(out)
         failed.unlink(missing_ok=True)
         try:
-            check_same_data(recipe, tokenizer_path)
-            return prepare(recipe, tokenizer_path, progress=progress)
+            check_same_data(data, out, tokenizer, resumed)
+            return prepare(data, out, tokenizer, progress=progress)
         except BaseException as e:
             failed.parent.mkdir(parents=True, exist_ok=True)
             failed.write_text(f"{type(e).__name__}: {e}")
             raise
     started, deadline = time.time(), time.monotonic() + timeout_s
-    who = "global rank 0" if recipe.data.shared_storage else "local rank 0 of this node"
-    while not cache.cache_is_fresh(recipe, tokenizer_path):
+    who = "global rank 0" if data.shared_storage else "local rank 0 of this node"
+    while not cache.cache_is_fresh(data, out, want):
         if failed.exists() and failed.stat().st_mtime >= started - 1:  # not an old run's marker
             raise RuntimeError(f"rank {rank}: data preparation failed on {who}: {failed.read_text()}")
         if time.monotonic() > deadline:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from jobspec.config import Recipe
+from jobspec.config import DataConfig
 from jobspec.data import batching
 from jobspec.data.formats import Sample, is_text
 
@@ -80,10 +80,9 @@ def _labels(index: NDArray[Any]) -> int:
     return int(index[:, 2].sum() + index[:, 3].sum())
 
 
-def make_report(recipe: Recipe, build: Any, index: NDArray[Any], val: NDArray[Any], elapsed: float) -> dict[str, Any]:
+def make_report(cfg: DataConfig, build: Any, index: NDArray[Any], val: NDArray[Any], elapsed: float) -> dict[str, Any]:
     """data_report.json content: counts per rule, length percentiles, batching efficiency, validation,
     and the meaning of each figure."""
-    cfg = recipe.data
     lengths = index[:, 1]
     pct = {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 95, 99)} if len(lengths) else {}
     eff: dict[str, Any] = {"seq_len": cfg.seq_len}

@@ -10,33 +10,47 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jobspec.checkpoints import STATE, data_id, usable, ways_out
-from jobspec.config import Recipe
+from jobspec.config import DataConfig
 from jobspec.data import cache
 from jobspec.data.files import DataError, resolve_sources
-from jobspec.rundir import run_dir_of
+from jobspec.rundir import RunDir
 
 
 class RunDataChanged(DataError):
     """The recipe's data differs from the data the run in OUTPUT_DIR trained; nothing was written."""
 
 
-def _sources_now(recipe: Recipe) -> list[dict[str, Any]]:
-    return [cache.source_entry(s, with_hash=False) for s in
-            resolve_sources(recipe.data) + resolve_sources(recipe.data, val=True)]
+class Resumed(NamedTuple):
+    """The run in ``output_dir`` and the ``checkpoint`` its ``train.resume`` would continue (None: none)."""
+
+    output_dir: str
+    checkpoint: Path | None
+
+    @classmethod
+    def of(cls, run: RunDir, resume: str) -> Resumed:
+        """``train.resume``'s checkpoint in ``run``: the one it names, with auto the newest usable one, never: none."""
+        if resume != "auto":
+            return cls(str(run.root), None if resume == "never" else Path(resume))
+        found = usable(run.checkpoints, log=lambda _: None)
+        return cls(str(run.root), found[0] if found else None)
 
 
-def data_changes(old: dict[str, Any], recipe: Recipe, tokenizer_path: str | Path) -> list[str]:
-    """What differs between the cache manifest ``old`` and the recipe's data, one phrase each."""
+def _sources_now(data: DataConfig) -> list[dict[str, Any]]:
+    return [cache.source_entry(s, with_hash=False) for s in resolve_sources(data) + resolve_sources(data, val=True)]
+
+
+def data_changes(old: dict[str, Any], data: DataConfig, tokenizer_path: str | Path) -> list[str]:
+    """What differs between the cache manifest ``old`` and ``data`` with this tokenizer, one phrase each."""
     changes = []
-    was, now = old.get("settings", {}), cache.settings_of(recipe, tokenizer_path)
+    was, now = old.get("settings", {}), cache.settings_of(data, tokenizer_path)
     for key in sorted(set(was) | set(now)):
         if was.get(key) != now.get(key):
             changes.append("the tokenizer (tokenizer.json of the model) changed" if key == "tokenizer_sha256" else
                            f"data.{key} was {was.get(key)!r}, now {now.get(key)!r}")
-    before, after = old.get("sources", []), _sources_now(recipe)
+    before, after = old.get("sources", []), _sources_now(data)
     if [(s["path"], s.get("weight")) for s in before] != [(s["path"], s["weight"]) for s in after]:
         changes.append(f"DATA was {', '.join(s['path'] for s in before)} ({old.get('num_samples', 0):,} samples), "
                        f"now {', '.join(s['path'] for s in after)}")
@@ -49,15 +63,12 @@ def data_changes(old: dict[str, Any], recipe: Recipe, tokenizer_path: str | Path
     return changes
 
 
-def check_same_data(recipe: Recipe, tokenizer_path: str | Path) -> None:
-    """Raise :class:`RunDataChanged` when rebuilding the cache would change the data of the checkpoint
-    that ``train.resume`` would continue; call it only when the cache is not fresh."""
-    if recipe.train.resume == "never":
-        return
-    found = usable(run_dir_of(recipe).checkpoints, log=lambda _: None)
-    ckpt = Path(recipe.train.resume) if recipe.train.resume != "auto" else found[0] if found else None
-    old = cache.read_manifest(cache.cache_dir_for(recipe))
-    if ckpt is None or old is None:
+def check_same_data(data: DataConfig, cache_dir: Path, tokenizer_path: str | Path, resumed: Resumed | None) -> None:
+    """Raise :class:`RunDataChanged` when rebuilding the cache in ``cache_dir`` would change the data of the
+    checkpoint that ``resumed`` continues; call it only when the cache is not fresh."""
+    ckpt = resumed.checkpoint if resumed else None
+    old = cache.read_manifest(cache_dir)
+    if resumed is None or ckpt is None or old is None:
         return
     try:
         trained = json.loads((ckpt / STATE).read_text()).get("identity", {}).get("data")
@@ -65,7 +76,7 @@ def check_same_data(recipe: Recipe, tokenizer_path: str | Path) -> None:
         return  # a damaged checkpoint: the worker skips it with the reason
     if trained != data_id(old):
         return  # the cache is not the one the checkpoint trained: nothing of the run is lost by rebuilding it
-    changes = data_changes(old, recipe, tokenizer_path)
+    changes = data_changes(old, data, tokenizer_path)
     if changes:
-        raise RunDataChanged(f"{recipe.output_dir} holds a run trained on other data (checkpoint {ckpt.name}): "
-                             + "; ".join(changes) + f". Nothing was written. {ways_out(recipe.output_dir)}")
+        raise RunDataChanged(f"{resumed.output_dir} holds a run trained on other data (checkpoint {ckpt.name}): "
+                             + "; ".join(changes) + f". Nothing was written. {ways_out(resumed.output_dir)}")

@@ -33,7 +33,7 @@ def test_the_estimate_comes_from_plan_json_and_without_one_from_the_recipe(tmp_p
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"memory": {**EST.parts(), "total": EST.total}}))
     assert plan_estimate(plan, None, {}) == EST
-    from jobspec.config import load_recipe
+    from jobspec.recipe_load import load_recipe
     from jobspec.tiny import tiny_config
 
     recipe = load_recipe("recipes/tiny-cpu.yaml").resolved(1, "cpu")

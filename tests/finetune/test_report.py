@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from finetune import report
-from jobspec.config import load_recipe
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 
 

@@ -8,8 +8,10 @@ from safetensors.numpy import load_file
 
 from finetune.train import run
 from jobspec.checkpoints import unhealthy
-from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.config import resolved_model_dir
+from jobspec.finish import finished
 from jobspec.memory import MemoryEstimate
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 
@@ -23,7 +25,7 @@ def _recipe(out, **extra):
     """The tiny-cpu recipe with its tiny model created as the launcher does (the worker does not)."""
     recipe = load_recipe("tiny-cpu", {"output_dir": str(out), **FAST, **extra})
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
-    return recipe
+    return finished(recipe)  # as the launcher writes it (trainer.setup reads its paths)
 
 
 def _losses(out):

@@ -12,8 +12,10 @@ import pytest
 from finetune import worker
 from jobspec import checkpoints
 from jobspec.checkpoints import STATE
-from jobspec.config import REPO_ROOT, load_recipe, resolved_model_dir, to_dict
+from jobspec.config import REPO_ROOT, resolved_model_dir, to_dict
+from jobspec.finish import finished
 from jobspec.lifecycle import LAUNCHER_PID_ENV
+from jobspec.recipe_load import load_recipe
 from jobspec.rerun import run_settings
 from jobspec.rundir import MANIFEST, RunDir
 
@@ -75,8 +77,9 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     from finetune.trainer import setup
     from jobspec.tiny import ensure_tiny_model
 
-    recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.max_samples": "64", "data.seq_len": "128",
-                                      "train.micro_batch_size": "2"}).resolved(1, "cpu")
+    small = {"output_dir": str(tmp_path), "data.max_samples": "64", "data.seq_len": "128",
+             "train.micro_batch_size": "2"}
+    recipe = finished(load_recipe("tiny-cpu", small).resolved(1, "cpu"))
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     rank = init_distributed(recipe.decided_layout)
     reads = []

@@ -6,15 +6,9 @@ import json
 
 import pytest
 
-from jobspec.config import (
-    RECIPES_DIR,
-    ConfigError,
-    Recipe,
-    load_recipe,
-    resolve_recipe_path,
-    to_dict,
-)
+from jobspec.config import RECIPES_DIR, ConfigError, Recipe, to_dict
 from jobspec.layout import world_problems
+from jobspec.recipe_load import load_recipe, resolve_recipe_path
 
 
 def problems_of(**overrides) -> list[str]:
@@ -139,14 +133,16 @@ def test_the_resolved_recipe_round_trips_through_its_dict():
 
 
 def test_load_plan_reads_the_recipe_of_a_plan_a_recipe_json_or_yaml(tmp_path):
+    from jobspec.finish import finished
     from jobspec.planfile import load_plan
 
-    """One reader for the workers and prepare-data (they read plan.json each on their own before)."""
-    r = load_recipe("tiny-cpu").resolved(1, "cpu")
+    """One reader for the workers and prepare-data (they read plan.json each on their own before); a recipe no
+    launcher finished comes back finished as the launcher does (jobspec/finish.py)."""
+    r = finished(load_recipe("tiny-cpu").resolved(1, "cpu"))
     (tmp_path / "plan.json").write_text(json.dumps({"recipe": to_dict(r), "topology": {}}))
     (tmp_path / "recipe.json").write_text(json.dumps(to_dict(r)))
     assert load_plan(tmp_path / "plan.json") == r == load_plan(tmp_path / "recipe.json")
-    assert load_plan(RECIPES_DIR / "tiny-cpu.yaml") == load_recipe("tiny-cpu")
+    assert load_plan(RECIPES_DIR / "tiny-cpu.yaml") == finished(load_recipe("tiny-cpu"))
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"bad.json: Expecting property name"):
         load_plan(tmp_path / "bad.json")

@@ -185,9 +185,9 @@ def test_the_readme_size_table_is_the_estimators():
 
 def test_the_table_is_what_plan_estimates_for_the_chosen_layout():
     """plan's estimate (the NPU recipe resolved with the chosen TP on that world) equals the table's."""
-    from jobspec.config import load_recipe
     from jobspec.memory import memory_estimate, smallest_world
     from jobspec.qwen_sizes import SIZES
+    from jobspec.recipe_load import load_recipe
 
     for name in ("Qwen2.5-7B", "Qwen3-32B"):
         world, choice = smallest_world(SIZES[name], seq_len=4096)
@@ -200,9 +200,9 @@ def test_the_table_is_what_plan_estimates_for_the_chosen_layout():
                                                         "parallel.vocab_parallel": "false"})])
 def test_auto_tp_estimates_the_recipe_as_it_will_be_resolved(recipe, over):
     """TrainShape.of(recipe) (what parallel.tp: auto estimates) == memory_estimate of the resolved recipe."""
-    from jobspec.config import load_recipe
     from jobspec.memory import TrainShape, memory_estimate
     from jobspec.qwen_sizes import SIZES
+    from jobspec.recipe_load import load_recipe
 
     cfg, shape = SIZES["Qwen3-8B"], TrainShape.of(load_recipe(recipe, over), "npu")
     for tp, world in ((1, 8), (2, 8), (4, 16)):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobspec import native
-from jobspec.config import load_recipe
+from jobspec.recipe_load import load_recipe
 from launcher import devices, preflight
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +99,8 @@ def test_worker_start_refuses_mindspore_of_another_architecture(tmp_path, monkey
 
     from finetune import worker
     from jobspec import native
-    from jobspec.config import load_recipe, to_dict
+    from jobspec.config import to_dict
+    from jobspec.recipe_load import load_recipe
 
     other = "x86_64" if native.host_machine() == "aarch64" else "aarch64"
     monkeypatch.setattr(native, "host_machine", lambda: other)

@@ -10,7 +10,8 @@ import pytest
 
 from finetune.checkpoint import MANIFEST
 from jobspec.checkpoints import STATE
-from jobspec.config import REPO_ROOT, load_recipe
+from jobspec.config import REPO_ROOT
+from jobspec.recipe_load import load_recipe
 from jobspec.rerun import RunSettingsChanged, finished_already, run_settings
 
 

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from jobspec.config import REPO_ROOT, ConfigError, load_recipe, resolved_model_dir, to_dict
-from jobspec.data.cache import cache_dir_for
+from jobspec.config import REPO_ROOT, ConfigError, resolved_model_dir, to_dict
+from jobspec.finish import BUNDLED_TOKENIZER, finished
 from jobspec.lifecycle import log_dir
 from jobspec.planfile import load_run
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import ENTRIES, RunDir, is_complete, readme_table, run_dir_of
 
 
@@ -23,7 +24,7 @@ def test_every_entry_is_a_path_and_the_project_uses_them(tmp_path):
     assert run.checkpoint(30) == tmp_path / "checkpoints" / "step_00000030"
     assert run.export(run.checkpoint(30)) == tmp_path / "hf-step_00000030"
     recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path)})
-    assert Path(resolved_model_dir(recipe)) == run.base_model and cache_dir_for(recipe) == run.data
+    assert Path(resolved_model_dir(recipe)) == run.base_model and run_dir_of(recipe).data == run.data
     assert log_dir(tmp_path) == run.logs
 
 
@@ -49,15 +50,28 @@ def test_data_cache_dir_moves_the_token_cache_and_survives_plan_json(tmp_path):
     assert run.to_json()["checkpoints"] == str(tmp_path / "o" / "checkpoints")
 
 
+def test_the_finished_recipe_carries_every_path_and_finishing_again_changes_nothing(tmp_path):
+    """issue 32 item 3: model dir, token cache, tokenizer and nproc are fields of the recipe the workers read."""
+    tiny = finished(load_recipe("tiny-cpu", {"output_dir": str(tmp_path)}), nproc=2)
+    run = RunDir(tmp_path)
+    assert (tiny.model.dir, tiny.data.cache_dir) == (str(run.base_model), str(run.data))
+    assert tiny.model.tokenizer == str(BUNDLED_TOKENIZER) and tiny.launch.nproc_per_node == 2
+    assert finished(tiny) == tiny and run_dir_of(tiny) == run
+    given = finished(load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "model.dir": "/m"}))
+    assert (given.model.dir, given.model.tokenizer) == ("/m", "/m/tokenizer.json")
+    assert finished(load_recipe("tiny-cpu", {"model.tokenizer": "/t.json"})).model.tokenizer == "/t.json"
+
+
 def test_a_worker_reads_the_plans_run_dir_not_the_recipes(tmp_path):
     """The parent decides, the children read: plan.json's run_dir wins over a re-derivation."""
     recipe = load_recipe("tiny-cpu", {"output_dir": str(tmp_path / "o")})
     decided = RunDir(tmp_path / "o", tmp_path / "shared-cache")
     plan = {"recipe": to_dict(recipe), "run_dir": decided.to_json(), "model_hash": "0123456789abcdef"}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    assert load_run(tmp_path / "plan.json") == (recipe, decided, "0123456789abcdef")
+    read = load_run(tmp_path / "plan.json")
+    assert read[1:] == (decided, "0123456789abcdef") and read.recipe.data.cache_dir == str(decided.data)
     (tmp_path / "recipe.json").write_text(json.dumps(to_dict(recipe)))  # a worker started by hand: hashes itself
-    assert load_run(tmp_path / "recipe.json") == (recipe, RunDir(tmp_path / "o"), "")
+    assert load_run(tmp_path / "recipe.json") == (finished(recipe), RunDir(tmp_path / "o"), "")
     (tmp_path / "plan.json").write_text(json.dumps({**plan, "model_hash": 7}))  # was silently ignored
     with pytest.raises(ConfigError, match="model_hash 7 is not a string; make the plan again"):
         load_run(tmp_path / "plan.json")

@@ -19,10 +19,11 @@ from test_bad_inputs import _model
 from test_bad_inputs import test_bad_input_is_refused_before_anything_starts as refused
 
 import launcher.__main__ as lm
-from jobspec.config import ConfigError, load_recipe
+from jobspec.config import ConfigError
 from jobspec.data.files import resolve_sources
 from jobspec.data.formats import check_data, iter_samples
 from jobspec.qwen2_layout import full_shapes
+from jobspec.recipe_load import load_recipe
 from jobspec.tiny import ensure_tiny_model
 from launcher import cluster
 from launcher.model_check import adapter_problems, weight_problems

@@ -92,7 +92,7 @@ def test_make_eval_on_the_embedded_defaults_output(tmp_path, capfd):
 def test_after_training_scores_only_a_successful_run_on_node_0(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from jobspec.config import load_recipe
+    from jobspec.recipe_load import load_recipe
 
     calls = []
     monkeypatch.setattr(evaluate, "cmd_eval", lambda job: calls.append(job.recipe.output_dir) or 0)
@@ -106,7 +106,8 @@ def test_after_training_scores_only_a_successful_run_on_node_0(tmp_path, monkeyp
 
 
 def test_after_training_needs_the_benchmark_folder():
-    from jobspec.config import ConfigError, load_recipe
+    from jobspec.config import ConfigError
+    from jobspec.recipe_load import load_recipe
 
     with pytest.raises(ConfigError, match="eval.data_dir"):
         load_recipe("tiny-cpu", {"eval.after_training": "true"})
@@ -115,7 +116,7 @@ def test_after_training_needs_the_benchmark_folder():
 def test_eval_on_several_workers_runs_under_msrun(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from jobspec.config import load_recipe
+    from jobspec.recipe_load import load_recipe
 
     seen = {}
     monkeypatch.setattr(evaluate.subprocess, "call", lambda argv, env: seen.setdefault("argv", argv) and 0)

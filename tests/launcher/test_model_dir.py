@@ -9,7 +9,8 @@ from launcher_fakes import make_sys
 from safetensors.numpy import load_file, save_file
 
 import launcher.__main__ as lm
-from jobspec.config import creates_tiny_model, load_recipe
+from jobspec.config import creates_tiny_model
+from jobspec.recipe_load import load_recipe
 from jobspec.tiny import ensure_tiny_model
 
 

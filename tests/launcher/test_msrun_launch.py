@@ -15,7 +15,8 @@ import pytest
 from launcher_fakes import make_sys, recorded_npu_smi
 
 import launcher.__main__ as lm
-from jobspec.config import REPO_ROOT, load_recipe
+from jobspec.config import REPO_ROOT
+from jobspec.recipe_load import load_recipe
 from launcher import launch
 
 

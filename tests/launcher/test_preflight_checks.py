@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from launcher_fakes import make_dev, recorded_npu_smi
 
-from jobspec.config import ASSETS_DIR, load_recipe
+from jobspec.config import ASSETS_DIR
 from jobspec.memory import MemoryEstimate
 from jobspec.qwen2_layout import full_shapes
+from jobspec.recipe_load import load_recipe
 from launcher import devices, preflight
 
 QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,

@@ -40,7 +40,8 @@ def test_single_process_needs_no_collectives_and_refuses_a_split(monkeypatch):
 
 
 def test_parallel_zero_maps_onto_the_sharded_optimizer_and_refuses_what_is_not_built():
-    from jobspec.config import ConfigError, load_recipe
+    from jobspec.config import ConfigError
+    from jobspec.recipe_load import load_recipe
 
     def layout(over, world=4):
         return load_recipe("tiny-cpu", over).resolved(world, "cpu").decided_layout

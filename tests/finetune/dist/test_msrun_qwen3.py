@@ -16,7 +16,7 @@ QWEN3 = {"model_type": "qwen3", "head_dim": 32, "attention_bias": False, "tie_wo
 @pytest.fixture(scope="module")
 def tmp(module_tmp) -> Path:
     """The one-process reference run on a tiny Qwen3 made by jobspec.tiny."""
-    from jobspec.config import load_recipe
+    from jobspec.recipe_load import load_recipe
     from jobspec.tiny import ensure_tiny_model
 
     ensure_tiny_model(module_tmp / "base-model", {**load_recipe("tiny-cpu").model.init, **QWEN3}, 0)

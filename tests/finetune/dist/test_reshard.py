@@ -14,7 +14,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import harness
-from jobspec.config import load_recipe, to_dict
+from jobspec.config import to_dict
+from jobspec.recipe_load import load_recipe
 
 pytestmark = pytest.mark.slow
 WORKER = harness.REPO / "finetune" / "worker.py"

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobspec.config import ConfigError, load_recipe
+from jobspec.config import ConfigError
 from jobspec.lora_config import TARGETS, LoraConfig
+from jobspec.recipe_load import load_recipe
 
 
 def test_defaults_are_peft_s():

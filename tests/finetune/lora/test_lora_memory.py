@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.config import resolved_model_dir
+from jobspec.finish import finished
+from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 from jobspec.tiny import ensure_tiny_model
 from launcher.settings import CPU_MALLOC_DEFAULTS
@@ -24,7 +26,7 @@ RUN = {"train.max_steps": "2", "train.log_every": "1", "train.micro_batch_size":
 # well above the noise of a process's RSS
 BIG = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2, "num_attention_heads": 8,
        "num_key_value_heads": 2, "tie_word_embeddings": True}
-CHILD = ("import json, sys; from finetune.train import run; from jobspec.config import load_recipe; "
+CHILD = ("import json, sys; from finetune.train import run; from jobspec.recipe_load import load_recipe; "
          "sys.exit(run(load_recipe('tiny-cpu-lora', json.loads(sys.argv[1]))))")
 
 
@@ -36,7 +38,7 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path, recompute):
     from finetune.trainer import batch_tensors, setup
 
     overrides = {"output_dir": str(tmp_path), "train.recompute": str(recompute).lower(), **RUN}
-    recipe = load_recipe("tiny-cpu-lora", overrides).resolved(1, "cpu")
+    recipe = finished(load_recipe("tiny-cpu-lora", overrides).resolved(1, "cpu"))
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     t = setup(recipe, RankInfo(), ms_cpu.float32, RunDir(tmp_path))
     names = [p.name for p in t.opt.params]

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 import harness
 from test_msrun_train import WORKER, _assert_same_run, _plan, _run_once
 
-from jobspec.config import load_recipe
+from jobspec.recipe_load import load_recipe
 
 pytestmark = pytest.mark.slow
 LORA = {"train.method": "lora", "lora.dropout": "0", "lora.r": "4"}

@@ -10,7 +10,8 @@ from safetensors.numpy import load_file
 
 from finetune.checkpoint import CheckpointMismatch
 from finetune.train import run
-from jobspec.config import load_recipe, resolved_model_dir
+from jobspec.config import resolved_model_dir
+from jobspec.recipe_load import load_recipe
 from jobspec.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # every test reads one or more whole training runs (make test-fast skips them)

@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobspec.config import REPO_ROOT, load_recipe
+from jobspec.config import REPO_ROOT, DataConfig, Recipe
+from jobspec.data import cache
+from jobspec.finish import finished
+from jobspec.recipe_load import load_recipe
 
 TOKENIZER = REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json"
 
@@ -28,7 +31,16 @@ def recipe_for(tmp_path: Path, paths, **data):
     over = {"data.paths": [str(p) for p in paths], "data.num_workers": "1", "data.seq_len": "128",
             "output_dir": str(tmp_path / "out")}
     over.update({f"data.{k}": v for k, v in data.items()})
-    return load_recipe(raw={"model": {"init": {}}}, overrides=over)
+    return finished(load_recipe(raw={"model": {"init": {}}}, overrides=over))
+
+
+def cache_of(r: Recipe, tokenizer: Path = TOKENIZER) -> tuple[DataConfig, Path, Path]:
+    """What the data functions take of a finished recipe: its data section, token cache dir and ``tokenizer``."""
+    return r.data, Path(r.data.cache_dir), tokenizer
+
+
+def is_fresh(r: Recipe, tokenizer: Path = TOKENIZER) -> bool:
+    return cache.cache_is_fresh(r.data, Path(r.data.cache_dir), cache.settings_of(r.data, tokenizer))
 
 
 QWEN3_FILES = Path(__file__).parent / "qwen3"

@@ -9,7 +9,7 @@ from jobspec.config import CleanConfig
 from jobspec.data.clean import dedup_key, text_rule, token_rule
 from jobspec.data.formats import Sample
 from jobspec.data.prepare import prepare
-from tests.jobspec.data.data_helpers import TOKENIZER, recipe_for, write_json
+from tests.jobspec.data.data_helpers import cache_of, recipe_for, write_json
 
 
 def s(q, a, bad=False, system=None):
@@ -86,7 +86,7 @@ def test_sharegpt_turns_out_of_order_are_dropped_and_counted(tmp_path):
     bad = [conv(("gpt", "I answer first."), ("human", "Why?"), ("gpt", "Because.")),
            conv(("human", "One question."), ("human", "Another question."), ("gpt", "An answer."))]
     path = write_json(tmp_path / "chat.json", good + bad)
-    info = prepare(recipe_for(tmp_path, [path]), TOKENIZER, progress=False)
+    info = prepare(*cache_of(recipe_for(tmp_path, [path])), progress=False)
     report = json.loads((info.dir / "data_report.json").read_text())
     assert report["dropped"]["role_order"]["count"] == 2 and info.num_samples == 6
     assert "turns out of order" in report["meaning"]["dropped.role_order"]

@@ -8,14 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobspec.config import CleanConfig, ConfigError, load_recipe
+from jobspec.config import CleanConfig, ConfigError
 from jobspec.data import cache, malloc
 from jobspec.data import encode as enc_mod
 from jobspec.data import prepare as prep
 from jobspec.data.clean import text_rule
 from jobspec.data.formats import Sample, iter_samples, resolve_sources
 from jobspec.data.template import render, splits_at_specials
-from tests.jobspec.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_jsonl
+from jobspec.finish import finished
+from jobspec.recipe_load import load_recipe
+from tests.jobspec.data.data_helpers import TOKENIZER, alpaca, cache_of, recipe_for, write_jsonl
 
 
 def _maps(_: int = 0) -> str:
@@ -50,7 +52,7 @@ def test_worker_malloc_setting_is_validated(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(4)])
     r = recipe_for(tmp_path, [data], num_workers="2", worker_malloc="/nope/libx.so")
     with pytest.raises(ConfigError, match="no such file"):
-        prep.prepare(r, TOKENIZER, progress=False)
+        prep.prepare(*cache_of(r), progress=False)
     assert not list((tmp_path / "out").glob(".data.tmp-*"))  # nothing left behind
 
 
@@ -85,11 +87,11 @@ def test_workers_run_with_the_library_and_write_the_same_cache(tmp_path):
         enc_mod.stop_pool(system)
     assert lib.name not in _maps()  # this process keeps the system malloc
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(600)])
-    infos = {w: prep.prepare(recipe_for(tmp_path / w, [data], num_workers="2", worker_malloc=w), TOKENIZER,
+    infos = {w: prep.prepare(*cache_of(recipe_for(tmp_path / w, [data], num_workers="2", worker_malloc=w)),
                              progress=False) for w in ("auto", "system")}
     assert infos["auto"].report["tokenizer"] == {"workers": 2, "malloc": name, "malloc_library": str(lib)}
     assert infos["system"].report["tokenizer"]["malloc"] == "system"
-    one = prep.prepare(recipe_for(tmp_path / "one", [data]), TOKENIZER, progress=False)
+    one = prep.prepare(*cache_of(recipe_for(tmp_path / "one", [data])), progress=False)
     for f in ("tokens.npy", "labels.npy", "index.npy"):
         ref = (one.dir / f).read_bytes()
         assert all((i.dir / f).read_bytes() == ref for i in infos.values()), f
@@ -131,9 +133,9 @@ def test_a_tokenizer_whose_specials_strip_whitespace_encodes_whole_texts(tmp_pat
 
 def test_bundled_data_cache_equals_whole_text_encoding(tmp_path):
     """Every bundled sample: the cache's tokens are the whole templated text's ids."""
-    r = load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.seq_len": "4096", "data.clean.dedup": "false",
-                                    "data.val_size": "0"})
-    info = prep.prepare(r, TOKENIZER, progress=False)
+    r = finished(load_recipe("tiny-cpu", {"output_dir": str(tmp_path), "data.seq_len": "4096",
+                                          "data.clean.dedup": "false", "data.val_size": "0"}))
+    info = prep.prepare(*cache_of(r), progress=False)
     toks = np.load(info.dir / "tokens.npy")
     idx = np.load(info.dir / "index.npy")
     tok = enc_mod.load_tokenizer(str(TOKENIZER), TOKENIZER.stat().st_mtime)
@@ -152,7 +154,7 @@ def test_auto_workers_follow_the_available_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "MAX_AUTO_WORKERS", 3)
     monkeypatch.setattr(prep, "available_cpus", lambda: 64)
     data = write_jsonl(tmp_path / "d.jsonl", [alpaca(i) for i in range(40)])
-    info = prep.prepare(recipe_for(tmp_path, [data], num_workers="0"), TOKENIZER, progress=False)
+    info = prep.prepare(*cache_of(recipe_for(tmp_path, [data], num_workers="0")), progress=False)
     assert info.report["tokenizer"]["workers"] == 3
 
 

@@ -7,12 +7,12 @@ from finetune.checkpoint import MANIFEST
 from jobspec.checkpoints import STATE, data_id
 from jobspec.data import cache
 from jobspec.data.prepare import main, prepare
-from tests.jobspec.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_json
+from tests.jobspec.data.data_helpers import alpaca, cache_of, recipe_for, write_json
 
 
 def _trained(tmp_path, recipe) -> dict:
     """The cache of ``recipe`` and a checkpoint that trained it; the cache's files -> bytes."""
-    info = prepare(recipe, TOKENIZER, progress=False)
+    info = prepare(*cache_of(recipe), progress=False)
     ckpt = tmp_path / "out" / "checkpoints" / "step_00000008"
     ckpt.mkdir(parents=True)
     (ckpt / STATE).write_text(json.dumps({"step": 8, "identity": {"model": "m", "data": data_id(info.manifest)}}))

@@ -6,14 +6,16 @@ import json
 import numpy as np
 import pytest
 
-from jobspec.config import ConfigError, load_recipe
+from jobspec.config import ConfigError
 from jobspec.data.encode import load_tokenizer
 from jobspec.data.files import DataError
 from jobspec.data.formats import iter_samples
 from jobspec.data.prepare import prepare
 from jobspec.data.report import format_report
 from jobspec.data.template import IGNORE
-from tests.jobspec.data.data_helpers import TOKENIZER, alpaca, recipe_for, write_json, write_jsonl
+from jobspec.finish import finished
+from jobspec.recipe_load import load_recipe
+from tests.jobspec.data.data_helpers import TOKENIZER, alpaca, cache_of, recipe_for, write_json, write_jsonl
 
 CONV = {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "2+2 is 4."}]}
 
@@ -26,7 +28,7 @@ def test_each_file_detected_and_logged_with_its_reason(tmp_path, capsys):
     a = write_json(tmp_path / "a.json", [alpaca(i) for i in range(6)])
     s = write_jsonl(tmp_path / "s.jsonl", [CONV])
     t = write_jsonl(tmp_path / "t.jsonl", [{"text": "A plain document about apples and pears."}])
-    info = prepare(recipe_for(tmp_path, [a, s, t]), TOKENIZER, progress=True)
+    info = prepare(*cache_of(recipe_for(tmp_path, [a, s, t])), progress=True)
     err = capsys.readouterr().err
     assert f"{a}: alpaca (records have `instruction`; detected" in err
     assert f"{s}: sharegpt (records have `conversations`; detected" in err
@@ -38,7 +40,7 @@ def test_a_file_of_another_format_than_the_one_set_is_named(tmp_path):
     s = write_jsonl(tmp_path / "s.jsonl", [CONV])
     with pytest.raises(DataError, match=r"s.jsonl:line 1: looks like ShareGPT \(records have `conversations`\), "
                                         r"but data.format is alpaca; set DATA_FORMAT=sharegpt"):
-        prepare(recipe_for(tmp_path, [s], format="alpaca"), TOKENIZER, progress=False)
+        prepare(*cache_of(recipe_for(tmp_path, [s], format="alpaca")), progress=False)
     a = write_json(tmp_path / "a.json", [alpaca(0)])
     with pytest.raises(DataError, match=r"looks like Alpaca .*set DATA_FORMAT=alpaca"):
         list(iter_samples(a, "sharegpt"))
@@ -51,7 +53,7 @@ def test_plain_text_documents_end_with_eos_learn_every_token_and_long_ones_split
     short = "A short note."
     t = write_jsonl(tmp_path / "t.jsonl", [{"text": short}, {"text": long}])
     (tmp_path / "book.txt").write_text("Chapter one.\n\nIt was a bright cold day in April.\n")
-    info = prepare(recipe_for(tmp_path, [t, tmp_path / "book.txt"], seq_len="64"), TOKENIZER, progress=False)
+    info = prepare(*cache_of(recipe_for(tmp_path, [t, tmp_path / "book.txt"], seq_len="64")), progress=False)
     arr = _arrays(info)
     eos = tok.token_to_id("<|endoftext|>")
     want = [tok.encode(x, add_special_tokens=False).ids + [eos]
@@ -70,10 +72,10 @@ def test_data_columns_map_other_field_names(tmp_path):
                                               for a in map(alpaca, range(5))])
     ref = write_jsonl(tmp_path / "a.jsonl", [alpaca(i) for i in range(5)])
     with pytest.raises(DataError, match=r"""data.columns='\{"instruction": "question", "output": "answer"\}'"""):
-        prepare(recipe_for(tmp_path / "x", [own]), TOKENIZER, progress=False)
-    mapped = prepare(recipe_for(tmp_path / "m", [own], columns='{"instruction": "question", "output": "answer"}'),
-                     TOKENIZER, progress=False)
-    plain = prepare(recipe_for(tmp_path / "p", [ref]), TOKENIZER, progress=False)
+        prepare(*cache_of(recipe_for(tmp_path / "x", [own])), progress=False)
+    columns = '{"instruction": "question", "output": "answer"}'
+    mapped = prepare(*cache_of(recipe_for(tmp_path / "m", [own], columns=columns)), progress=False)
+    plain = prepare(*cache_of(recipe_for(tmp_path / "p", [ref])), progress=False)
     for name in ("tokens", "labels", "index"):
         assert np.array_equal(_arrays(mapped)[name], _arrays(plain)[name]), name
     chats = write_jsonl(tmp_path / "d.jsonl", [{"dialog": [{"speaker": "user", "says": "hi"},
@@ -89,8 +91,8 @@ def test_on_error_skip_counts_malformed_records_and_fail_stops(tmp_path):
     lines[2] = json.dumps({"instruction": "no answer"})
     p.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=r"m.jsonl: line 2 .*not valid JSON"):
-        prepare(recipe_for(tmp_path, [p]), TOKENIZER, progress=False)
-    info = prepare(recipe_for(tmp_path, [p], on_error="skip"), TOKENIZER, progress=False)
+        prepare(*cache_of(recipe_for(tmp_path, [p])), progress=False)
+    info = prepare(*cache_of(recipe_for(tmp_path, [p], on_error="skip")), progress=False)
     assert info.num_samples == 2
     bad = info.report["dropped"]["malformed"]
     assert bad["count"] == 2
@@ -104,7 +106,7 @@ def test_report_explains_itself(tmp_path):
                              {"role": "user", "content": "and then?"}]}
     a = write_json(tmp_path / "a.json", [alpaca(i) for i in range(5)] + [long])
     m = write_jsonl(tmp_path / "m.jsonl", [dangling])
-    info = prepare(recipe_for(tmp_path, [a, m], seq_len="64"), TOKENIZER, progress=False)
+    info = prepare(*cache_of(recipe_for(tmp_path, [a, m], seq_len="64")), progress=False)
     rep = info.report
     ex = rep["dropped"]["cannot_fit"]["examples"][0]
     assert ex["where"].endswith("a.json[5]") and ex["tokens"] > 200
@@ -122,8 +124,8 @@ def test_report_explains_itself(tmp_path):
 
 
 def test_the_embedded_default_keeps_its_samples(tmp_path):
-    r = load_recipe("tiny-cpu", {"output_dir": str(tmp_path)})
-    rep = prepare(r, TOKENIZER, progress=False).report
+    r = finished(load_recipe("tiny-cpu", {"output_dir": str(tmp_path)}))
+    rep = prepare(*cache_of(r), progress=False).report
     assert rep["dropped"].get("cannot_fit", {"count": 0})["count"] / rep["samples_read"] < 0.01
 
 

@@ -13,7 +13,7 @@ from jobspec.data.chat_template import check_model_template, model_template, ren
 from jobspec.data.encode import Encoder
 from jobspec.data.formats import Sample, alpaca_sample, sharegpt_sample
 from jobspec.data.template import IGNORE, QWEN3, chat_format
-from tests.jobspec.data.data_helpers import TOKENIZER, qwen3_dir, recipe_for, write_jsonl
+from tests.jobspec.data.data_helpers import TOKENIZER, cache_of, qwen3_dir, recipe_for, write_jsonl
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_template_qwen3.json").read_text())
 
@@ -78,11 +78,11 @@ def test_the_family_is_part_of_the_cache_identity(model, tmp_path):
     rec = recipe_for(tmp_path, [write_jsonl(tmp_path / "d.jsonl", [{"instruction": "q", "output": "a"}])])
     q25 = qwen3_dir(tmp_path / "q25")
     (q25 / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    a, b = cache.settings_of(rec, model / "tokenizer.json"), cache.settings_of(rec, q25 / "tokenizer.json")
+    a, b = cache.settings_of(rec.data, model / "tokenizer.json"), cache.settings_of(rec.data, q25 / "tokenizer.json")
     assert a["template"] != b["template"] and a["tokenizer_sha256"] == b["tokenizer_sha256"]
     assert "thinking" not in a
     rec.data.thinking = "drop"
-    assert cache.settings_of(rec, model / "tokenizer.json")["thinking"] == "drop"
+    assert cache.settings_of(rec.data, model / "tokenizer.json")["thinking"] == "drop"
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
@@ -108,13 +108,14 @@ def test_prepare_data_writes_qwen3s_template_and_data_thinking_chooses_the_reaso
     data = write_jsonl(tmp_path / "r.jsonl", [GOLDEN["reasoning"]["record"]] * 2)
     want = {t: len(GOLDEN[n]["input_ids"]) for t, n in (("auto", "reasoning"), ("drop", "reasoning_dropped"))}
     for thinking, n in want.items():
-        info = prepare(recipe_for(tmp_path / thinking, [data], thinking=thinking), model / "tokenizer.json",
+        info = prepare(*cache_of(recipe_for(tmp_path / thinking, [data], thinking=thinking), model / "tokenizer.json"),
                        progress=False)
         assert info.manifest["settings"]["template"] == "qwen3-thinking-v1" and info.num_tokens == n
 
 
 def test_data_thinking_is_validated():
-    from jobspec.config import ConfigError, load_recipe
+    from jobspec.config import ConfigError
+    from jobspec.recipe_load import load_recipe
 
     with pytest.raises(ConfigError, match="data.thinking='think'"):
         load_recipe(raw={"model": {"init": {}}}, overrides={"data.thinking": "think"})
