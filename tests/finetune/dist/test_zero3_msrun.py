@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_zero2_msrun import LR, STEPS, _hf, _losses, _run
 
-from jobspec.config import load_recipe
+from jobspec.recipe_load import load_recipe
 
 pytestmark = pytest.mark.slow
 
