@@ -150,20 +150,22 @@ def load_model(model_dir: str | Path, device: str = "auto") -> tuple[Qwen2ForCau
     import mindspore as ms
     from tokenizers import Tokenizer
 
-    from finetune.dist import RankInfo, device_target, set_device
+    from finetune.dist import RankInfo, set_device
     from finetune.hf_io import load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM, compute_dtype
+    from jobspec.platform import platform_of
 
     tok_file = Path(model_dir) / "tokenizer.json"
     config = check_weights_before_build(model_dir)
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file}: not found; the model directory needs the tokenizer files "
                                 "(the fine-tune's export copies them)")
-    target = device_target(device)
+    platform = platform_of(device)
+    target = platform.target
     ms.set_context(mode=ms.PYNATIVE_MODE)
     set_device(target, None)
-    dtype = ms.bfloat16 if target == "Ascend" else ms.float32
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo(device_target=target), compute_dtype=dtype)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo(device_target=target),
+                             compute_dtype=compute_dtype(platform.default_precision))
     load_weights(model, model_dir)
     return model, Tokenizer.from_file(str(tok_file)), target
 

@@ -3,7 +3,7 @@ Hugging Face's. The family (``jobspec.qwen2_layout.FAMILIES``) fixes the attenti
 q/k/v biases, Qwen3 none and an RMSNorm over each query and key head before RoPE.
 
 Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
-stay fp32. Fused Ascend kernels are used only when ``rank.device_target == "Ascend"``; the
+stay fp32. Fused Ascend kernels are used only where ``rank.platform.fused_kernels``; the
 reference implementation (the tested one) runs everywhere else. The caller sets the MindSpore
 context (``ms.set_context(mode=ms.PYNATIVE_MODE)`` and ``mindspore.set_device``) before building the model.
 """
@@ -26,6 +26,11 @@ from jobspec.data.template import IGNORE
 from jobspec.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
 
 _MASKED = -1e9
+
+
+def compute_dtype(precision: str) -> ms.Type:
+    """The dtype of weights and matmuls for a resolved ``train.precision`` (fp32, bf16 or fp16)."""
+    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[precision]
 
 
 @dataclass
@@ -263,7 +268,7 @@ class Qwen2ForCausalLM(nn.Cell):
         rows = self.tp_layout.get("model.embed_tokens.weight")  # split only when vocab-parallel
         self.vocab_rows = VocabRange(rows.start, rows.size) if rows else VocabRange(0, cfg.vocab_size)
         split = rows is not None
-        fused = rank.device_target == "Ascend"
+        fused = rank.platform.fused_kernels
         self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, self.vocab_rows)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,

@@ -20,6 +20,7 @@ from jobspec import native as nativelib
 from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
+from jobspec.platform import platform_of
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
 from launcher.driver_check import driver_rows
@@ -94,7 +95,7 @@ def _port_free(port: int) -> bool:
 def check_devices(c: Context) -> list[Check]:
     d, out = c.devices, []
     if not d.has_npu:
-        if c.recipe.launch.device == "npu":
+        if platform_of(c.recipe.launch.device, d.has_npu).accelerator:
             return [Check("devices", "fail", f"recipe {c.recipe.name} needs NPUs (launch.device=npu); none found",
                           "docker run --device=/dev/davinci0 ... --device=/dev/davinci7 (see README), "
                           "or RECIPE=tiny-cpu for CPU workers")]
@@ -108,7 +109,7 @@ def check_devices(c: Context) -> list[Check]:
     if denied:
         out.append(Check("devices", "fail", f"no read/write permission on /dev/davinci{format_id_list(denied)}",
                          "run as root or as a member of the HwHiAiUser group (docker run --group-add HwHiAiUser)"))
-    if c.recipe.launch.device == "cpu":
+    if not platform_of(c.recipe.launch.device, d.has_npu).accelerator:
         out.append(Check("devices", "warn", "NPUs present but the recipe runs on CPU (launch.device=cpu)",
                          "set MODEL_DIR and DATA for the NPU recipe, or RECIPE=qwen2.5-7b-full"))
     return out or [Check("devices", "ok", d.summary())]

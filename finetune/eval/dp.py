@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from finetune.dist import RankInfo, barrier, device_target, set_device, under_msrun
+from finetune.dist import RankInfo, barrier, set_device, under_msrun
+from jobspec.platform import platform_of
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -22,12 +23,13 @@ R = TypeVar("R")
 
 def join(device: str) -> RankInfo:
     """This process's rank: the world msrun started (collectives initialised), else a single process."""
-    target = device_target(device)
+    platform = platform_of(device)
+    target = platform.target
     if not under_msrun():
         return RankInfo(device_target=target)
     from mindspore.communication import GlobalComm, get_group_size, get_rank, init
 
-    set_device(target, int(os.environ.get("DEVICE_ID", "0")) if target == "Ascend" else None)
+    set_device(target, int(os.environ.get("DEVICE_ID", "0")) if platform.accelerator else None)
     init()
     rank, world = get_rank(), get_group_size()
     return RankInfo(rank=rank, world_size=world, device_target=target, dp=world, dp_rank=rank,
