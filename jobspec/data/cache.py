@@ -16,7 +16,6 @@ renamed into place, ``jobspec/fsutil.atomic_dir``) and decides which process pre
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from numpy.typing import NDArray
 from jobspec.config import Recipe
 from jobspec.data.files import Source, resolve_sources
 from jobspec.data.template import TEMPLATE_VERSIONS, chat_format
+from jobspec.fsutil import file_hash
 from jobspec.rundir import run_dir_of
 
 MANIFEST = "manifest.json"
@@ -52,14 +52,6 @@ class CacheInfo:
 def cache_dir_for(recipe: Recipe) -> Path:
     """data.cache_dir, or <output_dir>/data."""
     return run_dir_of(recipe).data
-
-
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def settings_of(recipe: Recipe, tokenizer_path: str | Path) -> dict[str, Any]:
