@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5 and Qwen3 dense causal LMs in MindSpore (PyNative), parameter names equal to
-Hugging Face's. The family (``jobspec.qwen2_layout.FAMILIES``) fixes the attention: Qwen2 has
+Hugging Face's. The family (``jobspec.family.FAMILIES``) fixes the attention: Qwen2 has
 q/k/v biases, Qwen3 none and an RMSNorm over each query and key head before RoPE.
 
 Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
@@ -23,7 +23,8 @@ from finetune.dist import RankInfo
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
 from jobspec.data.template import IGNORE
-from jobspec.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
+from jobspec.family import family_of
+from jobspec.qwen2_layout import Dims, TPSlice, full_shapes, local_kv_heads, tp_layout
 
 _MASKED = -1e9
 
@@ -48,19 +49,20 @@ class Qwen2Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    model_type: str = "qwen2"  # a key of jobspec.qwen2_layout.FAMILIES
+    model_type: str = "qwen2"  # a key of jobspec.family.FAMILIES
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> Qwen2Config:
         """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``); a
-        family other than Qwen2/Qwen3 dense is refused (``family_of``)."""
+        family other than Qwen2/Qwen3 dense is refused (``family_of``), and a RoPE kind other than the family's."""
         d = dict(d)
-        d["model_type"] = family_of(d).model_type
+        family = family_of(d)
+        d["model_type"] = family.model_type
         d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
+        if rope.get("rope_type", rope.get("type", "default")) != family.rope:
             raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                             "use a model with default RoPE (rope_scaling null)")
+                             f"use a model with {family.rope} RoPE (rope_scaling null)")
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
         names = [f.name for f in dataclasses.fields(cls)]

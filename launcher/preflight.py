@@ -19,6 +19,7 @@ from pathlib import Path
 from jobspec import native as nativelib
 from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
+from jobspec.family import family_of
 from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
 from jobspec.platform import platform_of
 from jobspec.tiny import tiny_config
@@ -221,7 +222,7 @@ def check_model(c: Context) -> list[Check]:
     except (OSError, ValueError) as e:
         return [Check("model", "fail", f"{d / 'config.json'}: malformed ({e})", REDOWNLOAD)]
     try:
-        qwen2_layout.family_of(cfg)
+        family_of(cfg)
     except ValueError as e:
         return [Check("model", "fail", f"{d}/{e}", "set MODEL_DIR to a Qwen2, Qwen2.5 or Qwen3 dense model")]
     bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
@@ -303,7 +304,7 @@ def check_memory(c: Context) -> list[Check]:
     if cfg is None:
         return [Check("memory", "warn", "estimate unavailable (no config.json yet)")]
     try:
-        qwen2_layout.family_of(cfg)
+        family_of(cfg)
     except ValueError:
         return [Check("memory", "warn", "estimate unavailable (a model family this trainer does not implement)")]
     est = memory_estimate(c.recipe, cfg, c.memory_estimator)
