@@ -24,14 +24,13 @@ from safetensors.numpy import load_file, save_file
 from finetune.dist import RankInfo, all_reduce_sum, barrier
 from jobspec.checkpoints import (
     STATE,
-    _complete,
-    _sha256,
+    complete_steps,
     unhealthy,
     usable,
     verify,
     ways_out,
 )
-from jobspec.fsutil import publish
+from jobspec.fsutil import file_hash, publish
 from jobspec.memory import BUCKET_BYTES
 from jobspec.rundir import MANIFEST, step_dirs, step_name
 
@@ -91,7 +90,7 @@ def _check_identity(path: Path, saved: dict, current: dict | None) -> None:
 # ---------------------------------------------------------------------------------------------- save
 
 def _entry(path: Path) -> dict:
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": file_hash(path)}
 
 
 def _world_sum(values: list[float], rank: RankInfo) -> list[float]:
@@ -191,7 +190,7 @@ def _write_manifest(tmp: Path, state: TrainerState, rank: RankInfo) -> None:
 def _prune(root: Path, keep: int) -> None:
     """Keep the ``keep`` newest checkpoints whose files match their manifest's sizes (never fewer than
     one) and always the newest healthy one; older ones go, damaged ones are left for inspection."""
-    good = [p for p in _complete(root) if verify(p, hashes=False) is None]
+    good = [p for p in complete_steps(root) if verify(p, hashes=False) is None]
     healthy = [p for p in good if unhealthy(p) is None]
     for old in good[:-max(keep, 1)] if keep > 0 else []:
         if not healthy or old != healthy[-1]:

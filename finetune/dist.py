@@ -15,13 +15,13 @@ the collective helpers and the DP transport (``finetune/transport.py``, chosen h
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from finetune.collectives import all_reduce_sum
-from jobspec.layout import Device, Layout
+from jobspec.layout import Layout
+from jobspec.platform import Platform, by_target
 
 if TYPE_CHECKING:
     from finetune.transport import DPTransport
@@ -34,7 +34,7 @@ class RankInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device_target: str = "CPU"  # "CPU" or "Ascend"
+    device_target: str = "CPU"  # MindSpore's name of the device; what it decides: ``platform``
     tp: int = 1
     dp: int = 1
     tp_rank: int = 0
@@ -43,6 +43,11 @@ class RankInfo:
     dp_group: str | None = None
     world_group: str | None = None  # the backend's world group name once initialised
     transport: DPTransport | None = None  # the DP transport init_distributed chose; None: MindSpore's collectives
+
+    @property
+    def platform(self) -> Platform:
+        """What this rank's device decides (``jobspec/platform.py``)."""
+        return by_target(self.device_target)
 
     @property
     def dp_comm(self) -> DPTransport:
@@ -60,18 +65,6 @@ class RankInfo:
         """The job's one logger: a line on the console from rank 0 (every rank runs the same code)."""
         if self.is_main:
             print(msg, flush=True)
-
-
-def launch_device(setting: str) -> Device:
-    """'npu' or 'cpu' from launch.device (auto: npu when /dev/davinciN exists)."""
-    if setting in ("npu", "cpu"):
-        return cast(Device, setting)
-    return "npu" if glob.glob("/dev/davinci[0-9]*") else "cpu"
-
-
-def device_target(setting: str) -> str:
-    """MindSpore's device name ('Ascend' or 'CPU') for launch.device."""
-    return Layout(device=launch_device(setting)).device_target
 
 
 def under_msrun() -> bool:
@@ -111,10 +104,10 @@ def set_device(target: str, device_id: int | None) -> None:
     """``mindspore.set_device`` (before any kernel runs and before ``init()``), tolerating a process
     that already runs kernels on that target (tests that train several times in one process).
 
-    CPU: kernels run when called (``mindspore.runtime.launch_blocking``). PyNative's asynchronous dispatch
-    pays off on an NPU, which computes while the host queues; on CPU its queue threads spin
-    (``sched_yield``) on the cores that compute: one process trained the bench model 8% faster without
-    them, DP 2 18% faster, same losses (docs/speed.md)."""
+    CPU (``Platform.kernels_block``): kernels run when called (``mindspore.runtime.launch_blocking``).
+    PyNative's asynchronous dispatch pays off on an NPU, which computes while the host queues; on CPU its
+    queue threads spin (``sched_yield``) on the cores that compute: one process trained the bench model 8%
+    faster without them, DP 2 18% faster, same losses (docs/speed.md)."""
     import mindspore as ms
 
     try:
@@ -122,7 +115,7 @@ def set_device(target: str, device_id: int | None) -> None:
     except RuntimeError:
         if ms.get_current_device().device_target != target:
             raise
-    if target == "CPU":
+    if by_target(target).kernels_block:
         ms.runtime.launch_blocking()
 
 
@@ -141,7 +134,7 @@ def init_distributed(layout: Layout) -> RankInfo:
 
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
 
-    set_device(target, local_rank if target == "Ascend" else None)  # one NPU per local worker
+    set_device(target, local_rank if layout.platform.accelerator else None)  # one NPU per local worker
     init()
     rank, world = get_rank(), get_group_size()
     if world != world_env:

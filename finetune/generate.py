@@ -28,7 +28,8 @@ import numpy as np
 
 from jobspec.config import DataConfig
 from jobspec.data.formats import Sample
-from jobspec.data.template import QWEN25, chat_format, render
+from jobspec.data.template import QWEN25, render
+from jobspec.family import Family, family_in
 from jobspec.recipe_parse import Problem
 
 if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors before loading MindSpore
@@ -38,7 +39,6 @@ if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors be
     from finetune.model import Qwen2ForCausalLM
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 ANSWER_HEADER = "<|im_start|>assistant\n"  # the template's generation prompt
 Turns = list[tuple[str, str]]
 
@@ -95,11 +95,11 @@ def next_token(logits: np.ndarray, seen: list[int], temperature: float, top_p: f
     return int(order[rng.choice(keep, p=p)])
 
 
-def stop_ids(tokenizer, model_dir: str | Path | None = None) -> set[int]:
-    """<|im_end|>, <|endoftext|> and the model's ``eos_token_id``(s)."""
-    out = {tokenizer.token_to_id(t) for t in STOP_TOKENS} - {None}
-    path = Path(model_dir or "") / "generation_config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if model_dir and path.is_file() else None
+def stop_ids(tokenizer, model_dir: str | Path) -> set[int]:
+    """The model family's stop tokens (``Family.stop_tokens``) and the model's ``eos_token_id``(s)."""
+    out = {tokenizer.token_to_id(t) for t in family_in(model_dir).stop_tokens} - {None}
+    path = Path(model_dir) / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
     return out | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
@@ -153,21 +153,23 @@ def load_model(model_dir: str | Path, device: str = "auto", rank: RankInfo | Non
     import mindspore as ms
     from tokenizers import Tokenizer
 
-    from finetune.dist import RankInfo, device_target, set_device
+    from finetune.dist import RankInfo, set_device
     from finetune.hf_io import load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.model import Qwen2Config, Qwen2ForCausalLM, compute_dtype
+    from jobspec.platform import platform_of
 
     tok_file = Path(model_dir) / "tokenizer.json"
     config = check_weights_before_build(model_dir)
     if not tok_file.is_file():
         raise FileNotFoundError(f"{tok_file}: not found; the model directory needs the tokenizer files "
                                 "(the fine-tune's export copies them)")
-    target = device_target(device)
+    platform = platform_of(device)
+    target = platform.target
     ms.set_context(mode=ms.PYNATIVE_MODE)
     if rank is None:
         set_device(target, None)
-    dtype = ms.bfloat16 if target == "Ascend" else ms.float32
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), rank or RankInfo(device_target=target), compute_dtype=dtype)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), rank or RankInfo(device_target=target),
+                             compute_dtype=compute_dtype(platform.default_precision))
     load_weights(model, model_dir)
     return model, Tokenizer.from_file(str(tok_file)), target
 
@@ -198,11 +200,11 @@ def read_prompts(path: str | Path) -> list[dict]:
     return out
 
 
-def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int, *, fmt: str,
+def answer(model, tokenizer, convs: list[dict], s: Sampling, stops: set[int], batch_size: int, *, family: Family,
            progress: Callable[[str], None] | None = None) -> list[str]:
-    """The assistant's answer to each conversation in the chat format ``fmt``, in batches of ``batch_size``
-    (``progress``: told after each)."""
-    pad = tokenizer.token_to_id("<|endoftext|>") or 0
+    """The assistant's answer to each conversation in the model ``family``'s chat format, in batches of
+    ``batch_size`` (``progress``: told after each)."""
+    pad, fmt = tokenizer.token_to_id(family.pad_token) or 0, family.template
     texts = []
     for a in range(0, len(convs), batch_size):
         part = convs[a:a + batch_size]
@@ -229,7 +231,7 @@ def pick_model(args: argparse.Namespace) -> tuple[Path, str]:
                      "base model" + (f" {args.base_model}" if args.base_model else " (with --base-model DIR)"))
 
 
-def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None, fmt: str) -> None:
+def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None, family: Family) -> None:
     """A multi-turn conversation in the terminal; /reset starts over, /exit or Ctrl-D ends."""
     turns: Turns = []
     print("chat: /reset starts over, /exit or Ctrl-D ends", file=sys.stderr)
@@ -245,7 +247,7 @@ def chat(model, tokenizer, s: Sampling, stops: set[int], system: str | None, fmt
             turns = [] if text else turns
             continue
         turns.append(("user", text))
-        reply = answer(model, tokenizer, [{"turns": turns, "system": system}], s, stops, 1, fmt=fmt)[0]
+        reply = answer(model, tokenizer, [{"turns": turns, "system": system}], s, stops, 1, family=family)[0]
         turns.append(("assistant", reply))
         print(f"assistant> {reply}", flush=True)
 
@@ -275,7 +277,7 @@ def sample_check(model, config_dir: Path, recipe, rank, out: Path) -> Path | Non
     rank.log(f"[train] inference check: answering {len(convs)} prompts of {prompts} (up to {s.max_new_tokens} new "
              "tokens each)")
     texts = answer(model, tokenizer, convs, s, stop_ids(tokenizer, config_dir), 8,
-                   fmt=chat_format(Path(config_dir) / "tokenizer.json"),
+                   family=family_in(config_dir),
                    progress=lambda done: rank.log(f"[train] inference check: {done}"))
     if not rank.is_main:
         return None
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         s = dataclasses.replace(Sampling.of_model(model_dir), **{f.name: getattr(args, f.name)
                                                                  for f in dataclasses.fields(Sampling)
                                                                  if getattr(args, f.name) is not None})
-        fmt = chat_format(model_dir / "tokenizer.json")  # before the model loads: an unknown family is refused
+        family = family_in(model_dir)  # before the model loads: an unknown family is refused
         if args.adapter:
             from finetune.lora_io import check_adapter_base
 
@@ -361,11 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[generate] {what}: {model_dir.resolve()} on {target}; {s}", file=sys.stderr)
     stops = stop_ids(tokenizer, model_dir)
     if args.chat:
-        chat(model, tokenizer, s, stops, args.system, fmt)
+        chat(model, tokenizer, s, stops, args.system, family)
         return 0
     for c in convs:
         c["system"] = c["system"] if c["system"] is not None else args.system
-    texts = answer(model, tokenizer, convs, s, stops, args.batch_size, fmt=fmt)
+    texts = answer(model, tokenizer, convs, s, stops, args.batch_size, family=family)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             for c, t in zip(convs, texts):

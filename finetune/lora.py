@@ -78,7 +78,7 @@ class LoraAdapter(nn.Cell):
         self.lora_A, self.lora_B, self.scale, self.dtype = a, b, scale, base.dtype
         self.dropout, self.masks, self.module = dropout, masks, module
         # Ascend: one generator per adapter, seeded again for each mask (not a new one per forward)
-        self.generator = ms.Generator() if rank.device_target == "Ascend" and dropout > 0 else None
+        self.generator = ms.Generator() if rank.platform.fused_kernels and dropout > 0 else None
         # x is whole and the same on every TP rank of a column-parallel layer: the same mask there
         self.rank_key = f"dp{rank.dp_rank}" + ("" if column or rank.tp == 1 else f"tp{rank.tp_rank}")
         self.comm = (CopyToTP if column else ReduceFromTP)(rank) if rank.tp > 1 else None

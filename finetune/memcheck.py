@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune.perf import peak_memory_bytes
+from finetune.perf import peak_rss_bytes
 from jobspec.memory import SHRINKS, MemoryEstimate, memory_estimate
 
 ABOVE = 0.05  # warn when the device peak exceeds the estimate by more than this
@@ -37,7 +37,7 @@ def measured() -> dict[str, int | str]:
     if reserved > 0:
         return {"memory_source": "device", "memory_peak_allocated_bytes": allocated,
                 "memory_peak_reserved_bytes": reserved}
-    return {"memory_source": "rss", "memory_peak_rss_bytes": peak_memory_bytes("CPU")}
+    return {"memory_source": "rss", "memory_peak_rss_bytes": peak_rss_bytes()}
 
 
 def memory_record(est: MemoryEstimate, peak: dict[str, int | str]) -> tuple[dict, str]:

@@ -1,9 +1,9 @@
 """Qwen2 / Qwen2.5 and Qwen3 dense causal LMs in MindSpore (PyNative), parameter names equal to
-Hugging Face's. The family (``jobspec.qwen2_layout.FAMILIES``) fixes the attention: Qwen2 has
+Hugging Face's. The family (``jobspec.family.FAMILIES``) fixes the attention: Qwen2 has
 q/k/v biases, Qwen3 none and an RMSNorm over each query and key head before RoPE.
 
 Parameters are fp32 masters; matmuls run in ``compute_dtype`` while norms, softmax and the loss
-stay fp32. Fused Ascend kernels are used only when ``rank.device_target == "Ascend"``; the
+stay fp32. Fused Ascend kernels are used only where ``rank.platform.fused_kernels``; the
 reference implementation (the tested one) runs everywhere else. The caller sets the MindSpore
 context (``ms.set_context(mode=ms.PYNATIVE_MODE)`` and ``mindspore.set_device``) before building the model.
 """
@@ -23,9 +23,15 @@ from finetune.dist import RankInfo
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
 from jobspec.data.template import IGNORE
-from jobspec.qwen2_layout import Dims, TPSlice, family_of, full_shapes, local_kv_heads, tp_layout
+from jobspec.family import family_of
+from jobspec.qwen2_layout import Dims, TPSlice, full_shapes, local_kv_heads, tp_layout
 
 _MASKED = -1e9
+
+
+def compute_dtype(precision: str) -> ms.Type:
+    """The dtype of weights and matmuls for a resolved ``train.precision`` (fp32, bf16 or fp16)."""
+    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[precision]
 
 
 @dataclass
@@ -43,19 +49,20 @@ class Qwen2Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    model_type: str = "qwen2"  # a key of jobspec.qwen2_layout.FAMILIES
+    model_type: str = "qwen2"  # a key of jobspec.family.FAMILIES
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> Qwen2Config:
         """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``); a
-        family other than Qwen2/Qwen3 dense is refused (``family_of``)."""
+        family other than Qwen2/Qwen3 dense is refused (``family_of``), and a RoPE kind other than the family's."""
         d = dict(d)
-        d["model_type"] = family_of(d).model_type
+        family = family_of(d)
+        d["model_type"] = family.model_type
         d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
+        if rope.get("rope_type", rope.get("type", "default")) != family.rope:
             raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                             "use a model with default RoPE (rope_scaling null)")
+                             f"use a model with {family.rope} RoPE (rope_scaling null)")
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
         names = [f.name for f in dataclasses.fields(cls)]
@@ -263,7 +270,7 @@ class Qwen2ForCausalLM(nn.Cell):
         rows = self.tp_layout.get("model.embed_tokens.weight")  # split only when vocab-parallel
         self.vocab_rows = VocabRange(rows.start, rows.size) if rows else VocabRange(0, cfg.vocab_size)
         split = rows is not None
-        fused = rank.device_target == "Ascend"
+        fused = rank.platform.fused_kernels
         self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, self.vocab_rows)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.dist import RankInfo
+from jobspec.platform import Platform
 from jobspec.qwen2_layout import Dims, param_table
 
 _CALCULATOR = "Huawei Cloud ModelArts MFU calculator, as issue 18 section 1.8 quotes it"
@@ -58,7 +59,7 @@ def soc_name() -> str:
 
 def device_peak_flops(rank: RankInfo) -> tuple[float | None, str]:
     """(peak FLOP/s of one device or None, where the figure comes from)."""
-    if rank.device_target == "Ascend":
+    if rank.platform.chip_peak:
         name = soc_name()
         chip = chip_name(name)
         if chip is None:
@@ -85,12 +86,17 @@ def cpu_matmul_flops(n: int = 512, repeats: int = 5) -> float:
     return 2.0 * n**3 / best
 
 
-def peak_memory_bytes(device_target: str) -> int:
+def peak_memory_bytes(platform: Platform) -> int:
     """Peak device memory of this process: the allocator's maximum on Ascend, peak RSS on CPU."""
-    if device_target == "Ascend":
+    if not platform.host_memory:
         import mindspore as ms
 
         return int(ms.runtime.max_memory_allocated())
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
@@ -151,7 +157,7 @@ class StepProfiler:
         if step != self.first:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.rank.device_target == "Ascend":
+        if self.rank.platform.accelerator:
             from mindspore.profiler import profile, tensorboard_trace_handler
 
             self._prof = profile(on_trace_ready=tensorboard_trace_handler(dir_name=str(self.dir), analyse_flag=False))

@@ -38,7 +38,7 @@ class Reporter:
         now = time.time()
         tokens_per_s = (t.tokens_seen - self.window[1]) / max(now - self.window[0], 1e-9)
         self.window = (now, t.tokens_seen)
-        peak = peak_memory_bytes(t.rank.device_target)
+        peak = peak_memory_bytes(t.rank.platform)
         record = {"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale, "peak_memory_bytes": peak,
                   **self.timer.report(t.reduction.take_comm_s())}

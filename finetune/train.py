@@ -19,7 +19,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, launch_device, launched_world
+from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, launched_world
+from finetune.model import compute_dtype
 from finetune.optim import SkippedSteps, UpdateCheck, lr_at
 from finetune.parallel.overlap import GradReduction
 from finetune.perf import StepProfiler
@@ -28,16 +29,12 @@ from finetune.trainer import Trainer, batch_tensors, setup
 from jobspec.checkpoints import condemn
 from jobspec.config import Recipe
 from jobspec.planfile import unplanned
+from jobspec.platform import platform_of
 from jobspec.rundir import RunDir
 
 EXIT_DIVERGED = 3  # train.max_bad_steps consecutive non-finite steps
 EXIT_STOPPED = 143  # SIGTERM/SIGINT: checkpointed and stopped (128 + SIGTERM)
 EVAL_MIN_GAIN = 1e-4  # an eval loss counts as better (train.early_stop_patience) when 0.01% lower
-
-
-def compute_dtype(recipe: Recipe) -> ms.Type:
-    """The dtype of weights and matmuls of a resolved recipe (fp32 master weights live in the optimizer)."""
-    return {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[recipe.train.precision]
 
 
 class StopFlag:
@@ -85,12 +82,12 @@ def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> 
         recipe, run_dir, _ = unplanned(recipe)
     # the plan's recipe comes resolved: this checks its layout against the world msrun started (a recipe
     # without a plan, e.g. a test's, is resolved here for that world on its launch.device)
-    device = recipe.layout.device if recipe.layout else launch_device(recipe.launch.device)
+    device = recipe.layout.device if recipe.layout else platform_of(recipe.launch.device).device
     recipe = recipe.resolved(launched_world(), device)
     layout = recipe.decided_layout
     ms.set_context(mode=ms.PYNATIVE_MODE)
     rank = init_distributed(layout)
-    dtype = compute_dtype(recipe)
+    dtype = compute_dtype(recipe.train.precision)  # fp32 master weights live in the optimizer
     head = ("vocab-parallel" if layout.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {layout.device_target}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, "
              f"embedding/LM head {head}), compute dtype {dtype}, output {recipe.output_dir}")

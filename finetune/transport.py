@@ -30,6 +30,7 @@ from finetune.collectives import reduce_scatter_sum_async as _reduce_scatter
 from finetune.hostcomm import HostGroup, Slots
 from finetune.hostmem import own_array
 from jobspec.layout import Layout
+from jobspec.platform import by_target
 
 Part = tuple[Any, int, int]  # (tensor, start, end) of the tensor's flat view
 Target = tuple[Any, int, int, int]  # (parameter, start, end, where that range starts in the gathered bucket)
@@ -237,7 +238,7 @@ class HostChannel:
 def collectives(device_target: str, size: int, index: int, group: str | None, world_group: str | None
                 ) -> Collectives:
     """MindSpore's collectives for a DP group: native on Ascend, emulated where the CPU backend lacks them."""
-    if device_target == "Ascend":
+    if by_target(device_target).native_collectives:
         return Native(size, index, group)
     return Emulated(size, index, group, world_group)
 

@@ -14,19 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobspec.fsutil import remove_stale_temps
+from jobspec.fsutil import file_hash, remove_stale_temps
 from jobspec.rundir import MANIFEST, RunDir, is_complete, step_dirs
 
 STATE = "trainer_state.json"
 CONDEMNED = "unhealthy.json"  # written into a checkpoint whose finite weights proved bad (condemn)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def run_identity(model_dir: str | Path, cache_dir: str | Path, model: str | None = None,
@@ -61,7 +53,7 @@ def model_hash(model_dir: str | Path, hashes: Path | None = None, log: Callable[
     digests = {k: known[k] for f, k in keys.items() if f not in todo}
     keep = dict(digests)
     for f in todo:
-        digests[keys[f]] = _sha256(f)
+        digests[keys[f]] = file_hash(f)
         if _file_key(f) == keys[f]:  # not written while it was read
             keep[keys[f]] = digests[keys[f]]
     for f, k in keys.items():
@@ -139,7 +131,7 @@ def tidy(run: RunDir, resume_never: bool, log: Callable[[str], None] = print) ->
         archive_checkpoints(run.root, log)
 
 
-def _complete(root: Path) -> list[Path]:
+def complete_steps(root: Path) -> list[Path]:
     """Published checkpoints (a manifest present), oldest first."""
     return [p for p in step_dirs(root) if is_complete(p)]
 
@@ -201,12 +193,12 @@ def verify(path: Path, names: list[str] | None = None, hashes: bool = True) -> s
             continue
         if f.stat().st_size != want["size"]:
             return f"{f}: {f.stat().st_size} bytes, the manifest says {want['size']} (truncated or overwritten)"
-        if hashes and _sha256(f) != want["sha256"]:
+        if hashes and file_hash(f) != want["sha256"]:
             return f"{f}: contents differ from the manifest's sha256 (corrupted)"
     return None
 
 
 def find_latest(root: Path) -> Path | None:
     """Newest published checkpoint (one with a manifest), or None; not yet verified."""
-    done = _complete(root)
+    done = complete_steps(root)
     return done[-1] if done else None

@@ -18,8 +18,9 @@ from typing import Any, Literal, cast
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
 from jobspec.eval_config import EvalConfig
 from jobspec.keys import key
-from jobspec.layout import Device, Layout, decide, host_collectives_problems, world_problems, zero_problems
+from jobspec.layout import Layout, decide, host_collectives_problems, world_problems, zero_problems
 from jobspec.lora_config import LoraConfig
+from jobspec.platform import PLATFORMS, Device, platform_of
 from jobspec.recipe_parse import ConfigError as ConfigError
 from jobspec.recipe_parse import Problem as Problem
 from jobspec.recipe_parse import overridden as overridden
@@ -163,12 +164,10 @@ class TrainConfig:
 
     def precision_on(self, device: str) -> Literal["fp32", "bf16", "fp16"]:
         """The concrete precision on ``device`` ('npu' | 'cpu'): auto is bf16 on NPU, fp32 on CPU."""
-        if self.precision == "auto":
-            return "bf16" if device == "npu" else "fp32"
-        return self.precision
+        return PLATFORMS[device].default_precision if self.precision == "auto" else self.precision
 
     def device_problems(self, device: str) -> list[Problem]:
-        if self.precision_on(device) == "bf16" and device == "cpu":
+        if self.precision_on(device) == "bf16" and not PLATFORMS[device].bf16_matmul:
             return [Problem("train.precision", "the CPU has no bf16 matmul; use fp32 (or fp16) on CPU, bf16 on "
                             "Ascend", "fp32", repr(self.precision))]
         return []
@@ -300,7 +299,7 @@ def compile_layers_refusals(r: Recipe) -> list[str]:
            f"data.max_tokens_per_batch={r.data.max_tokens_per_batch}: every new batch shape compiles each layer "
            "again; packing keeps one shape": r.data.max_tokens_per_batch > 0,
            "launch.device=npu: the fused attention's spec is host data per batch; graphs there are not measured":
-               r.launch.device == "npu",
+               platform_of(r.launch.device, has_npu=False).fused_kernels,
            "parallel.zero=3: a layer's weights are gathered around each call, which a graph does not see":
                r.parallel.zero == 3}
     return [what for what, on in why.items() if on]

@@ -11,6 +11,7 @@ never delete a run directory or a directory of the user's own files.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,16 @@ MARKER = ".ascend-finetune.json"  # written into every directory atomic_dir publ
 # .<name>.tmp-<host>-<pid> (older: .<name>.tmp-<pid>): the host, so that a node sharing the storage never takes
 # another node's live process for a dead one of its own
 _TEMP = re.compile(r"^\..+\.(?:tmp|old)-(?:(?P<host>[A-Za-z0-9_-]+)-)?(?P<pid>\d+)$")
+
+
+def file_hash(path: Path) -> str:
+    """The sha256 hex digest of a file's content (the project's one checksum: checkpoints, model identity, the
+    token cache's sources and tokenizer)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _me() -> str:

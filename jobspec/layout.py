@@ -8,11 +8,9 @@ checkpoint) takes it from there, never re-deciding. Pure Python (no MindSpore).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from jobspec.platform import PLATFORMS, Device, Platform
 from jobspec.recipe_parse import Problem
-
-Device = Literal["npu", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -48,9 +46,14 @@ class Layout:
         return 3 if self.shard_weights else 2 if self.shard_gradients else int(self.shard_optimizer)
 
     @property
-    def device_target(self) -> Literal["Ascend", "CPU"]:
+    def platform(self) -> Platform:
+        """What the device decides (``jobspec/platform.py``)."""
+        return PLATFORMS[self.device]
+
+    @property
+    def device_target(self) -> str:
         """MindSpore's name of the device."""
-        return "Ascend" if self.device == "npu" else "CPU"
+        return self.platform.target
 
     def world_problem(self, world: int, device: str) -> str | None:
         """Why this layout is not the one for ``world`` workers on ``device`` (a plan made for another job)."""
@@ -75,8 +78,8 @@ def world_problems(tp: int, dp: int, pp: int, world: int) -> list[Problem]:
 
 def host_collectives_refusal(device: Device, dp: int, nnodes: int) -> str | None:
     """Why DP cannot sum through shared memory (``parallel.host_collectives``), or None."""
-    if device != "cpu":
-        return "launch.device=npu: HCCL moves DP traffic between the NPUs"
+    if PLATFORMS[device].native_collectives:
+        return f"launch.device={device}: HCCL moves DP traffic between the NPUs"
     if nnodes > 1:
         return f"launch.nnodes={nnodes}: a DP group spans nodes"
     return "one DP rank: nothing to sum" if dp < 2 else None

@@ -19,6 +19,7 @@ from typing import Any
 
 from jobspec.config import ConfigError, Problem, Recipe, TrainConfig, resolved_model_dir
 from jobspec.lora_config import LoraConfig, trainable_elements
+from jobspec.platform import PLATFORMS
 from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
 from jobspec.shard_layout import ShardLayout
 
@@ -195,7 +196,8 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     head_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
     # three fp32 buffers (logits, exponentials, softmax - onehot) and the compute-dtype copy of the gradient; on
     # CPU in fp32 with the whole vocabulary, one: numpy writes softmax - onehot over the kept logits
-    host_softmax = device == "cpu" and precision == "fp32" and not (vocab_parallel and tp > 1)
+    host = PLATFORMS[device].host_memory
+    host_softmax = host and precision == "fp32" and not (vocab_parallel and tp > 1)
     head_rows = vocab // tp if vocab_parallel else vocab
     logits = head_tokens * head_rows * (4 if host_softmax else 3 * 4 + nbytes)
     grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes
@@ -205,21 +207,23 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     totals = state * 4
     # clipped gradients (one fp32 copy of the totals); on the NPU the kernel's new w, m, v and two temporaries
     # over its largest operand (a tensor, or a bucket's chunk); on CPU it writes in place (optim/host.py)
-    kernel = min(state, math.ceil(BUCKET_BYTES // 4 / dp) if sharded else max(sizes)) if device != "cpu" else 0
+    kernel = min(state, math.ceil(BUCKET_BYTES // 4 / dp) if sharded else max(sizes)) if not host else 0
     update = totals + 5 * kernel * 4
     collectives = 0
-    if dp > 1 and device == "cpu":  # the shared-memory slots: every bucket, and the all-gather's chunks (sharded)
+    # the shared-memory slots: every bucket, and the all-gather's chunks (sharded)
+    if dp > 1 and not PLATFORMS[device].native_collectives:
         collectives = trained * 4 + (state * 4 if sharded else 0)
     elif dp > 1:
         collectives = min(trained * 4, BUCKET_BYTES)
     staging = 0
-    if device == "cpu":  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
+    if host:  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
         staging = 2 * (trained * 4 + 2 * state * 4 + master)
     return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=grad_nbytes, master=master, optimizer=2 * state * 4,
-                          activations=acts, workspace=CPU_WORKSPACE_BYTES if device == "cpu" else WORKSPACE_BYTES,
+                          activations=acts, workspace=CPU_WORKSPACE_BYTES if host else WORKSPACE_BYTES,
                           accumulator=accumulator, logits=logits, totals=totals, update=update,
                           collectives=collectives, staging=staging,
-                          graphs=graph_bytes(model_config, tokens) if compile_layers and device == "cpu" else 0)
+                          graphs=graph_bytes(model_config, tokens)
+                          if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 
 
 def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
@@ -350,7 +354,7 @@ def auto_tp(recipe: Recipe, world: int, npus_per_node: int, device: str) -> tupl
     1 on CPU workers and where the model's config.json is not there yet (the tiny default is created later)
     or unreadable (preflight's model row says why); else :func:`choose_tp` with the recipe's own settings.
     Raises :class:`ConfigError` with :func:`no_fit_advice` when no TP fits."""
-    if device == "cpu":
+    if not PLATFORMS[device].accelerator:
         return 1, "auto -> 1: CPU workers (the choice is made for NPU memory)"
     path = Path(resolved_model_dir(recipe) or ".") / "config.json"
     try:

@@ -1,4 +1,4 @@
-"""The Qwen family table and parameter table: every Hugging Face tensor with its full shape and
+"""The parameter table: every Hugging Face tensor with its full shape and
 tensor-parallel split, for Qwen2 / Qwen2.5 (Coder, Math: ``model_type`` qwen2) and Qwen3 dense.
 
 Pure Python (the launcher imports it). The model's TP slices, the memory estimate's local shapes,
@@ -16,43 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-
-@dataclass(frozen=True)
-class Family:
-    """One supported ``model_type``: its Hugging Face class and the attention's shape."""
-
-    model_type: str
-    architecture: str
-    qkv_bias: bool  # Qwen2: q/k/v projections carry biases
-    qk_norm: bool  # Qwen3: RMSNorm over each query and key head before RoPE
-
-
-FAMILIES = {f.model_type: f for f in (Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
-                                      Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True))}
-SUPPORTED = "Qwen2 / Qwen2.5 (incl. Coder, Math: model_type qwen2, Qwen2ForCausalLM) and Qwen3 dense " \
-            "(model_type qwen3, Qwen3ForCausalLM)"
-
-
-def family_of(config: dict[str, Any]) -> Family:
-    """The family of a config.json (``model_type``, else the architecture; neither: a bare Qwen2 dict).
-
-    Raises ValueError naming the model type and what is supported for any other family (Llama,
-    Qwen2-MoE, Qwen3-MoE, Qwen2-VL, ...)."""
-    archs = config.get("architectures") or []
-    mt = config.get("model_type")
-    if mt is None:
-        known = [f for f in FAMILIES.values() if f.architecture in archs]
-        mt = known[0].model_type if known else ("qwen2" if not archs else None)
-    fam = FAMILIES.get(str(mt)) if mt is not None else None
-    if fam is not None and not fam.qkv_bias and config.get("attention_bias"):
-        raise ValueError(f"config.json: attention_bias true is not supported for model_type {mt!r} (no released "
-                         "model has it; its o_proj bias would be dropped); use a model with attention_bias false")
-    if fam is None or (archs and fam.architecture not in archs):
-        what = f"model_type {mt!r}" if mt else "architecture"
-        raise ValueError(f"config.json: {what} ({', '.join(map(str, archs)) or 'no architectures'}) is not "
-                         f"supported; this trainer implements {SUPPORTED} (set MODEL_DIR to such a model, "
-                         "e.g. Qwen/Qwen3-8B or Qwen/Qwen2.5-7B-Instruct)")
-    return fam
+from jobspec.family import family_of
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from jobspec.config import (
 from jobspec.finish import finished
 from jobspec.layout import host_collectives_choice
 from jobspec.memory import auto_tp
+from jobspec.platform import PLATFORMS, platform_of
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
 from launcher import (
@@ -139,9 +140,9 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
     cwd, given_output = host.cwd or Path.cwd(), first.output_dir
     recipe = absolutize(settings.load(s, extra=clus.overrides()) if clus.overrides() else first, cwd)
     wanted = recipe.launch.device  # a recipe made for NPUs is planned for NPUs even where none is visible
-    device = "cpu" if wanted == "cpu" else "npu" if devs.has_npu or wanted == "npu" else "cpu"
+    device = platform_of(wanted, devs.has_npu).device
     # NPU recipe, no NPU visible: planned for its smallest world (TP x PP); preflight stops it there
-    nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if device == "npu" else 1)
+    nproc = (recipe.launch.nproc_per_node or (len(devs.visible) if PLATFORMS[device].accelerator else 1)
              or recipe.parallel.tp_size * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     problems = plan_checks.problems(recipe, s.overrides, clus, nproc, device, devs, host.sys_root)
@@ -151,7 +152,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
             recipe.parallel.tp, tp_why = auto_tp(recipe, world, nproc, device)
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
-        if device == "npu" and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
+        if PLATFORMS[device].accelerator and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
             devs.notes.append("no NPU visible, so the layout is not resolved: " + "; ".join(e.problems))
         else:
             problems += e.items
@@ -161,7 +162,8 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
                                probe=host.membind_probe)
     done = finished(recipe, nproc)  # every path the workers read, decided here and serialised once
     nodes, run = numa.numa_nodes(host.sys_root), run_dir_of(done)
-    env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)}, cpu=device == "cpu")
+    env = launch.worker_env(host.env, {**devs.worker_env, **numa.worker_env(ranks, nodes)},
+                            cpu=PLATFORMS[device].host_memory)
     if world == 1:  # a scheduler's MS_* variables would make the lone worker think msrun started it
         env = {k: v for k, v in env.items() if not k.startswith("MS_")}
     L = recipe.launch
@@ -261,7 +263,7 @@ def run_preflight(job: Job, host: Host, skip_selftest: bool = False) -> bool:
 
 def run_selftest(job: Job, options: list[str]) -> int:
     """``python -m finetune.selftest OUTPUT_DIR`` on this host's devices (its table, selftest.json)."""
-    device = "npu" if job.devices.has_npu else "cpu"
+    device = platform_of("auto", job.devices.has_npu).device
     return subprocess.call([sys.executable, "-m", "finetune.selftest", job.recipe.output_dir, "--device", device,
                             *options], env=job.env)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobspec.cpus import parse_cpulist
+from jobspec.platform import platform_of
 from launcher.mounts import DRIVER_MOUNTS, MGMT_DEVICES
 from launcher.npu_smi import NpuProcess, NpuSmi, dcmi_error, parse_info, parse_processes, run_npu_smi
 
@@ -106,7 +107,7 @@ class Devices:
 
     def summary(self, launch_device: str = "auto", recipe: str = "") -> str:
         """What was found and, without NPUs, what the recipe will really do (``launch.device``)."""
-        if not self.has_npu and launch_device == "npu":
+        if not self.has_npu and platform_of(launch_device, self.has_npu).accelerator:
             return (f"no NPU (/dev/davinciN) found, but recipe {recipe} runs on NPUs (launch.device=npu): preflight "
                     "stops here; add the --device=/dev/davinciN flags, or RECIPE=tiny-cpu for CPU workers")
         if not self.has_npu:

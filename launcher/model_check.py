@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jobspec.family import family_of
 from jobspec.hf_files import read_header
-from jobspec.qwen2_layout import Dims, family_of, full_shapes
+from jobspec.qwen2_layout import Dims, full_shapes
 
 FIX = ("config.json and the weights are of different models: use the config.json that came with these weights "
        "(model_type, head_dim, tie_word_embeddings), or re-download the model")

@@ -19,7 +19,9 @@ from pathlib import Path
 from jobspec import native as nativelib
 from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
+from jobspec.family import family_of
 from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
+from jobspec.platform import platform_of
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
 from launcher.driver_check import driver_rows
@@ -94,7 +96,7 @@ def _port_free(port: int) -> bool:
 def check_devices(c: Context) -> list[Check]:
     d, out = c.devices, []
     if not d.has_npu:
-        if c.recipe.launch.device == "npu":
+        if platform_of(c.recipe.launch.device, d.has_npu).accelerator:
             return [Check("devices", "fail", f"recipe {c.recipe.name} needs NPUs (launch.device=npu); none found",
                           "docker run --device=/dev/davinci0 ... --device=/dev/davinci7 (see README), "
                           "or RECIPE=tiny-cpu for CPU workers")]
@@ -108,7 +110,7 @@ def check_devices(c: Context) -> list[Check]:
     if denied:
         out.append(Check("devices", "fail", f"no read/write permission on /dev/davinci{format_id_list(denied)}",
                          "run as root or as a member of the HwHiAiUser group (docker run --group-add HwHiAiUser)"))
-    if c.recipe.launch.device == "cpu":
+    if not platform_of(c.recipe.launch.device, d.has_npu).accelerator:
         out.append(Check("devices", "warn", "NPUs present but the recipe runs on CPU (launch.device=cpu)",
                          "set MODEL_DIR and DATA for the NPU recipe, or RECIPE=qwen2.5-7b-full"))
     return out or [Check("devices", "ok", d.summary())]
@@ -220,7 +222,7 @@ def check_model(c: Context) -> list[Check]:
     except (OSError, ValueError) as e:
         return [Check("model", "fail", f"{d / 'config.json'}: malformed ({e})", REDOWNLOAD)]
     try:
-        qwen2_layout.family_of(cfg)
+        family_of(cfg)
     except ValueError as e:
         return [Check("model", "fail", f"{d}/{e}", "set MODEL_DIR to a Qwen2, Qwen2.5 or Qwen3 dense model")]
     bad = [p for p in (_weights_problem(d / s) for s in shards) if p]
@@ -302,7 +304,7 @@ def check_memory(c: Context) -> list[Check]:
     if cfg is None:
         return [Check("memory", "warn", "estimate unavailable (no config.json yet)")]
     try:
-        qwen2_layout.family_of(cfg)
+        family_of(cfg)
     except ValueError:
         return [Check("memory", "warn", "estimate unavailable (a model family this trainer does not implement)")]
     est = memory_estimate(c.recipe, cfg, c.memory_estimator)

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from finetune.dist import RankInfo, barrier, init_distributed, launch_device, launched_world
+from finetune.dist import RankInfo, barrier, init_distributed, launched_world
 from jobspec.layout import Layout
+from jobspec.platform import platform_of
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -24,7 +25,7 @@ R = TypeVar("R")
 def join(device: str, tp: int = 1) -> RankInfo:
     """This process's rank in the world msrun started, TP ``tp`` x DP the rest (``finetune.dist.init_distributed``,
     its world check included; ``tp`` divides the world, see :func:`tp_problem`), else a single process."""
-    return init_distributed(Layout(tp=tp, dp=launched_world() // tp, device=launch_device(device)))
+    return init_distributed(Layout(tp=tp, dp=launched_world() // tp, device=platform_of(device).device))
 
 
 def tp_problem(tp: int) -> str | None:

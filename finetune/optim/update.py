@@ -18,6 +18,7 @@ from finetune.dist import RankInfo
 from finetune.hostmem import own_memory
 from finetune.optim.host import adamw_update_host
 from jobspec.config import TrainConfig
+from jobspec.platform import in_host_memory
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -128,7 +129,7 @@ class StepGate:
     """
 
     def __init__(self, rank: RankInfo):
-        self.on_device = rank.device_target != "CPU"
+        self.on_device = not rank.platform.host_memory
         self.in_place = not self.on_device  # the host gate steps with the host kernel where it can
         self._step: KernelScalars | None = None  # the step whose scalars _host_scalars read
         self._k_host: tuple[float, ...] = ()
@@ -189,7 +190,7 @@ def write_param(p: ms.Parameter, value: ms.Tensor) -> None:
     if value is p:
         return
     value = value if value.dtype == p.dtype else value.astype(p.dtype)
-    if value.device == "CPU" and value.untyped_storage().nbytes() != value.nbytes:
+    if in_host_memory(value) and value.untyped_storage().nbytes() != value.nbytes:
         value = value.copy()  # MindSpore 2.10's CPU InplaceCopy refuses a view into a larger buffer
     # A gradient computation that raised (a kernel refusing its call: a self-test row) leaves PyNative recording,
     # where an in-place op on a leaf that requires grad is refused; this write is no part of any graph.

@@ -91,7 +91,7 @@ class LMHeadCrossEntropy(nn.Cell):
         super().__init__()
         self.dtype = compute_dtype
         self.chunk = chunk_tokens  # > 0: logits of at most this many tokens alive at a time
-        self.host_gemm = rank.device_target == "CPU" and compute_dtype == ms.float32
+        self.host_gemm = rank.platform.host_memory and compute_dtype == ms.float32
         self.mm = {(False, False): ops.MatMul(), (False, True): ops.MatMul(transpose_b=True),
                    (True, False): ops.MatMul(transpose_a=True)}
         self.split = rows is not None and rank.tp > 1  # rows: this rank's slice when vocab-parallel

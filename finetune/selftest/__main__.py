@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from finetune.selftest import collectives, versions
+from jobspec.platform import PLATFORMS, by_target
 
 # the whole run on 8 NPUs, by design: the per-check budgets (runner, collectives) add up below it
 TOTAL_BUDGET_S = 120.0
@@ -134,12 +135,13 @@ def run(out: Path, device: str, quick: bool, with_collectives: bool, install_twi
     """The whole self-test; prints the table and writes ``out/selftest.json``. 0 when every row is ok."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    ids = npu_ids(quick) if device == "Ascend" else []
-    if device == "Ascend" and not ids:
+    npu = by_target(device).accelerator
+    ids = npu_ids(quick) if npu else []
+    if npu and not ids:
         print(f"[selftest] {NO_NPU}", flush=True)
         return 2
-    vers = versions.probe(npu=device == "Ascend")
-    if device == "Ascend":
+    vers = versions.probe(npu=npu)
+    if npu:
         rows = _spawn_devices(out, ids)
         nproc = len(npu_ids(False))
     else:
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-collectives", action="store_true", help="skip the msrun collective checks")
     ap.add_argument("--one-device", type=int, default=None, help=argparse.SUPPRESS)  # a child of the NPU run
     a = ap.parse_args(argv)
-    device = "Ascend" if a.device == "npu" else "CPU"
+    device = PLATFORMS[a.device].target
     if a.one_device is not None:
         rows = device_rows(device, a.one_device, install_twins=False)
         (a.out / f"selftest.npu{a.one_device}.json").write_text(json.dumps(rows))

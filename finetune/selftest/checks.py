@@ -16,6 +16,7 @@ from mindspore import Tensor, ops
 
 from finetune import kernels
 from finetune.dist import RankInfo
+from jobspec.platform import by_target
 
 FUSED = RankInfo(device_target="Ascend")  # the fused path (on CPU: the twins, installed by the caller)
 ROWS = 8  # rows compared per sequence (first and last ROWS // 2)
@@ -43,7 +44,7 @@ class Layout:
 def layouts(device: str) -> list[Layout]:
     """Qwen2.5-7B at TP 1 and 2, S = 4096 packed with three sequences, on Ascend; on CPU the same
     structure scaled down (the twins compute in fp32 on two cores)."""
-    if device == "Ascend":
+    if by_target(device).accelerator:
         full = Layout("tp1", ends=(1024, 2560, 4096), hidden=3584, heads=28, kv_heads=4, head_dim=128, inter=18944,
                       vocab=152064)
     else:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from jobspec.layout import Layout
+from jobspec.platform import by_target
 
 BUDGET_S = 5.0  # per collective, on an NPU
 TOLERANCE = 1e-5  # fp32 sums of a handful of ranks: rounding only
@@ -36,7 +37,7 @@ def main(out_dir: str, device: str) -> int:
     from finetune import collectives, dist
 
     world = dist.launched_world()
-    rank = dist.init_distributed(Layout(dp=world, device="npu" if device == "Ascend" else "cpu"))
+    rank = dist.init_distributed(Layout(dp=world, device=by_target(device).device))
     group, r, n = rank.world_group, rank.rank, N[device]
     channel = rank.dp_comm.channel([n])  # the DP group is the world here
     total = np.sum([_data(i, n) for i in range(world)], axis=0)

@@ -17,6 +17,7 @@ import mindspore as ms
 import numpy as np
 
 from finetune.selftest import checks
+from jobspec.platform import by_target
 
 TOLERANCE = {"bfloat16": {"elementwise": 8e-3, "reduce": 2e-2, "model": 5e-2},
              "float16": {"elementwise": 2e-3, "reduce": 5e-3, "model": 2e-2}}
@@ -148,7 +149,7 @@ def run_device_checks(device: str, dtype, seed: int = 0) -> list[Row]:
 
 def compute_dtype(device: str):
     """bf16 on Ascend (what training uses); fp16 on CPU (no bf16 matmul there)."""
-    return ms.bfloat16 if device == "Ascend" else ms.float16
+    return ms.bfloat16 if by_target(device).bf16_matmul else ms.float16
 
 
 def as_dicts(rows: list[Row]) -> list[dict]:

@@ -15,7 +15,6 @@ renamed into place, ``jobspec/fsutil.atomic_dir``) and decides which process pre
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from numpy.typing import NDArray
 from jobspec.config import DataConfig
 from jobspec.data.files import Source, resolve_sources
 from jobspec.data.template import TEMPLATE_VERSIONS, chat_format
+from jobspec.fsutil import file_hash
 from jobspec.keys import cache_settings
 
 MANIFEST = "manifest.json"
@@ -46,14 +46,6 @@ class CacheInfo:
     manifest: dict[str, Any]
     report: dict[str, Any]
     num_val: int = 0  # validation samples (val_index.npy)
-
-
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def settings_of(d: DataConfig, tokenizer_path: str | Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from jobspec.checkpoints import STATE, data_id, usable, ways_out
 from jobspec.config import DataConfig
 from jobspec.data import cache
 from jobspec.data.files import DataError, resolve_sources
+from jobspec.fsutil import file_hash
 from jobspec.rundir import RunDir
 
 
@@ -58,7 +59,7 @@ def data_changes(old: dict[str, Any], data: DataConfig, tokenizer_path: str | Pa
     for o, n in zip(before, after):
         if o.get("size") != n["size"]:
             changes.append(f"{n['path']} changed since the run read it ({o.get('size', 0):,} -> {n['size']:,} bytes)")
-        elif not cache.same_stat(o, n) and cache.file_hash(Path(n["path"])) != o.get("sha256"):
+        elif not cache.same_stat(o, n) and file_hash(Path(n["path"])) != o.get("sha256"):
             changes.append(f"{n['path']} changed since the run read it (same size, other contents)")
     return changes
 

@@ -15,7 +15,6 @@ each assistant turn's content tokens (its reasoning included) and its ``<|im_end
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +22,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from jobspec.data.formats import Sample
-from jobspec.qwen2_layout import family_of
+from jobspec.family import FAMILIES, family_in
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 IGNORE = -100
-QWEN25, QWEN3 = "qwen2.5", "qwen3"
+QWEN25, QWEN3 = FAMILIES["qwen2"].template, FAMILIES["qwen3"].template  # the two templates written below
 TEMPLATE_VERSIONS = {QWEN25: "qwen2.5-chatml-v1", QWEN3: "qwen3-thinking-v1"}  # part of the cache fingerprint
 TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
@@ -39,17 +38,10 @@ TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with f
 
 
 def chat_format(tokenizer_path: str | Path) -> str:
-    """QWEN3 when the config.json beside the tokenizer is a Qwen3 model's, QWEN25 for a Qwen2 one and for a
-    tokenizer without config.json (the bundled one). Raises ValueError naming config.json when it is
-    unreadable or of another family: no template of ours is that model's."""
-    path = Path(tokenizer_path).parent / "config.json"
-    if not path.exists():
-        return QWEN25
-    try:
-        config = json.loads(path.read_text())
-        return QWEN3 if family_of(config).model_type == "qwen3" else QWEN25
-    except (OSError, ValueError, AttributeError) as e:  # unreadable, not JSON, not a mapping, another family
-        raise ValueError(f"{path}: the chat format (Qwen2.5's or Qwen3's) cannot be told from it: {e}") from None
+    """The chat template of the model family whose config.json is beside the tokenizer (``Family.template``;
+    QWEN25 for a tokenizer without config.json, the bundled one). Raises ValueError naming config.json when
+    it is unreadable or of another family: no template of ours is that model's."""
+    return family_in(Path(tokenizer_path).parent).template
 
 
 def split_reasoning(content: str) -> tuple[str, str]:

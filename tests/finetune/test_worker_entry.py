@@ -83,8 +83,8 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     rank = init_distributed(recipe.decided_layout)
     reads = []
-    real = checkpoints._sha256
-    monkeypatch.setattr(checkpoints, "_sha256", lambda path: (reads.append(path), real(path))[1])
+    real = checkpoints.file_hash
+    monkeypatch.setattr(checkpoints, "file_hash", lambda path: (reads.append(path), real(path))[1])
     assert setup(recipe, rank, ms.float32, RunDir(tmp_path), "0123456789abcdef").identity["model"] == "0123456789abcdef"
     assert reads == []  # the weights were loaded, not read a second time for the identity
     computed = setup(recipe, rank, ms.float32, RunDir(tmp_path)).identity["model"]  # an older plan: hashed here

@@ -15,8 +15,8 @@ from jobspec.checkpoints import model_hash
 def reads(monkeypatch):
     """The files model_hash reads in full, in order."""
     seen = []
-    real = checkpoints._sha256
-    monkeypatch.setattr(checkpoints, "_sha256", lambda path: (seen.append(path.name), real(path))[1])
+    real = checkpoints.file_hash
+    monkeypatch.setattr(checkpoints, "file_hash", lambda path: (seen.append(path.name), real(path))[1])
     return seen
 
 
@@ -63,7 +63,7 @@ def test_a_big_model_says_that_it_is_hashed_once(tmp_path, monkeypatch):
     model = _model(tmp_path / "m")
     with open(model / "model-00001-of-00002.safetensors", "r+b") as f:
         f.truncate(3 << 30)  # sparse: 3 GiB on paper
-    monkeypatch.setattr(checkpoints, "_sha256", lambda path: "0" * 64)  # not read here
+    monkeypatch.setattr(checkpoints, "file_hash", lambda path: "0" * 64)  # not read here
     said: list[str] = []
     cache = tmp_path / "hashes.json"
     model_hash(model, cache, log=said.append)

@@ -21,8 +21,8 @@ from launcher.rundir_prep import tidy_run_dir
 @pytest.fixture
 def reads(monkeypatch):
     seen = []
-    real = checkpoints._sha256
-    monkeypatch.setattr(checkpoints, "_sha256", lambda path: (seen.append(path), real(path))[1])
+    real = checkpoints.file_hash
+    monkeypatch.setattr(checkpoints, "file_hash", lambda path: (seen.append(path), real(path))[1])
     return seen
 
 
