@@ -20,7 +20,6 @@ from safetensors import TensorSpec, serialize_file
 from finetune.dist import RankInfo
 from jobspec.fsutil import atomic_dir
 from jobspec.hf_files import INDEX, SINGLE, read_header
-from jobspec.platform import by_target
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
@@ -143,7 +142,7 @@ def load_weights(model, model_dir: str | os.PathLike, rank: RankInfo | None = No
     shapes = model.hf_shapes()
     files = check_weights(model_dir, {name: shapes[name] for name in model.hf_state()})
     layout = model.tp_layout
-    in_place = by_target(ms.get_context("device_target")).host_memory  # asnumpy() is then the storage itself
+    in_place = model.rank.platform.host_memory  # asnumpy() is then the parameter's own storage
     for name, param in model.hf_state().items():
         part = layout.get(name)
         if in_place:  # no host copy left behind (glibc keeps freed heap: the load's copies would stay in the RSS)
