@@ -1,0 +1,91 @@
+"""The sizes only ZeRO-3 fits, planned at the real scale on fake Atlas 800T A2 hosts (8 NPUs each): Qwen2.5-32B and
+Qwen3-32B full on 2 x 8 NPUs, Qwen2.5-72B full on 4 x 8, and a 4-node Volcano Job for 72B whose pods plan it.
+
+While ``parallel.zero=3`` is refused (``jobspec.layout.zero_problems``: the runtime's ZeRO-3 not merged yet) the
+plan chooses it and is then refused naming it, before any work; once it is built, the plan prints the layout."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launcher_fakes import recorded_npu_smi
+from test_render import EXAMPLE_ENV, container, env_of, errors, rendered
+from test_tp_auto import plan, table_row
+
+import launcher.__main__ as lm
+from jobspec.layout import zero_problems
+from jobspec.qwen_sizes import SIZES
+
+ZERO3_BUILT = not zero_problems(3, None)
+
+
+def check_zero3_plan(rc: int, p: dict | None, out: str, err: str, atlas: Path, name: str) -> None:
+    """The plan of ``name``'s full fine-tune is the size table's ZeRO-3 row, or (ZeRO-3 refused) refused so."""
+    row = table_row(name, "full")
+    tp, dp = (int(x) for x in row["layout"].removesuffix(", ZeRO-3").removeprefix("TP ").split(" x DP "))
+    assert row["layout"].endswith(", ZeRO-3") and tp * dp == int(row["NPUs"])
+    if not ZERO3_BUILT:
+        assert rc == 2 and p is None and "Traceback" not in out + err
+        assert "parallel.zero=3: ZeRO-3 (sharded weights) is not built yet" in err, err
+        assert not (atlas / "out").exists()
+        return
+    assert rc == 0 and p is not None
+    layout = p["recipe"]["layout"]
+    assert (layout["tp"], layout["dp"], p["recipe"]["parallel"]["zero"]) == (tp, dp, 3)
+    assert f"{p['memory']['total'] / 2**30:.1f}" == row["GiB per NPU"]
+    zero = p["sources"]["parallel.zero"]
+    assert zero.startswith(f"auto -> ZeRO-3 ({row['layout']}; ") and f"over RoCE between {dp * tp // 8} nodes" in zero
+    assert f"[launcher] parallel.zero: {zero}\n" in out
+    assert p["sources"]["parallel.tp"].startswith(f"auto -> TP {tp} ZeRO-3: TP 1 ZeRO-1 needs ")
+
+
+@pytest.mark.parametrize("name,npus", [("Qwen2.5-32B", 16), ("Qwen2.5-72B", 32), ("Qwen3-32B", 16)])
+def test_the_sizes_only_zero3_fits_plan_at_the_real_scale(atlas, capsys, name, npus):
+    assert int(table_row(name, "full")["NPUs"]) == npus
+    check_zero3_plan(*plan(atlas, "qwen-full", name, npus, capsys), atlas, name)
+
+
+def test_a_world_too_small_even_for_zero3_names_the_smallest_that_fits(atlas, capsys):
+    rc, p, out, err = plan(atlas, "qwen-full", "Qwen2.5-72B", 16, capsys)
+    assert rc == 2 and p is None and "Traceback" not in out + err
+    assert "TP 8 ZeRO-3 needs 94.6 GiB per NPU > 54 planned" in err  # each candidate with its estimate
+    assert "would fit: 32 NPUs (4 node(s), TP 4 x DP 8, ZeRO-3)" in err
+
+
+def test_an_explicit_tp_gets_the_lowest_stage_that_fits_there(atlas, capsys):
+    """TP 8 given: 32B on 32 NPUs fits with ZeRO-1 at TP 8; on 16 not even ZeRO-2 does, so ZeRO-3 is chosen."""
+    rc, p, out, _ = plan(atlas, "qwen-full", "Qwen2.5-32B", 32, capsys, TP="8")
+    assert rc == 0 and p["sources"]["parallel.zero"].startswith("auto -> ZeRO-1 (TP 8 x DP 4, ZeRO-1; ")
+    assert "parallel.tp" not in p["sources"]
+    rc, p, out, err = plan(atlas, "qwen-full", "Qwen2.5-32B", 16, capsys, TP="8")
+    assert rc == 0 if ZERO3_BUILT else "parallel.zero=3: ZeRO-3 (sharded weights) is not built yet" in err
+
+
+def test_a_four_node_volcano_job_for_72b_renders_and_its_pods_plan_it(tmp_path, atlas, capsys):
+    env = {"RECIPE": "qwen-full", "MODEL_DIR": "/data/models/Qwen2.5-72B-Instruct",
+           "OUTPUT_DIR": "/data/output/qwen2.5-72b-sft"}
+    job = rendered(tmp_path, 4, env=env)
+    assert not errors(job, "batch.volcano.sh_jobs.yaml")
+    (task,) = job["spec"]["tasks"]
+    assert task["replicas"] == 4 and job["spec"]["minAvailable"] == 4
+    c = container(job)
+    assert c["resources"]["limits"]["huawei.com/Ascend910"] == 8
+    assert env_of(c)["MODEL_DIR"] == env["MODEL_DIR"] and env_of(c)["RECIPE"] == "qwen-full"
+    assert EXAMPLE_ENV["DATA"] == env_of(c)["DATA"]
+    name = job["metadata"]["name"]
+    hosts = [f"{name}-worker-{i}.{name}" for i in range(4)]
+    (atlas / "model").mkdir()
+    (atlas / "model" / "config.json").write_text(json.dumps(SIZES["Qwen2.5-72B"]))
+    pod_env = {**env_of(c), "VC_TASK_INDEX": "3", "VK_TASK_INDEX": "3", "VC_WORKER_HOSTS": ",".join(hosts),
+               "VC_WORKER_NUM": "4", "MODEL_DIR": str(atlas / "model"), "OUTPUT_DIR": str(atlas / "out")}
+    host = lm.Host(env=pod_env, dev_dir=atlas / "dev", root=atlas, sys_root=atlas / "sys", npu_smi=recorded_npu_smi,
+                   identities={f"{name}-worker-3", "10.244.3.7"})
+    rc = lm.main(["plan"], host)
+    out = capsys.readouterr()
+    text = out.out
+    p = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1:])[0] if "\n{" in text else None
+    if p is not None:
+        t = p["topology"]
+        assert (t["nnodes"], t["node_rank"], t["world_size"]) == (4, 3, 32)
+    check_zero3_plan(rc, p, out.out, out.err, atlas, "Qwen2.5-72B")
