@@ -1,6 +1,7 @@
 """Data parallelism on one host: DP N (one worker per core) against one process on every core, same global batch.
 
     make bench-dp                                   # the bench model, DP 2 against one process, 3 rounds
+    make bench-dp BENCH_ARGS=--zero                 # DP 2 ZeRO-2 against DP 2 ZeRO-1 (parallel.zero)
     python tools/bench_dp.py --rounds 3 --steps 12 --nproc 2 --json out.json
 
 Each round trains the benchmark model (tools/bench_train.py's shape: hidden 512, 4 layers, vocab 151936,
@@ -12,6 +13,8 @@ binding, the launcher's malloc settings for CPU workers). tokens/s of a run: the
 ``tokens_per_s`` after the first two steps (compilation, first touch). Prints per round the ratio DP / one, their
 median, min and max, the largest loss difference between the two runs (the same training, so ~0), the CPU and
 the validity check of tools/bench_train.py (other processes' runnable threads, ``bench_conditions.OtherWork``).
+``--zero``: each round runs DP ``--nproc`` twice instead, ``parallel.zero=1`` then ``=2`` (the order alternating
+by round, so a load that drifts over the run favours neither), and the ratio is ZeRO-2 / ZeRO-1.
 A tool, not a test.
 """
 from __future__ import annotations
@@ -38,9 +41,10 @@ from jobspec.config import REPO_ROOT
 WARMUP_STEPS = 2
 
 
-def run_overrides(steps: int, micro_batch: int) -> str:
+def run_overrides(steps: int, micro_batch: int, extra: str = "") -> str:
     """The OVERRIDES of one benchmark run: only the step count, the batch and what a measurement needs off."""
-    return " ".join([f"train.max_steps={steps}", f"train.micro_batch_size={micro_batch}", "train.grad_accum=1",
+    return " ".join([*extra.split(), f"train.max_steps={steps}", f"train.micro_batch_size={micro_batch}",
+                     "train.grad_accum=1",
                      "data.seq_len=256", "data.max_samples=400", "data.val_size=0", "train.warmup_steps=0",
                      "train.save_every=0", "train.log_every=1", "train.tensorboard=false", "export.enabled=false"])
 
@@ -75,9 +79,19 @@ def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tup
 
 
 def summarize(pairs: list[tuple[float, float]]) -> dict[str, float]:
-    """Median, min and max over rounds of DP tokens/s / one-process tokens/s (``pairs``: (one, dp) per round)."""
-    ratios = [dp / one for one, dp in pairs]
+    """Median, min and max over rounds of the measured run's tokens/s / the baseline's (``pairs``: (baseline,
+    measured) per round: one process and DP, or ZeRO-1 and ZeRO-2)."""
+    ratios = [new / base for base, new in pairs]
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
+def contenders(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(name, workers, OVERRIDES) of the baseline and the measured run."""
+    if args.zero:
+        return [(f"zero{z}", args.nproc, run_overrides(args.steps, args.micro_batch, f"parallel.zero={z}"))
+                for z in (1, 2)]
+    return [("one", 1, run_overrides(args.steps, args.micro_batch * args.nproc)),
+            ("dp", args.nproc, run_overrides(args.steps, args.micro_batch))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="steps per run (the first two are not timed)")
     ap.add_argument("--nproc", type=int, default=2, help="DP workers (one per core)")
     ap.add_argument("--micro-batch", type=int, default=2, help="rows per DP worker per step")
+    ap.add_argument("--zero", action="store_true", help="DP ZeRO-2 against DP ZeRO-1 instead of DP against one")
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
     cpu = cpu_info()
@@ -99,16 +114,18 @@ def main(argv: list[str] | None = None) -> int:
         pairs, loss_diff = [], 0.0
         with OtherWork(lambda: other_runnable(os.getpid())) as others:
             for r in range(args.rounds):
-                whole = run_overrides(args.steps, args.micro_batch * args.nproc)
-                one, one_loss = train(work, f"one-{r}", model, 1, whole)
-                dp, dp_loss = train(work, f"dp-{r}", model, args.nproc, run_overrides(args.steps, args.micro_batch))
-                loss_diff = max([loss_diff, *(abs(a - b) for a, b in zip(one_loss, dp_loss))])
-                pairs.append((one, dp))
-                print(f"round {r}: one process {one:.1f} tokens/s, DP {args.nproc} {dp:.1f} tokens/s: "
-                      f"{dp / one:.2f}x", flush=True)
+                runs = contenders(args)
+                order = runs if not args.zero or r % 2 == 0 else runs[::-1]
+                got = {name: train(work, f"{name}-{r}", model, nproc, over) for name, nproc, over in order}
+                (base, base_loss), (new, new_loss) = (got[name] for name, _, _ in runs)
+                loss_diff = max([loss_diff, *(abs(a - b) for a, b in zip(base_loss, new_loss))])
+                pairs.append((base, new))
+                print(f"round {r}: {runs[0][0]} {base:.1f} tokens/s, {runs[1][0]} {new:.1f} tokens/s: "
+                      f"{new / base:.2f}x; load average {read_loadavg():.2f}", flush=True)
     stats = summarize(pairs)
     invalid = others.invalid()
-    print(f"DP {args.nproc} / one process: median {stats['median']:.2f}x (min {stats['min']:.2f}, max "
+    what = "ZeRO-2 / ZeRO-1" if args.zero else "one process"
+    print(f"DP {args.nproc} / {what}: median {stats['median']:.2f}x (min {stats['min']:.2f}, max "
           f"{stats['max']:.2f}) over {len(pairs)} round(s); largest loss difference {loss_diff:.2g}; other "
           f"processes' runnable threads {others.mean():.2f}" + (f"; {invalid}" if invalid else ""))
     if args.json:
