@@ -1,8 +1,8 @@
 """Choosing the layout from the memory estimate: ``parallel.tp: auto`` and ``parallel.zero: auto`` together,
 and what each ZeRO stage moves per step (pure Python; the launcher imports it).
 
-The choice is the smallest TP, then the lowest ZeRO stage, whose estimate (``jobspec.memory``) fits; ZeRO-3
-only where no TP fits with ZeRO-1 or 2 (it gathers every layer's weights twice per micro-batch). Where the
+The choice is the lowest ZeRO stage, and at it the smallest TP, whose estimate (``jobspec.memory``) fits: ZeRO-2
+and ZeRO-3 only where no TP fits with a lower stage (:func:`choose_layout`). Where the
 stage is refused (``jobspec.layout.zero_problems``) is no concern of the choice: the resolved recipe is
 checked after it, as any other.
 """
@@ -93,26 +93,27 @@ def choose_layout(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_nod
                   shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES, tps: tuple[int, ...] = TP_CANDIDATES,
                   stages: tuple[int, ...] = ZERO_CANDIDATES,
                   estimator: Callable[..., MemoryEstimate] = estimate_memory) -> LayoutChoice:
-    """The smallest TP of ``tps`` that divides the heads and KV heads (``tp_problems``), stays inside a node and
-    divides ``world``, with the lowest ZeRO stage of ``stages`` whose estimate of ``shape`` fits ``usable`` bytes
-    per device; stage 3 only where no TP fits with a lower one. With DP 1 (or the optimizer not sharded) the
-    stage changes nothing and only the lowest is tried."""
-    lower, three = tuple(z for z in stages if z < 3), tuple(z for z in stages if z == 3)
+    """The lowest ZeRO stage of ``stages``, and at it the smallest TP of ``tps`` that divides the heads and KV heads
+    (``tp_problems``), stays inside a node and divides ``world``, whose estimate of ``shape`` fits ``usable`` bytes
+    per device: each stage up multiplies the DP traffic (:func:`step_traffic`: ZeRO-2 reduce-scatters every
+    micro-batch, ZeRO-3 also gathers every layer twice per micro-batch), while TP's stays inside a node on HCCS.
+    So ZeRO-3 only where nothing else fits. With DP 1 (or the optimizer not sharded) the stage changes nothing:
+    tried once."""
     refused: list[str] = []
-    for group in (g for g in (lower, three) if g):
+    for zero in stages:
         for tp in tps:
             if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=shape.vocab_parallel and tp > 1):
                 continue
-            dp, sharded = world // tp, world > tp and shape.shard_optimizer
-            if group is three and not sharded:  # nothing to shard: tried with the lower stages
+            dp = world // tp
+            sharded = dp > 1 and shape.shard_optimizer
+            if not sharded and zero != stages[0]:  # nothing to shard: tried once, with the first stage
                 continue
-            for zero in group if sharded else group[:1]:
-                est = dataclasses.replace(shape, zero=zero).estimate(cfg, tp, dp, seq_len, estimator)
-                name = f"TP {tp}" + (f" ZeRO-{zero}" if dp > 1 else "")
-                if est.total <= usable:
-                    fits = f"fits ({est.total / 2**30:.1f} GiB per NPU)"
-                    return LayoutChoice(tp, dp, est, f"{name}: " + ("; ".join(refused) or fits), zero)
-                refused.append(f"{name} needs {est.total / 2**30:.1f} GiB per NPU > {usable / 2**30:.0f} planned")
+            est = dataclasses.replace(shape, zero=zero).estimate(cfg, tp, dp, seq_len, estimator)
+            name = f"TP {tp}" + (f" ZeRO-{zero}" if sharded else "")
+            if est.total <= usable:
+                fits = f"fits ({est.total / 2**30:.1f} GiB per NPU)"
+                return LayoutChoice(tp, dp, est, f"{name}: " + ("; ".join(refused) or fits), zero)
+            refused.append(f"{name} needs {est.total / 2**30:.1f} GiB per NPU > {usable / 2**30:.0f} planned")
     return LayoutChoice(None, 0, None, "; ".join(refused) or f"no TP up to {npus_per_node} divides the heads")
 
 

@@ -22,6 +22,9 @@ from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
 from jobspec.shard_layout import ShardLayout
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
+# ZeRO-2/3: reduce-scatters a rank keeps in flight during the backward, each holding its bucket's flat fp32 copy
+# (parallel/overlap.py ShardedAccumulation._launch waits for the oldest first)
+IN_FLIGHT_BUCKETS = 2
 
 WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers, allocator fragmentation
 # CPU: what a training process holds beyond an empty MindSpore process (same imports, same device setup):
@@ -48,10 +51,11 @@ TERMS = {
     "grad_shards": "ZeRO-2/3: this rank's fp32 chunk sums of the earlier micro-batches' gradients "
                    "(parallel/overlap.py ShardedAccumulation.add)",
     "rs_buckets": "ZeRO-2/3: reduce-scatter inputs in flight, each bucket's flat fp32 copy (transport.py _flat, "
-                  "kept by collectives.InFlight until waited; ZeRO-2 waits after the backward: every bucket)",
-    "gathered": "ZeRO-3: the gathered layer's compute-dtype weights, two with the next one prefetched (the "
-                "largest of a decoder layer and the embedding / LM head)",
-    "gather_buffer": "ZeRO-3: the all-gather's flat output for one layer before it is cut into the weights",
+                  "kept by collectives.InFlight until waited: at most IN_FLIGHT_BUCKETS, ShardedAccumulation._launch)",
+    "gathered": "ZeRO-3: the gathered decoder layer's compute-dtype weights, one layer at a time "
+                "(parallel/zero3.py ShardedWeights.use)",
+    "gather_buffer": "ZeRO-3: the all-gather's flat buckets of that layer before they are cut into its weights "
+                     "(ShardedWeights._gather)",
 }
 # The setting that shrinks each term (the worker's step-1 warning names it with the largest term).
 SHRINKS = {
@@ -68,7 +72,7 @@ SHRINKS = {
     "staging": "parallel.shard_optimizer=true (each rank stages its shard)",
     "workspace": "nothing in the recipe (the framework's)",
     "grad_shards": "more DP ranks, or a larger parallel.tp",
-    "rs_buckets": "parallel.zero=3 (a layer's gradients in flight instead of the model's)",
+    "rs_buckets": "nothing in the recipe (IN_FLIGHT_BUCKETS buckets of about 25 MB)",
     "gathered": "a larger parallel.tp",
     "gather_buffer": "a larger parallel.tp",
 }
@@ -154,20 +158,20 @@ def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int
     return sum(ShardLayout((total,), dp, bucket_bytes).chunks)
 
 
-def gather_unit(local: dict[str, tuple[int, ...]]) -> int:
-    """Elements of the largest unit ZeRO-3 gathers at once: a decoder layer, or one tensor outside the layers
-    (the embedding, the LM head, the final norm: assumed sharded and gathered like a layer)."""
-    units: dict[str, int] = {}
+def layer_elements(local: dict[str, tuple[int, ...]]) -> list[int]:
+    """Elements of each decoder layer of one TP rank: what ZeRO-3 shards and gathers, one layer at a time (the
+    embedding, final norm and LM head stay whole: ``finetune/parallel/zero3.py``)."""
+    layers: dict[str, int] = {}
     for name, shape in local.items():
         parts = name.split(".")
-        key = ".".join(parts[:3]) if parts[1:2] == ["layers"] else name
-        units[key] = units.get(key, 0) + math.prod(shape)
-    return max(units.values())
+        if parts[1:2] == ["layers"]:
+            layers[parts[2]] = layers.get(parts[2], 0) + math.prod(shape)
+    return list(layers.values())
 
 
 @dataclass(frozen=True)
 class ZeroTerms:
-    """The buffers a ZeRO stage adds or shrinks (bytes per device; :data:`TERMS`)."""
+    """The terms a ZeRO stage changes or adds (bytes per device; :data:`TERMS`)."""
 
     weights: int
     grads: int
@@ -178,22 +182,27 @@ class ZeroTerms:
     gather_buffer: int = 0
 
 
-def zero_terms(stage: int, *, weights: int, grads: int, accumulator: int, trained: int, state: int, unit: int,
-               nbytes: int, grad_accum: int, device: str, lora: bool) -> ZeroTerms:
-    """Stage 0/1: the terms as given. 2: the fp32 accumulator becomes this rank's chunk sums (``state``
-    elements, with grad_accum > 1) and every bucket's fp32 copy is in flight until the backward ends (NPU;
-    on CPU the shared-memory slots, ``collectives``, hold them). 3: as 2, and the compute-dtype weights are
-    this rank's shard (``shard_elements``) plus the gathered layer (two with prefetch) and the gather's flat
-    output; a layer's gradients are reduce-scattered as its backward ends, two layers in flight (compute
-    dtype and fp32); LoRA keeps its adapters' gradients and shards the frozen base."""
+def zero_terms(stage: int, *, n: int, adapters: int, grads: int, accumulator: int, trained: int, state: int,
+               layers: list[int], nbytes: int, dp: int, grad_accum: int, device: str, lora: bool) -> ZeroTerms:
+    """Stage 0/1: the weights (``n`` elements in the compute dtype, ``adapters`` in fp32), ``grads`` and
+    ``accumulator`` as given. 2: the fp32 accumulator becomes this rank's chunk sums (``state`` elements; with
+    grad_accum > 1) and the reduce-scatters in flight hold IN_FLIGHT_BUCKETS flat fp32 buckets (NPU; on CPU
+    the shared-memory slots, ``collectives``, hold them). 3: as 2, and the decoder layers' compute-dtype
+    weights are this rank's chunks; one layer is gathered at a time (for its forward, again for its recomputed
+    backward): its weights, the gather's flat buckets (the layer and the two buckets it may straddle) and, in
+    the backward, its weight gradients beside the whole embedding's / LM head's (``finetune/parallel/zero3.py``)."""
+    whole = n * nbytes + adapters * 4
     if stage < 2:
-        return ZeroTerms(weights, grads, accumulator)
+        return ZeroTerms(whole, grads, accumulator)
     shards = state * 4 if grad_accum > 1 else 0
+    flats = min(trained * 4, IN_FLIGHT_BUCKETS * BUCKET_BYTES) if device != "cpu" else 0
     if stage == 2:
-        return ZeroTerms(weights, grads, 0, shards, trained * 4 if device != "cpu" else 0)
-    layer = unit * nbytes
-    return ZeroTerms(weights, grads if lora else 2 * layer, 0, shards, 2 * unit * 4 if device != "cpu" else 0,
-                     2 * layer, layer)
+        return ZeroTerms(whole, grads, 0, shards, flats)
+    in_layers, unit = sum(layers), max(layers)
+    other = n - in_layers
+    weights = (shard_elements(in_layers, dp) + other) * nbytes + adapters * 4
+    buffer = min(in_layers, unit + 2 * BUCKET_BYTES // 4) * nbytes
+    return ZeroTerms(weights, grads if lora else (unit + other) * nbytes, 0, shards, flats, unit * nbytes, buffer)
 
 
 def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
@@ -257,10 +266,9 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     staging = 0
     if device == "cpu":  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
         staging = 2 * (trained * 4 + 2 * state * 4 + master)
-    weights = (shard_elements(n, dp) if sharded and zero == 3 else n) * nbytes + adapters * 4
-    z = zero_terms(zero if sharded else 0, weights=weights, grads=grad_nbytes, accumulator=accumulator,
-                   trained=trained, state=state, unit=gather_unit(local), nbytes=nbytes, grad_accum=grad_accum,
-                   device=device, lora=lora is not None)
+    z = zero_terms(zero if sharded else 0, n=n, adapters=adapters, grads=grad_nbytes, accumulator=accumulator,
+                   trained=trained, state=state, layers=layer_elements(local), nbytes=nbytes, dp=dp,
+                   grad_accum=grad_accum, device=device, lora=lora is not None)
     return MemoryEstimate(weights=z.weights, grads=z.grads, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=CPU_WORKSPACE_BYTES if device == "cpu" else WORKSPACE_BYTES,
                           accumulator=z.accumulator, logits=logits, totals=totals, update=update,

@@ -67,8 +67,9 @@ def launch(work: Path, name: str, env: dict[str, str], bench: str) -> Path:
     with log.open("w") as f:
         rc = subprocess.run([sys.executable, "-m", "launcher", "train"], cwd=REPO_ROOT,
                             env={**env, "OUTPUT_DIR": str(out)}, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"{bench}: the {name} run failed (exit {rc}); its output: {log}")
+    if rc:  # the log goes with the temporary directory: its tail here
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise SystemExit(f"{bench}: the {name} run failed (exit {rc}); the end of its output ({log}):\n{tail}")
     return out
 
 

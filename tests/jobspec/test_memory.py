@@ -136,34 +136,41 @@ def test_tp_is_the_smallest_that_fits_and_says_why():
     assert c.estimate is not None and c.estimate.peak_phase == "backward" and c.estimate.accumulator > 0
     c = choose_layout(q7, 16, seq_len=4096)  # the optimizer sharded over 16: TP 1 still needs the accumulator
     assert (c.tp, c.dp) == (2, 8) and "TP 1 ZeRO-1 needs 67.1 GiB per NPU > 54 planned" in c.why
-    assert choose_layout(q32, 16, seq_len=4096, stages=(1, 2)).tp is None
+    assert choose_layout(q32, 16, seq_len=4096, stages=(1,)).tp is None
     c = choose_layout(q32, 32, seq_len=4096)
     assert (c.tp, c.dp, c.zero) == (8, 4, 1) and "TP 4 ZeRO-1 needs 77.4 GiB per NPU > 54 planned" in c.why
-    assert choose_layout(q32, 32, seq_len=4096, npus_per_node=4, stages=(1, 2)).tp is None  # TP stays in a node
+    assert choose_layout(q32, 32, seq_len=4096, npus_per_node=4, stages=(1,)).tp is None  # TP stays in a node
     assert choose_layout(SIZES["Qwen3-32B"], 32, seq_len=4096).tp == 8
     assert choose_layout(SIZES["Qwen3-8B"], 8, seq_len=4096).why.startswith("TP 2 ZeRO-1: TP 1 ZeRO-1 needs 77.7 GiB")
 
 
-def test_zero3_is_chosen_only_where_nothing_lower_fits():
-    """32B on 16 NPUs: no TP fits with ZeRO-1 or 2 (ZeRO-2 keeps every bucket's fp32 copy in flight until the
-    backward ends, so it is no smaller at its peak), so the smallest TP with ZeRO-3; its terms are the shard and
-    the gathered layers, not the whole weights."""
+def test_the_lowest_stage_that_fits_then_the_smallest_tp():
+    """32B on 16 NPUs: no TP fits with ZeRO-1, TP 8 with ZeRO-2 (its fp32 gradient sums sharded, the reduce-scatters
+    in flight bounded); 72B on 32 only with ZeRO-3, whose terms are the decoder layers' shard and one gathered
+    layer, the embedding and LM head whole."""
     from jobspec.layout_choice import choose_layout
-    from jobspec.memory import FULL_FT, estimate_memory
+    from jobspec.memory import BUCKET_BYTES, IN_FLIGHT_BUCKETS, estimate_memory
     from jobspec.qwen_sizes import SIZES
 
-    q32 = SIZES["Qwen2.5-32B"]
+    q32, q72 = SIZES["Qwen2.5-32B"], SIZES["Qwen2.5-72B"]
     c = choose_layout(q32, 16, seq_len=4096)
-    assert (c.tp, c.dp, c.zero) == (2, 8, 3) and c.estimate is not None
-    assert "TP 8 ZeRO-2 needs 65.5 GiB per NPU > 54 planned; TP 1 ZeRO-3 needs 54.6" in c.why
-    one, three = (estimate_memory(q32, seq_len=4096, micro_batch_size=1, tp=2, dp=8, grad_accum=FULL_FT.grad_accum,
-                                  vocab_parallel=True, shard_optimizer=True, zero=z) for z in (1, 3))
-    assert three.weights * 8 == pytest.approx(one.weights, rel=1e-3) and three.accumulator == 0
-    assert three.gathered == 2 * three.gather_buffer > 0 and three.grad_shards == three.totals
-    assert three.grads == three.gathered  # one layer's gradients, two in flight
-    two = estimate_memory(q32, seq_len=4096, micro_batch_size=1, tp=2, dp=8, grad_accum=8, vocab_parallel=True,
-                          shard_optimizer=True, zero=2)
-    assert two.accumulator == 0 and two.rs_buckets == one.accumulator and two.grad_shards == one.totals
+    assert (c.tp, c.dp, c.zero) == (8, 2, 2) and "TP 8 ZeRO-1 needs 57.9 GiB per NPU > 54 planned; TP 1 ZeRO-2" in c.why
+    c = choose_layout(q72, 32, seq_len=4096)
+    assert (c.tp, c.dp, c.zero) == (2, 16, 3)
+    assert "TP 8 ZeRO-2 needs 74.9 GiB per NPU > 54 planned; TP 1 ZeRO-3" in c.why
+
+    def est(zero):
+        return estimate_memory(q72, seq_len=4096, micro_batch_size=1, tp=2, dp=16, grad_accum=8, vocab_parallel=True,
+                               shard_optimizer=True, zero=zero)
+
+    one, two, three = est(1), est(2), est(3)
+    assert two.accumulator == 0 and two.grad_shards == one.totals and two.rs_buckets == IN_FLIGHT_BUCKETS * BUCKET_BYTES
+    assert two.weights == one.weights and two.grads == one.grads
+    head = 2 * (152064 // 2) * 8192 + 8192  # embedding and LM head (vocab-parallel), final norm: whole
+    layer = (one.weights // 2 - head) // 80
+    assert three.gathered == 2 * layer and three.grads == 2 * (layer + head)
+    assert three.weights == pytest.approx(2 * (80 * layer / 16 + head), rel=1e-3) and three.accumulator == 0
+    assert three.gather_buffer == 2 * (layer + 2 * BUCKET_BYTES // 4)
 
 
 def test_per_step_traffic_of_each_stage():
@@ -182,15 +189,17 @@ def test_a_layout_that_fits_nowhere_names_the_smallest_world_and_its_layout():
     from jobspec.qwen_sizes import SIZES
 
     msg = no_fit_advice(SIZES["Qwen2.5-32B"], 8, seq_len=4096)
-    assert msg.startswith("no layout of 8 NPU(s) fits: TP 1 ZeRO-1 needs") and "16 NPUs (2 node(s), TP 2 x DP 8, " \
-        "ZeRO-3)" in msg
+    assert msg.startswith("no layout of 8 NPU(s) fits: TP 1 ZeRO-1 needs") and "16 NPUs (2 node(s), TP 8 x DP 2, " \
+        "ZeRO-2)" in msg
     assert "data.seq_len=" not in msg and "LoRA" in msg  # no sequence of >= 256 fits 32B on 8 NPUs
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 2, seq_len=4096)
     assert "TP 2 needs" in msg and "4 NPUs (1 node(s), TP 2 x DP 2, ZeRO-1)" in msg
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 4, seq_len=131072)  # activations: a shorter sequence fits
     assert "data.seq_len=32768" in msg
-    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 8, seq_len=4096, stages=(1, 2))
-    assert "no layout on up to 256 NPUs with ZeRO-2" in msg and "node(s)" not in msg
+    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 8, seq_len=4096, stages=(1, 2))  # parallel.zero=2 given
+    assert "would fit: 128 NPUs (16 node(s), TP 8 x DP 16, ZeRO-2)" in msg
+    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 8, seq_len=4096, stages=(1,))  # the replicated fp32 gradients
+    assert "no layout on up to 256 NPUs with ZeRO-1" in msg and "node(s)" not in msg
 
 
 def test_qwen3_estimate_counts_its_own_shapes():
@@ -213,8 +222,8 @@ def test_the_readme_size_table_is_the_estimators():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
     assert table == size_table()
-    assert "| Qwen2.5-72B | full | 72.71 B | TP 4 x DP 8, ZeRO-3 | 32 | 4 |" in table
-    assert "| Qwen2.5-32B | full | 32.76 B | TP 2 x DP 8, ZeRO-3 | 16 | 2 |" in table
+    assert "| Qwen2.5-72B | full | 72.71 B | TP 2 x DP 16, ZeRO-3 | 32 | 4 |" in table
+    assert "| Qwen2.5-32B | full | 32.76 B | TP 8 x DP 2, ZeRO-2 | 16 | 2 |" in table
     assert "| Qwen2.5-7B | full | 7.62 B | TP 2 x DP 2, ZeRO-1 | 4 | 1 |" in table
     assert "| Qwen2.5-72B | LoRA | 72.71 B | TP 4 x DP 1 | 4 | 1 |" in table
 
