@@ -41,6 +41,7 @@ class Reporter:
         peak = peak_memory_bytes(t.rank.device_target)
         record = {"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale, "peak_memory_bytes": peak,
+                  "dp_sent_bytes": t.reduction.opt.channel.sent,  # so far, this rank's (finetune/transport.py)
                   **self.timer.report(t.reduction.take_comm_s())}
         if self.peak_flops:
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)

@@ -14,13 +14,16 @@ binding, the launcher's malloc settings for CPU workers). tokens/s of a run: the
 median, min and max, the largest loss difference between the two runs (the same training, so ~0), the CPU and
 the validity check of tools/bench_train.py (other processes' runnable threads, ``bench_conditions.OtherWork``).
 ``--zero``: each round runs DP ``--nproc`` twice instead, ``parallel.zero=1`` then ``=2`` (the order alternating
-by round, so a load that drifts over the run favours neither), and the ratio is ZeRO-2 / ZeRO-1.
+by round, so a load that drifts over the run favours neither), and the ratio is ZeRO-2 / ZeRO-1. Each DP run's
+bytes per step that rank 0 sent over DP (metrics.jsonl ``dp_sent_bytes``, counted by the transport) are printed
+beside ``jobspec.layout_choice.step_traffic``'s formula for its stage.
 A tool, not a test.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -37,6 +40,8 @@ from bench_conditions import OtherWork, cpu_info, other_runnable, read_loadavg
 from bench_train import SHAPE, write_model
 
 from jobspec.config import REPO_ROOT
+from jobspec.layout_choice import step_traffic
+from jobspec.qwen2_layout import local_shapes
 
 WARMUP_STEPS = 2
 
@@ -73,10 +78,31 @@ def launch(work: Path, name: str, env: dict[str, str], bench: str) -> Path:
     return out
 
 
-def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tuple[float, list[float]]:
+def sent_per_step(metrics: Path) -> int | None:
+    """The median bytes per step rank 0 sent over DP (differences of metrics.jsonl's ``dp_sent_bytes``), or None."""
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "dp_sent_bytes" in r]
+    steps = [b["dp_sent_bytes"] - a["dp_sent_bytes"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+    return int(statistics.median(steps)) if steps else None
+
+
+def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tuple[float, list[float], int | None]:
+    """(tokens/s, losses, bytes sent per step) of one run."""
     env = {**os.environ, "RECIPE": "tiny-cpu", "MODEL_DIR": str(model), "NPROC_PER_NODE": str(nproc),
            "OVERRIDES": overrides}
-    return read_run(launch(work, name, env, "bench-dp") / "metrics.jsonl")
+    metrics = launch(work, name, env, "bench-dp") / "metrics.jsonl"
+    return (*read_run(metrics), sent_per_step(metrics))
+
+
+def traffic(model: Path, nproc: int, sent: dict[str, int | None]) -> str:
+    """Each DP run's measured bytes per step beside the formula (fp32, grad_accum 1; ZeRO-1 unless named)."""
+    cfg = json.loads((model / "config.json").read_text())
+    n = sum(math.prod(s) for s in local_shapes(cfg).values())
+    def formula(name: str) -> int:
+        stage = int(name[-1]) if name.startswith("zero") else 1
+        return step_traffic(stage, weights=n, trained=n, dp=nproc, grad_accum=1, nbytes=4)
+
+    return "; ".join(f"{name} sent {b / 1e6:.1f} MB per step (formula {formula(name) / 1e6:.1f} MB)"
+                     for name, b in sent.items() if b)
 
 
 def summarize(pairs: list[tuple[float, float]]) -> dict[str, float]:
@@ -112,17 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         write_model(model, SHAPE)
         for f in (REPO_ROOT / "assets" / "tokenizer").iterdir():
             shutil.copy(f, model / f.name)
-        pairs, loss_diff = [], 0.0
+        pairs, loss_diff, sent = [], 0.0, {}
         with OtherWork(lambda: other_runnable(os.getpid())) as others:
             for r in range(args.rounds):
                 runs = contenders(args)
                 order = runs if not args.zero or r % 2 == 0 else runs[::-1]
                 got = {name: train(work, f"{name}-{r}", model, nproc, over) for name, nproc, over in order}
-                (base, base_loss), (new, new_loss) = (got[name] for name, _, _ in runs)
+                (base, base_loss, _), (new, new_loss, _) = (got[name] for name, _, _ in runs)
+                sent = {name: got[name][2] for name, _, _ in runs}
                 loss_diff = max([loss_diff, *(abs(a - b) for a, b in zip(base_loss, new_loss))])
                 pairs.append((base, new))
                 print(f"round {r}: {runs[0][0]} {base:.1f} tokens/s, {runs[1][0]} {new:.1f} tokens/s: "
-                      f"{new / base:.2f}x; load average {read_loadavg():.2f}", flush=True)
+                      f"{new / base:.2f}x; load average {read_loadavg():.2f}; {traffic(model, args.nproc, sent)}",
+                      flush=True)
     stats = summarize(pairs)
     invalid = others.invalid()
     what = "ZeRO-2 / ZeRO-1" if args.zero else "one process"
@@ -131,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
           f"processes' runnable threads {others.mean():.2f}" + (f"; {invalid}" if invalid else ""))
     if args.json:
         args.json.write_text(json.dumps({"pairs": pairs, "stats": stats, "loss_diff": loss_diff, "cpu": cpu,
-                                         "others": others.mean(), "valid": not invalid}, indent=1))
+                                         "sent": sent, "others": others.mean(), "valid": not invalid}, indent=1))
     return 1 if invalid else 0
 
 
