@@ -18,7 +18,7 @@ from typing import Any
 
 from jobspec.config import ConfigError, Problem, Recipe, resolved_model_dir
 from jobspec.lora_config import trainable_elements
-from jobspec.memory import _DTYPE_BYTES, FULL_FT, MemoryEstimate, TrainShape, estimate_memory
+from jobspec.memory import _DTYPE_BYTES, FULL_FT, MemoryEstimate, TrainShape, estimate_memory, layer_elements
 from jobspec.qwen2_layout import local_shapes, tp_problems
 
 NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with (the rest: runtime, HCCL)
@@ -55,22 +55,24 @@ def dp_link(tp: int, dp: int, npus_per_node: int) -> str:
     return "HCCS inside a node" if nodes <= 1 else f"RoCE between {nodes} nodes"
 
 
-def step_traffic(stage: int, *, weights: int, trained: int, dp: int, grad_accum: int, nbytes: int) -> int:
+def step_traffic(stage: int, *, weights: int, trained: int, dp: int, grad_accum: int, nbytes: int,
+                 whole: int = 0) -> int:
     """Bytes one rank sends per optimizer step over its DP group (ring collectives: a reduce-scatter or an
     all-gather of S bytes sends (d-1)/d x S, an all-reduce twice that). ``weights``: this TP rank's weight
-    elements, ``trained``: those with gradients, ``nbytes``: the compute dtype's, A = ``grad_accum``.
+    elements, ``trained``: those with gradients, ``nbytes``: the compute dtype's, A = ``grad_accum``, ``whole``:
+    the weights ZeRO-3 keeps whole (embedding, final norm, LM head: ``finetune/parallel/zero3.py``).
 
     - 0: one all-reduce of the fp32 gradient sums: 2 x 4 x trained;
     - 1: one reduce-scatter of them, one all-gather of the updated weights: (4 + b) x trained;
     - 2: a reduce-scatter per micro-batch, one all-gather: (4A + b) x trained;
-    - 3: a reduce-scatter per micro-batch, every layer's weights gathered twice per micro-batch (forward,
-      backward or recompute), no gather after the step (each rank keeps its shard): 4A x trained + 2A x b x
-      weights.
+    - 3: a reduce-scatter per micro-batch, every decoder layer's weights gathered twice per micro-batch
+      (forward, recomputed backward), after the step only the whole weights gathered: 4A x trained + 2A x b x
+      (weights - whole) + b x whole.
     """
     if dp < 2:
         return 0
     per = {0: 8 * trained, 1: (4 + nbytes) * trained, 2: (4 * grad_accum + nbytes) * trained,
-           3: 4 * grad_accum * trained + 2 * grad_accum * nbytes * weights}[stage]
+           3: 4 * grad_accum * trained + 2 * grad_accum * nbytes * (weights - whole) + nbytes * whole}[stage]
     return per * (dp - 1) // dp
 
 
@@ -79,11 +81,12 @@ def traffic_line(cfg: dict[str, Any], tp: int, dp: int, shape: TrainShape, npus_
     if dp < 2:
         return "no DP traffic (DP 1)"
     vp = shape.vocab_parallel and tp > 1
-    weights = sum(math.prod(s) for s in local_shapes(cfg, tp, vp).values())
+    local = local_shapes(cfg, tp, vp)
+    weights = sum(math.prod(s) for s in local.values())
     adapters, saved = trainable_elements(cfg, shape.lora, tp, vp) if shape.lora else (0, weights)
     nbytes = _DTYPE_BYTES[shape.precision]
     sent = {z: step_traffic(z, weights=weights, trained=adapters + saved, dp=dp, grad_accum=shape.grad_accum,
-                            nbytes=nbytes) for z in ZERO_CANDIDATES}
+                            nbytes=nbytes, whole=weights - sum(layer_elements(local))) for z in ZERO_CANDIDATES}
     each = ", ".join(f"ZeRO-{z} {b / 1e9:.1f} GB" for z, b in sent.items())
     return (f"per step a rank sends over {dp_link(tp, dp, npus_per_node)} (DP {dp}, grad_accum "
             f"{shape.grad_accum}): {each}")

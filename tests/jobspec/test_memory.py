@@ -180,6 +180,9 @@ def test_per_step_traffic_of_each_stage():
     sent = {z: step_traffic(z, weights=n, trained=n, dp=d, grad_accum=a, nbytes=2) for z in (0, 1, 2, 3)}
     assert sent == {0: 6000, 1: 4500, 2: 25500, 3: 48000}  # 3/4 of 8n, 6n, (32 + 2)n, 32n + 32n
     assert step_traffic(3, weights=n, trained=n, dp=1, grad_accum=a, nbytes=2) == 0
+    # the embedding / LM head whole: gathered once after the step, not twice per micro-batch
+    kept = step_traffic(3, weights=n, trained=n, dp=d, grad_accum=a, nbytes=2, whole=100)
+    assert kept == (32 * n + 32 * 900 + 2 * 100) * 3 // 4
     assert dp_link(8, 4, 8) == "RoCE between 4 nodes" and dp_link(2, 4, 8) == "HCCS inside a node"
     assert dp_link(2, 8, 8) == "RoCE between 2 nodes"
 
