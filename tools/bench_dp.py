@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -85,10 +86,17 @@ def sent_per_step(metrics: Path) -> int | None:
     return int(statistics.median(steps)) if steps else None
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (msrun's scheduler binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def train(work: Path, name: str, model: Path, nproc: int, overrides: str) -> tuple[float, list[float], int | None]:
     """(tokens/s, losses, bytes sent per step) of one run."""
     env = {**os.environ, "RECIPE": "tiny-cpu", "MODEL_DIR": str(model), "NPROC_PER_NODE": str(nproc),
-           "OVERRIDES": overrides}
+           "OVERRIDES": overrides, "MASTER_PORT": str(free_port())}  # not the default: other jobs may hold it
     metrics = launch(work, name, env, "bench-dp") / "metrics.jsonl"
     return (*read_run(metrics), sent_per_step(metrics))
 
