@@ -31,7 +31,7 @@ class Bucketed(Protocol):
     """What an optimizer offers for its gradient reduction."""
 
     bucket_params: list[list[int]]  # the parameter indices each bucket reads
-    channel: Any  # the DP transport's Channel (finetune/transport.py): its ``sent`` bytes go to metrics.jsonl
+    channel: Any  # the DP transport's Channel (finetune/transport.py; None without DP): ``sent`` to metrics
 
     def launch(self, k: int, grads: Any) -> Any:
         """Start reducing bucket ``k`` of ``grads`` (indexable by parameter index, fp32); an object
