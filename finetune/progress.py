@@ -3,6 +3,7 @@ the eval loss, and rank 0's outputs (metrics.jsonl, TensorBoard, the console, th
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import mindspore as ms
 
@@ -14,6 +15,10 @@ from finetune.report import ReportWriter, run_title
 from finetune.trainer import Trainer, batch_tensors
 from jobspec.data.template import IGNORE
 
+
+def dp_sent_bytes(channel: Any) -> int:
+    """The bytes this rank has sent over DP so far (``Channel.sent``, finetune/transport.py); 0 without DP."""
+    return 0 if channel is None else int(channel.sent)
 
 class Reporter:
     """Builds the records of one run; rank 0 writes them (other ranks compute the same numbers)."""
@@ -41,6 +46,7 @@ class Reporter:
         peak = peak_memory_bytes(t.rank.platform)
         record = {"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale, "peak_memory_bytes": peak,
+                  "dp_sent_bytes": dp_sent_bytes(t.reduction.opt.channel),
                   **self.timer.report(t.reduction.take_comm_s())}
         if self.peak_flops:
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)

@@ -63,6 +63,10 @@ class Channel(Protocol):
     def describe(self) -> str:
         """How this channel's reduce-scatter and gather travel (for the log)."""
 
+    @property
+    def sent(self) -> int:
+        """Bytes this rank has sent so far, counted as native ring collectives send them (:func:`ring_bytes`)."""
+
 
 class DPTransport(Protocol):
     size: int  # the DP group's size
@@ -71,6 +75,12 @@ class DPTransport(Protocol):
     def channel(self, lengths: list[int], weights: list | None = None) -> Channel:
         """A channel of buckets of ``lengths``; ``weights``: the parameters ``gather_into`` writes (a collective
         call for the shared-memory transport)."""
+
+
+def ring_bytes(whole: int, size: int, times: int = 1) -> int:
+    """Bytes a member sends in a ring reduce-scatter or all-gather of ``whole`` bytes over ``size`` members
+    (``times`` 2: an all-reduce); ``jobspec.layout_choice.step_traffic`` is the per-step formula."""
+    return times * whole * (size - 1) // size
 
 
 def _flat(parts: list[Part], length: int) -> Any:
@@ -125,16 +135,20 @@ class TensorChannel:
     def __init__(self, t: Collectives, lengths: list[int]):
         self.t, self.lengths = t, list(lengths)
         self.pending: dict[int, list] = {}  # per parameter (id): the gathered pieces of a parameter not yet whole
+        self.sent = 0
 
     def sum(self, k: int, parts: list[Part]) -> Ready | InFlight:
+        self.sent += ring_bytes(4 * self.lengths[k], self.t.size, 2)
         return all_reduce_sum_async(_flat(parts, self.lengths[k]), self.t.group)
 
     def reduce_scatter(self, k: int, parts: list[Part]) -> Ready | InFlight:
         t = self.t
+        self.sent += ring_bytes(4 * self.lengths[k], t.size)
         return _reduce_scatter(_flat(parts, self.lengths[k]), t.size, t.index, t.group, t.native_rs)
 
     def gather(self, k: int, chunk: Any) -> Any:
         t = self.t
+        self.sent += ring_bytes(int(chunk.nbytes) * t.size, t.size)
         return all_gather_flat(chunk, t.size, t.index, t.group, t.native_ag)
 
     def gather_into(self, k: int, chunk: Any, targets: list[Target], write: Write) -> None:
@@ -191,17 +205,25 @@ class HostChannel:
         own = all(own_array(p) is not None for p in weights)
         self.gathers = t.group.slots([n // t.size for n in self.lengths], dtype) if dtype and own else None
         self.other = t.fallback.channel(lengths)
+        self.own = 0  # bytes sent through shared memory (the fallback counts its own)
+
+    @property
+    def sent(self) -> int:
+        return self.own + self.other.sent
 
     def sum(self, k: int, parts: list[Part]) -> HostSum:
+        self.own += ring_bytes(4 * self.lengths[k], self.t.size, 2)
         return HostSum(self.sums, k, [host_fp32(x)[a:b] for x, a, b in parts])
 
     def reduce_scatter(self, k: int, parts: list[Part]) -> HostSum:
         c, r = self.lengths[k] // self.t.size, self.t.index
+        self.own += ring_bytes(4 * self.lengths[k], self.t.size)
         return HostSum(self.sums, k, [host_fp32(x)[a:b] for x, a, b in parts], r * c, (r + 1) * c)
 
     def gather(self, k: int, chunk: Any) -> Any:
         if self.gathers is None:
             return self.other.gather(k, chunk)
+        self.own += ring_bytes(int(chunk.nbytes) * self.t.size, self.t.size)
         self.gathers.post(k, [chunk.asnumpy()])
         whole = np.concatenate(self.gathers.views(k))
         self.gathers.done(k)
@@ -219,6 +241,7 @@ class HostChannel:
                                "writer must write weights in place; OVERRIDES='parallel.host_collectives=false' "
                                "avoids this path")
         slots, c = self.gathers, self.lengths[k] // self.t.size
+        self.own += ring_bytes(int(chunk.nbytes) * self.t.size, self.t.size)
         slots.post(k, [chunk.asnumpy()])
         views = slots.views(k)
         for (_, a, b, at), d in zip(targets, dest):

@@ -18,7 +18,7 @@ from typing import Any, Literal, cast
 # ConfigError, Problem, overridden, parse_overrides and parse_size are imported from here across the project
 from jobspec.eval_config import EvalConfig
 from jobspec.keys import key
-from jobspec.layout import Layout, decide, host_collectives_problems, world_problems, zero_problems
+from jobspec.layout import Layout, LayoutRequest, decide, host_collectives_problems, world_problems, zero_problems
 from jobspec.lora_config import LoraConfig
 from jobspec.platform import PLATFORMS, Device, platform_of
 from jobspec.recipe_parse import ConfigError as ConfigError
@@ -175,7 +175,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """The layout asked for: world = tp x dp x pp (tp auto: the launcher's ``jobspec.memory.auto_tp``).
+    """The layout asked for: world = tp x dp x pp (tp auto: the launcher's ``jobspec.layout_choice.auto_layout``).
     ``Recipe.resolved`` decides the rest into its ``layout``."""
 
     tp: int | Literal["auto"] = key(1, ge=1, example="1", env="TP", env_help="tensor-parallel size (world = TP x DP x "
@@ -274,9 +274,11 @@ class Recipe:
         if problems:
             raise ConfigError(problems)
         r = copy.deepcopy(self)
-        r.layout = decide(p.tp_size, p.dp, p.pp, p.shard_optimizer, p.overlap_grad_reduce, p.vocab_parallel,
-                          t.micro_batch_size, t.grad_accum, self.data.seq_len, world, dev, p.host_collectives, nodes,
-                          p.zero)
+        r.layout = decide(LayoutRequest(
+            world=world, device=dev, tp=p.tp_size, dp=p.dp, pp=p.pp, zero=p.zero, shard_optimizer=p.shard_optimizer,
+            overlap_grad_reduce=p.overlap_grad_reduce, vocab_parallel=p.vocab_parallel,
+            host_collectives=p.host_collectives, nnodes=nodes, micro_batch_size=t.micro_batch_size,
+            grad_accum=t.grad_accum, seq_len=self.data.seq_len))
         r.train.precision, r.launch.device = t.precision_on(device), dev
         problems = compile_layers_problems(r) + host_collectives_problems(p.host_collectives, r.layout, nodes)
         if problems:

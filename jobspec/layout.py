@@ -85,22 +85,41 @@ def host_collectives_refusal(device: Device, dp: int, nnodes: int) -> str | None
     return "one DP rank: nothing to sum" if dp < 2 else None
 
 
-def decide(tp: int, dp: int, pp: int, shard_optimizer: bool | None, overlap_grad_reduce: bool,
-           vocab_parallel: bool, micro_batch_size: int, grad_accum: int, seq_len: int, world: int,
-           device: Device, host_collectives: bool | None = None, nnodes: int = 1, zero: int | str = "auto") -> Layout:
-    """The layout of a ``parallel`` request on ``world`` workers: dp 0 -> world / (tp x pp), an unset
-    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1-3 sets it, 2 and 3 shard the gradients, 3 the
-    weights), overlap only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What :func:`decide` takes: the recipe's ``parallel`` request (``zero``, ``shard_optimizer`` and
+    ``host_collectives`` may be left to it), the batch and sequence, and the job's world."""
+
+    world: int
+    device: Device
+    tp: int = 1
+    dp: int = 0  # 0: world / (tp x pp)
+    pp: int = 1
+    zero: int | str = "auto"
+    shard_optimizer: bool | None = None
+    overlap_grad_reduce: bool = True
+    vocab_parallel: bool = True
+    host_collectives: bool | None = None
+    nnodes: int = 1
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    seq_len: int = 1024
+
+
+def decide(r: LayoutRequest) -> Layout:
+    """The layout of a ``parallel`` request on ``r.world`` workers: dp 0 -> world / (tp x pp), an unset
+    shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1-3 sets it, 2 and 3 shard the gradients, 3 the weights),
+    overlap only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
     :func:`host_collectives_refusal` finds no reason against them. The request is checked against the world
     first (:func:`world_problems`) and ``zero`` against shard_optimizer (:func:`zero_problems`)."""
-    dp = dp or world // (tp * pp)
-    shard = shard_optimizer if shard_optimizer is not None else dp > 1
-    shard = shard or zero in (1, 2, 3)
-    host = host_collectives is not False and host_collectives_refusal(device, dp, nnodes) is None
-    return Layout(tp=tp, dp=dp, pp=pp, shard_optimizer=shard and dp > 1, host_collectives=host,
-                  shard_gradients=zero in (2, 3) and dp > 1, shard_weights=zero == 3 and dp > 1,
-                  overlap_grad_reduce=overlap_grad_reduce and dp > 1, vocab_parallel=vocab_parallel and tp > 1,
-                  micro_batch_size=micro_batch_size, grad_accum=grad_accum, seq_len=seq_len, device=device)
+    dp = r.dp or r.world // (r.tp * r.pp)
+    shard = r.shard_optimizer if r.shard_optimizer is not None else dp > 1
+    shard = shard or r.zero in (1, 2, 3)
+    host = r.host_collectives is not False and host_collectives_refusal(r.device, dp, r.nnodes) is None
+    return Layout(tp=r.tp, dp=dp, pp=r.pp, shard_optimizer=shard and dp > 1, host_collectives=host,
+                  shard_gradients=r.zero in (2, 3) and dp > 1, shard_weights=r.zero == 3 and dp > 1,
+                  overlap_grad_reduce=r.overlap_grad_reduce and dp > 1, vocab_parallel=r.vocab_parallel and r.tp > 1,
+                  micro_batch_size=r.micro_batch_size, grad_accum=r.grad_accum, seq_len=r.seq_len, device=r.device)
 
 
 def host_collectives_problems(asked: bool | None, layout: Layout, nnodes: int) -> list[Problem]:

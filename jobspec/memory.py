@@ -10,20 +10,22 @@ logits), the optimizer step (fp32 totals, update temporaries, collective buffers
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from jobspec.config import ConfigError, Problem, Recipe, TrainConfig, resolved_model_dir
+from jobspec.config import Recipe, TrainConfig
 from jobspec.lora_config import LoraConfig, trainable_elements
 from jobspec.platform import PLATFORMS
 from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
 from jobspec.shard_layout import ShardLayout
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
+# ZeRO-2/3: reduce-scatters a rank keeps in flight during the backward, each holding its bucket's flat fp32 copy
+# (parallel/overlap.py ShardedAccumulation._launch waits for the oldest first)
+IN_FLIGHT_BUCKETS = 2
 
 WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers, allocator fragmentation
 # CPU: what a training process holds beyond an empty MindSpore process (same imports, same device setup) and the
@@ -52,6 +54,15 @@ TERMS = {
     "staging": "checkpoint-save host copies (checkpoint.py save_checkpoint; host memory: CPU only)",
     "workspace": "framework workspace beyond the tensors (NPU: runtime, HCCL, fragmentation; CPU: measured)",
     "graphs": "the compiled decoder-layer graphs' own buffers (CPU, train.compile_layers: finetune/model.py)",
+    # ZeRO-2 and 3 (parallel.zero; docs/distributed.md "ZeRO stages")
+    "grad_shards": "ZeRO-2/3: this rank's fp32 chunk sums of the earlier micro-batches' gradients "
+                   "(parallel/overlap.py ShardedAccumulation.add)",
+    "rs_buckets": "ZeRO-2/3: reduce-scatter inputs in flight, each bucket's flat fp32 copy (transport.py _flat, "
+                  "kept by collectives.InFlight until waited: at most IN_FLIGHT_BUCKETS, ShardedAccumulation._launch)",
+    "gathered": "ZeRO-3: the gathered decoder layer's compute-dtype weights, one layer at a time "
+                "(parallel/zero3.py ShardedWeights.use)",
+    "gather_buffer": "ZeRO-3: the all-gather's flat buckets of that layer before they are cut into its weights "
+                     "(ShardedWeights._gather)",
 }
 # The setting that shrinks each term (the worker's step-1 warning names it with the largest term).
 SHRINKS = {
@@ -68,9 +79,14 @@ SHRINKS = {
     "staging": "parallel.shard_optimizer=true (each rank stages its shard)",
     "workspace": "nothing in the recipe (the framework's)",
     "graphs": "train.compile_layers=false (op by op, slower)",
+    "grad_shards": "more DP ranks, or a larger parallel.tp",
+    "rs_buckets": "nothing in the recipe (IN_FLIGHT_BUCKETS buckets of about 25 MB)",
+    "gathered": "a larger parallel.tp",
+    "gather_buffer": "a larger parallel.tp",
 }
 # a checkpoint is saved after the update while the loop still holds the step's totals (train.py train_loop)
-PHASES = {"backward": ("accumulator", "grads", "activations", "logits"), "step": ("totals", "update"),
+PHASES = {"backward": ("accumulator", "grads", "activations", "logits", "grad_shards", "rs_buckets", "gathered",
+                      "gather_buffer"), "step": ("totals", "update"),
           "save": ("totals", "staging")}
 STATIC = ("weights", "master", "optimizer", "collectives", "workspace", "graphs")
 
@@ -92,6 +108,10 @@ class MemoryEstimate:
     collectives: int = 0
     staging: int = 0
     graphs: int = 0
+    grad_shards: int = 0
+    rs_buckets: int = 0
+    gathered: int = 0
+    gather_buffer: int = 0
 
     def phases(self) -> dict[str, int]:
         """Bytes of each phase on top of the static terms."""
@@ -148,6 +168,53 @@ def shard_elements(total: int, dp: int, bucket_bytes: int = BUCKET_BYTES) -> int
     return sum(ShardLayout((total,), dp, bucket_bytes).chunks)
 
 
+def layer_elements(local: dict[str, tuple[int, ...]]) -> list[int]:
+    """Elements of each decoder layer of one TP rank: what ZeRO-3 shards and gathers, one layer at a time (the
+    embedding, final norm and LM head stay whole: ``finetune/parallel/zero3.py``)."""
+    layers: dict[str, int] = {}
+    for name, shape in local.items():
+        parts = name.split(".")
+        if parts[1:2] == ["layers"]:
+            layers[parts[2]] = layers.get(parts[2], 0) + math.prod(shape)
+    return list(layers.values())
+
+
+@dataclass(frozen=True)
+class ZeroTerms:
+    """The terms a ZeRO stage changes or adds (bytes per device; :data:`TERMS`)."""
+
+    weights: int
+    grads: int
+    accumulator: int
+    grad_shards: int = 0
+    rs_buckets: int = 0
+    gathered: int = 0
+    gather_buffer: int = 0
+
+
+def zero_terms(stage: int, *, n: int, adapters: int, grads: int, accumulator: int, trained: int, state: int,
+               layers: list[int], nbytes: int, dp: int, grad_accum: int, device: str, lora: bool) -> ZeroTerms:
+    """Stage 0/1: the weights (``n`` elements in the compute dtype, ``adapters`` in fp32), ``grads`` and
+    ``accumulator`` as given. 2: the fp32 accumulator becomes this rank's chunk sums (``state`` elements; with
+    grad_accum > 1) and the reduce-scatters in flight hold IN_FLIGHT_BUCKETS flat fp32 buckets (NPU; on CPU
+    the shared-memory slots, ``collectives``, hold them). 3: as 2, and the decoder layers' compute-dtype
+    weights are this rank's chunks; one layer is gathered at a time (for its forward, again for its recomputed
+    backward): its weights, the gather's flat buckets (the layer and the two buckets it may straddle) and, in
+    the backward, its weight gradients beside the whole embedding's / LM head's (``finetune/parallel/zero3.py``)."""
+    whole = n * nbytes + adapters * 4
+    if stage < 2:
+        return ZeroTerms(whole, grads, accumulator)
+    shards = state * 4 if grad_accum > 1 else 0
+    flats = min(trained * 4, IN_FLIGHT_BUCKETS * BUCKET_BYTES) if not PLATFORMS[device].host_memory else 0
+    if stage == 2:
+        return ZeroTerms(whole, grads, 0, shards, flats)
+    in_layers, unit = sum(layers), max(layers)
+    other = n - in_layers
+    weights = (shard_elements(in_layers, dp) + other) * nbytes + adapters * 4
+    buffer = min(in_layers, unit + 2 * BUCKET_BYTES // 4) * nbytes
+    return ZeroTerms(weights, grads if lora else (unit + other) * nbytes, 0, shards, flats, unit * nbytes, buffer)
+
+
 def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
     """Activation elements per token that one layer keeps for backward (flash attention)."""
     d = Dims.of(cfg)
@@ -167,17 +234,19 @@ def graph_bytes(model_config: dict[str, Any], tokens: int) -> int:
 def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
                     precision: str = "bf16", recompute: bool = True, shard_optimizer: bool = False,
                     vocab_parallel: bool = False, loss_chunk_tokens: int = 0, grad_accum: int = 1,
-                    lora: LoraConfig | None = None, device: str = "npu",
+                    lora: LoraConfig | None = None, device: str = "npu", zero: int = 1,
                     compile_layers: bool = False) -> MemoryEstimate:
     """Predict bytes per device from a Hugging Face Qwen2 config dict and the layout. ``lora`` (a
     LoraConfig, train.method=lora): the base is frozen in the compute dtype; only the fp32 adapters
     (and modules_to_save, with fp32 masters) have gradients and optimizer state. ``device`` 'cpu': the
     host is the device (checkpoint staging counts, the measured CPU workspace, the compiled layer graphs
-    with ``compile_layers``: never on Ascend, where the layers run op by op)."""
+    with ``compile_layers``: never on Ascend, where the layers run op by op). ``zero``: the ZeRO stage
+    (1-3) when the optimizer is sharded over dp > 1 (:func:`zero_terms`)."""
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}: one of bf16, fp16, fp32 for the estimate")
     nbytes = _DTYPE_BYTES[precision]
-    sizes = [math.prod(s) for s in local_shapes(model_config, tp, vocab_parallel).values()]
+    local = local_shapes(model_config, tp, vocab_parallel)
+    sizes = [math.prod(s) for s in local.values()]
     n = sum(sizes)
     adapters, saved = trainable_elements(model_config, lora, tp, vocab_parallel) if lora else (0, n)
     trained = adapters + saved
@@ -218,10 +287,14 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     staging = 0
     if host:  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
         staging = 2 * (trained * 4 + 2 * state * 4 + master)
-    return MemoryEstimate(weights=n * nbytes + adapters * 4, grads=grad_nbytes, master=master, optimizer=2 * state * 4,
+    z = zero_terms(zero if sharded else 0, n=n, adapters=adapters, grads=grad_nbytes, accumulator=accumulator,
+                   trained=trained, state=state, layers=layer_elements(local), nbytes=nbytes, dp=dp,
+                   grad_accum=grad_accum, device=device, lora=lora is not None)
+    return MemoryEstimate(weights=z.weights, grads=z.grads, master=master, optimizer=2 * state * 4,
                           activations=acts, workspace=CPU_WORKSPACE_BYTES if host else WORKSPACE_BYTES,
-                          accumulator=accumulator, logits=logits, totals=totals, update=update,
-                          collectives=collectives, staging=staging,
+                          accumulator=z.accumulator, logits=logits, totals=totals, update=update,
+                          collectives=collectives, staging=staging, grad_shards=z.grad_shards,
+                          rs_buckets=z.rs_buckets, gathered=z.gathered, gather_buffer=z.gather_buffer,
                           graphs=graph_bytes(model_config, tokens)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 
@@ -232,30 +305,11 @@ def memory_estimate(recipe: Recipe, cfg: dict[str, Any],
     :class:`TrainShape` (as ``parallel.tp: auto`` estimates it) at the layout's TP, DP and sequence; preflight
     prints it, the trainer compares it with the measured peak at step 1."""
     layout = recipe.decided_layout
-    return TrainShape.of(recipe, layout.device).estimate(cfg, layout.tp, layout.dp, layout.seq_len, estimator)
+    shape = dataclasses.replace(TrainShape.of(recipe, layout.device), zero=layout.zero or 1)
+    return shape.estimate(cfg, layout.tp, layout.dp, layout.seq_len, estimator)
 
 
-# ---------------------------------------------------------------------------- choosing the layout
-
-NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with (the rest: runtime, HCCL)
-# What the layout choice plans with: 90% of the usable memory, a margin for the allocator's fragmentation
-# and the estimate's error, kept until a 910B's measured peak (metrics.jsonl's step-1 memory record) confirms
-# the estimate; an explicit parallel.tp may use all.
-PLANNED_BYTES = NPU_USABLE_BYTES * 9 // 10
-MARGIN_NOTE = ("10% planning margin kept until device measurements of the estimate exist "
-               "(metrics.jsonl step 1: memory_peak_reserved_bytes beside memory_estimate_bytes)")
-TP_CANDIDATES = (1, 2, 4, 8)
-
-
-@dataclass
-class LayoutChoice:
-    """A layout that fits (``tp`` None: none does) and why it was chosen."""
-
-    tp: int | None
-    dp: int
-    estimate: MemoryEstimate | None
-    why: str
-
+# ---------------------------------------------------------------------------- what the estimate takes of a recipe
 
 @dataclass(frozen=True)
 class TrainShape:
@@ -273,6 +327,7 @@ class TrainShape:
     grad_accum: int = 8  # the NPU recipes'
     device: str = "npu"
     compile_layers: bool = False  # train.compile_layers (CPU only)
+    zero: int = 1  # the ZeRO stage over DP when the optimizer is sharded (parallel.zero; auto: the plan's choice)
 
     @classmethod
     def of(cls, recipe: Recipe, device: str) -> TrainShape:
@@ -280,7 +335,7 @@ class TrainShape:
         t, p = recipe.train, recipe.parallel
         return cls(t.precision_on(device), t.micro_batch_size, t.recompute, p.shard_optimizer is not False,
                    p.vocab_parallel, t.loss_chunk_tokens, recipe.lora if t.method == "lora" else None,
-                   t.grad_accum, device, bool(t.compile_layers))
+                   t.grad_accum, device, bool(t.compile_layers), p.zero if isinstance(p.zero, int) else 1)
 
     def estimate(self, cfg: dict[str, Any], tp: int, dp: int, seq_len: int,
                  estimator: Callable[..., MemoryEstimate] = estimate_memory) -> MemoryEstimate:
@@ -288,84 +343,8 @@ class TrainShape:
                                precision=self.precision, recompute=self.recompute,
                                shard_optimizer=self.shard_optimizer, vocab_parallel=self.vocab_parallel and tp > 1,
                                loss_chunk_tokens=self.loss_chunk_tokens, lora=self.lora,
-                               grad_accum=self.grad_accum, device=self.device,
+                               grad_accum=self.grad_accum, device=self.device, zero=self.zero,
                                compile_layers=self.compile_layers)
 
 
 FULL_FT = TrainShape()
-
-
-def choose_tp(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
-              shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES,
-              estimator: Callable[..., MemoryEstimate] = estimate_memory) -> LayoutChoice:
-    """The smallest TP that divides the heads and KV heads (``tp_problems``), stays inside a node,
-    divides ``world`` and makes the estimate of ``shape`` fit ``usable`` bytes per device."""
-    from jobspec.qwen2_layout import tp_problems
-
-    refused: list[str] = []
-    for tp in TP_CANDIDATES:
-        if tp > npus_per_node or world % tp or tp_problems(cfg, tp, vocab_parallel=shape.vocab_parallel and tp > 1):
-            continue
-        est = shape.estimate(cfg, tp, world // tp, seq_len, estimator)
-        if est.total <= usable:
-            why = f"TP {tp}: " + ("; ".join(refused) if refused else f"fits ({est.total / 2**30:.1f} GiB per NPU)")
-            return LayoutChoice(tp, world // tp, est, why)
-        refused.append(f"TP {tp} needs {est.total / 2**30:.1f} GiB per NPU > {usable / 2**30:.0f} planned")
-    return LayoutChoice(None, 0, None, "; ".join(refused) or f"no TP up to {npus_per_node} divides the heads")
-
-
-def smallest_world(cfg: dict[str, Any], *, seq_len: int, npus_per_node: int = 8, shape: TrainShape = FULL_FT,
-                   usable: int = PLANNED_BYTES, max_world: int = 256) -> tuple[int, LayoutChoice]:
-    """The fewest devices (1, 2, 4, then whole nodes doubling) with a layout that fits; (0, the last
-    refusal) when none up to ``max_world`` (32 nodes) does: ZeRO-1 shards only the optimizer state
-    over DP, so the replicated bf16 weights and fp32 gradients of a TP 8 slice set a floor."""
-    worlds = [w for w in (1, 2, 4) if w < npus_per_node] + \
-        [npus_per_node * 2**k for k in range(max_world.bit_length()) if npus_per_node * 2**k <= max_world]
-    for world in worlds:
-        choice = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, shape=shape, usable=usable)
-        if choice.tp is not None:
-            return world, choice
-    return 0, LayoutChoice(None, 0, None, f"at {worlds[-1]} NPUs: {choice.why}")
-
-
-def no_fit_advice(cfg: dict[str, Any], world: int, *, seq_len: int, npus_per_node: int = 8,
-                  shape: TrainShape = FULL_FT, usable: int = PLANNED_BYTES) -> str:
-    """Why no layout of ``world`` devices fits and what would: the smallest world, a shorter sequence, LoRA."""
-    def fits(w: int, s: int) -> bool:
-        return choose_tp(cfg, w, seq_len=s, npus_per_node=npus_per_node, shape=shape, usable=usable).tp is not None
-
-    why = choose_tp(cfg, world, seq_len=seq_len, npus_per_node=npus_per_node, shape=shape, usable=usable).why
-    need, _ = smallest_world(cfg, seq_len=seq_len, npus_per_node=npus_per_node, shape=shape, usable=usable)
-    fixes = [f"{need} NPUs ({math.ceil(need / npus_per_node)} node(s))" if need else
-             "more than ZeRO-1 on up to 256 NPUs (it shards only the optimizer state over DP: ZeRO-2/3 or "
-             "pipeline stages)"]
-    s = seq_len // 2
-    while s >= 256 and not fits(world, s):
-        s //= 2
-    if s >= 256:
-        fixes.append(f"data.seq_len={s}")
-    if shape.lora is None:
-        fixes.append("LoRA (train.method=lora: fewer states)")
-    return f"no layout of {world} NPU(s) fits: {why}; would fit: " + " or ".join(fixes)
-
-
-def auto_tp(recipe: Recipe, world: int, npus_per_node: int, device: str) -> tuple[int, str]:
-    """``parallel.tp: auto`` resolved for ``world`` workers, ``npus_per_node`` of them per node: (TP, why).
-    1 on CPU workers and where the model's config.json is not there yet (the tiny default is created later)
-    or unreadable (preflight's model row says why); else :func:`choose_tp` with the recipe's own settings.
-    Raises :class:`ConfigError` with :func:`no_fit_advice` when no TP fits."""
-    if not PLATFORMS[device].accelerator:
-        return 1, "auto -> 1: CPU workers (the choice is made for NPU memory)"
-    path = Path(resolved_model_dir(recipe) or ".") / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-        shape = TrainShape.of(recipe, device)
-        choice = choose_tp(cfg, world, seq_len=recipe.data.seq_len, npus_per_node=npus_per_node, shape=shape)
-    except FileNotFoundError:
-        return 1, f"auto -> 1: no {path} yet to estimate from"
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:  # ValueError: JSON, another family
-        return 1, f"auto -> 1: {path} unusable for the estimate ({type(e).__name__}: {e})"
-    if choice.tp is None:
-        advice = no_fit_advice(cfg, world, seq_len=recipe.data.seq_len, npus_per_node=npus_per_node, shape=shape)
-        raise ConfigError([Problem("parallel.tp", f"auto: {advice}", value="'auto'")])
-    return choice.tp, f"auto -> {choice.why}; {MARGIN_NOTE}"

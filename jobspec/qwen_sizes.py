@@ -1,5 +1,5 @@
 """The released dense Qwen2.5 and Qwen3 sizes as config.json dicts, and the README's size table
-(pure Python: the estimator of ``jobspec.memory`` decides every row).
+(pure Python: the estimator of ``jobspec.memory`` and the choice of ``jobspec.layout_choice`` decide every row).
 
 Sizes: hidden, layers, heads / KV heads, head_dim and tied embeddings as in the shared material's README
 (``shared/README.md`` beside the project);
@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jobspec.layout_choice import smallest_world
 from jobspec.lora_config import LoraConfig
-from jobspec.memory import FULL_FT, TrainShape, smallest_world
+from jobspec.memory import FULL_FT, TrainShape
 from jobspec.qwen2_layout import param_count
 
 
@@ -46,8 +47,9 @@ NPUS_PER_NODE = 8
 
 
 def size_table(seq_len: int = TABLE_SEQ_LEN) -> str:
-    """Markdown: full fine-tune (bf16, micro batch 1, recompute, ZeRO-1) and LoRA (``LoraConfig()``'s r 8 on
-    all seven linear layers, as recipes/qwen-lora.yaml) of every size on 64 GB 910Bs."""
+    """Markdown: full fine-tune (bf16, micro batch 1, grad_accum 8, recompute, the ZeRO stage chosen as
+    ``parallel.zero: auto`` does) and LoRA (``LoraConfig()``'s r 8 on all seven linear layers, as
+    recipes/qwen-lora.yaml) of every size on 64 GB 910Bs: the fewest NPUs and the layout on them."""
     rows = ["| model | method | params | layout | NPUs | nodes | GiB per NPU | why |",
             "|---|---|---|---|---|---|---|---|"]
     for name, cfg in SIZES.items():
@@ -55,10 +57,10 @@ def size_table(seq_len: int = TABLE_SEQ_LEN) -> str:
         for method, shape in (("full", FULL_FT), ("LoRA", TrainShape(lora=LoraConfig()))):
             world, choice = smallest_world(cfg, seq_len=seq_len, npus_per_node=NPUS_PER_NODE, shape=shape)
             if not world:
-                rows.append(f"| {name} | {method} | {params} | needs more than ZeRO-1 | - | - | - | {choice.why} |")
+                rows.append(f"| {name} | {method} | {params} | none up to 256 NPUs | - | - | - | {choice.why} |")
                 continue
             total = choice.estimate.total if choice.estimate else 0  # a layout that fits has its estimate
-            rows.append(f"| {name} | {method} | {params} | TP {choice.tp} x DP {choice.dp} | {world} | "
+            rows.append(f"| {name} | {method} | {params} | {choice.label} | {world} | "
                         f"{math.ceil(world / NPUS_PER_NODE)} | {total / 2**30:.1f} | {choice.why} |")
     return "\n".join(rows)
 

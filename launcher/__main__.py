@@ -45,7 +45,7 @@ from jobspec.config import (
 )
 from jobspec.finish import finished
 from jobspec.layout import host_collectives_choice
-from jobspec.memory import auto_tp
+from jobspec.layout_choice import auto_layout
 from jobspec.platform import PLATFORMS, platform_of
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import run_dir_of
@@ -146,10 +146,13 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
              or recipe.parallel.tp_size * recipe.parallel.pp)
     world = recipe.launch.nnodes * nproc
     problems = plan_checks.problems(recipe, s.overrides, clus, nproc, device, devs, host.sys_root)
-    tp_why, compile_asked = "", recipe.train.compile_layers
+    chosen: dict[str, tuple[int, str]] = {}
+    compile_asked = recipe.train.compile_layers
     try:
-        if recipe.parallel.tp == "auto":  # before resolving: the smallest TP whose estimate fits (jobspec/memory.py)
-            recipe.parallel.tp, tp_why = auto_tp(recipe, world, nproc, device)
+        if "auto" in (recipe.parallel.tp, recipe.parallel.zero):  # before resolving: jobspec/layout_choice.py
+            chosen = auto_layout(recipe, world, nproc, device)
+            for key, (value, _) in chosen.items():
+                setattr(recipe.parallel, key.removeprefix("parallel."), value)
         recipe = recipe.resolved(world, device)
     except ConfigError as e:
         if PLATFORMS[device].accelerator and not devs.has_npu:  # preflight's devices row stops the run, naming the fix
@@ -177,7 +180,7 @@ def resolve(args: argparse.Namespace, host: Host) -> Job:
         worker_env=launch.set_vars(env, host.env),
         sources={"recipe": f"{s.recipe} ({s.recipe_reason})",
                  "cluster": f"{clus.source}: {clus.reason}", "devices": devs.summary(L.device, recipe.name),
-                 **({"parallel.tp": tp_why} if tp_why else {}),
+                 **{key: why for key, (_, why) in chosen.items()},
                  **({"train.compile_layers": compile_layers_choice(recipe, compile_asked), "parallel.host_collectives":
                      host_collectives_choice(recipe.parallel.host_collectives, recipe.layout, L.nnodes)}
                     if recipe.layout else {}),
@@ -201,7 +204,8 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     split = f"TP {r.layout.tp} x DP {r.layout.dp} x PP {r.layout.pp}" if r.layout else "layout not resolved"
     say(f"topology: {t.nnodes} node(s) x {t.nproc_per_node} worker(s) = world {t.world_size} "
         f"({split}); this node {t.node_rank}; master {t.master_addr}:{t.master_port}")
-    for decided in (k for k in ("parallel.tp", "train.compile_layers", "parallel.host_collectives") if k in p.sources):
+    for decided in (k for k in ("parallel.tp", "parallel.zero", "train.compile_layers", "parallel.host_collectives")
+                    if k in p.sources):
         say(f"{decided}: {p.sources[decided]}")
     say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
         f"{f'sharded over DP (ZeRO-{r.layout.zero})' if r.layout and r.layout.shard_optimizer else 'replicated'}")

@@ -20,7 +20,8 @@ from jobspec import native as nativelib
 from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.family import family_of
-from jobspec.memory import MemoryEstimate, TrainShape, choose_tp, estimate_memory, memory_estimate
+from jobspec.layout_choice import choose_layout
+from jobspec.memory import MemoryEstimate, TrainShape, estimate_memory, memory_estimate
 from jobspec.platform import platform_of
 from jobspec.tiny import tiny_config
 from launcher.devices import Devices, format_id_list
@@ -285,18 +286,20 @@ def check_data(c: Context) -> list[Check]:
 
 
 def _layout_fits(c: Context, cfg: dict, budget: float) -> str | None:
-    """The layout ``parallel.tp: auto`` would choose (``jobspec.memory.choose_tp``: the smallest TP inside a
-    node dividing the heads, KV heads and world) with micro batch 1, recompute and a sharded optimizer."""
+    """The layout ``parallel.tp: auto`` and ``parallel.zero: auto`` would choose (``jobspec.layout_choice``:
+    the smallest TP inside a node dividing the heads, KV heads and world, the lowest ZeRO stage) with micro
+    batch 1, recompute and a sharded optimizer."""
     r = c.recipe
     shape = dataclasses.replace(TrainShape.of(r, r.launch.device), micro_batch_size=1, recompute=True,
                                 shard_optimizer=True, vocab_parallel=True)
-    choice = choose_tp(cfg, c.world, seq_len=r.data.seq_len, npus_per_node=c.nproc, shape=shape, usable=int(budget),
-                       estimator=c.memory_estimator)
+    choice = choose_layout(cfg, c.world, seq_len=r.data.seq_len, npus_per_node=c.nproc, shape=shape,
+                           usable=int(budget), estimator=c.memory_estimator)
     if choice.tp is None or choice.estimate is None:
         return None
     off = " train.compile_layers=false" if r.train.compile_layers else ""  # refused with recompute
     return (f"TP={choice.tp} OVERRIDES='train.micro_batch_size=1 train.recompute=true parallel.shard_optimizer=true"
-            f"{off}' ({choice.estimate.total / GIB:.1f} GiB per device)")
+            f"{f' parallel.zero={choice.zero}' if choice.dp > 1 else ''}{off}' ({choice.estimate.total / GIB:.1f} GiB "
+            "per device)")
 
 
 def check_memory(c: Context) -> list[Check]:

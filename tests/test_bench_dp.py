@@ -27,6 +27,9 @@ def test_a_run_is_timed_after_its_warm_up_steps_and_rounds_are_compared_pairwise
     metrics.write_text("\n".join(json.dumps(r) for r in rows[:2]))
     with pytest.raises(ValueError, match="2 step"):
         bench.read_run(metrics)
+    assert bench.sent_per_step(metrics) is None  # a run without the transport's counter
+    metrics.write_text("\n".join(json.dumps({**r, "dp_sent_bytes": 10 + 7 * r["step"]}) for r in rows) + "\n")
+    assert bench.sent_per_step(metrics) == 7
     assert bench.summarize([(100.0, 90.0), (200.0, 190.0), (100.0, 120.0)]) == pytest.approx(
         {"median": 0.95, "min": 0.9, "max": 1.2, "n": 3})
     # the two runs differ only in workers and micro-batch: same rows per step, nothing saved or exported

@@ -21,14 +21,17 @@ from typing import Any, Protocol
 import mindspore as ms
 from mindspore import ops
 
+from finetune.collectives import Ready
 from finetune.dist import RankInfo
 from jobspec.layout import Layout
+from jobspec.memory import IN_FLIGHT_BUCKETS
 
 
 class Bucketed(Protocol):
     """What an optimizer offers for its gradient reduction."""
 
     bucket_params: list[list[int]]  # the parameter indices each bucket reads
+    channel: Any  # the DP transport's Channel (finetune/transport.py; None without DP): ``sent`` to metrics
 
     def launch(self, k: int, grads: Any) -> Any:
         """Start reducing bucket ``k`` of ``grads`` (indexable by parameter index, fp32); an object
@@ -140,7 +143,7 @@ class GradReduction:
         t0 = time.perf_counter()
         while self.next >= 0 and self.missing[self.next] == 0:
             k = self.next
-            self.pending[k] = self.opt.launch(k, self.totals)
+            self.pending[k] = self._launch(k)
             self.launched_after.append(sum(self.arrived))
             for j in self.opt.bucket_params[k]:
                 if self.users[j][0] == k:  # its first bucket: every bucket reading it is launched
@@ -149,6 +152,9 @@ class GradReduction:
                         self.acc[j] = None
             self.next -= 1
         self.comm_s += time.perf_counter() - t0
+
+    def _launch(self, k: int) -> Any:
+        return self.opt.launch(k, self.totals)
 
     def finish(self, grads: tuple | list) -> list:
         """The reduced buckets of this step; ``grads``: what the last backward returned (used for
@@ -192,6 +198,15 @@ class ShardedAccumulation(GradReduction):
         chunks = self._reduce(grads)
         grads.clear()
         return self._sum(acc, chunks)
+
+    def _launch(self, k: int) -> Any:
+        """Bucket ``k``'s reduce-scatter, launched once at most ``IN_FLIGHT_BUCKETS`` - 1 others are in flight (the
+        oldest waited for, their chunks copied): each holds its bucket's flat fp32 copy until waited, so without this
+        every bucket's would outlive the backward, a whole fp32 gradient again (``jobspec.memory``: ``rs_buckets``)."""
+        flying = [j for j, f in self.pending.items() if not isinstance(f, Ready)]  # launch order: oldest first
+        for j in flying[:max(0, len(flying) - IN_FLIGHT_BUCKETS + 1)]:
+            self.pending[j] = Ready(self.pending[j].wait().copy())  # a chunk may be a view of the whole flat
+        return super()._launch(k)
 
     @staticmethod
     def _sum(acc: list | None, chunks: list) -> list:

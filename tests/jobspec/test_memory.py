@@ -125,38 +125,84 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
 # ---------------------------------------------------------------------------- layout choice (issue 21)
 
 def test_tp_is_the_smallest_that_fits_and_says_why():
-    from jobspec.memory import choose_tp
+    from jobspec.layout_choice import choose_layout
     from jobspec.qwen_sizes import SIZES
 
     q7, q32 = SIZES["Qwen2.5-7B"], SIZES["Qwen2.5-32B"]
-    c = choose_tp(q7, 4, seq_len=4096)
-    assert (c.tp, c.dp) == (2, 2) and c.why == "TP 2: TP 1 needs 83.1 GiB per NPU > 54 planned"
-    c = choose_tp(q7, 8, seq_len=4096)  # the recipes' grad_accum 8: bf16 gradients and the fp32 accumulator
-    assert (c.tp, c.dp) == (2, 4) and c.why == "TP 2: TP 1 needs 72.4 GiB per NPU > 54 planned"
+    c = choose_layout(q7, 4, seq_len=4096)
+    assert (c.tp, c.dp, c.zero) == (2, 2, 1) and c.why.startswith("TP 2 ZeRO-1: TP 1 ZeRO-1 needs 83.1 GiB per NPU")
+    c = choose_layout(q7, 8, seq_len=4096)  # the recipes' grad_accum 8: bf16 gradients and the fp32 accumulator
+    assert (c.tp, c.dp) == (2, 4) and c.why.startswith("TP 2 ZeRO-1: TP 1 ZeRO-1 needs 72.4 GiB per NPU > 54 planned")
     assert c.estimate is not None and c.estimate.peak_phase == "backward" and c.estimate.accumulator > 0
-    c = choose_tp(q7, 16, seq_len=4096)  # the optimizer sharded over 16: TP 1 still needs the accumulator
-    assert (c.tp, c.dp) == (2, 8) and c.why == "TP 2: TP 1 needs 67.1 GiB per NPU > 54 planned"
-    assert choose_tp(q32, 16, seq_len=4096).tp is None
-    c = choose_tp(q32, 32, seq_len=4096)
-    assert (c.tp, c.dp) == (8, 4) and "TP 4 needs 77.4 GiB per NPU > 54 planned" in c.why
-    assert choose_tp(q32, 32, seq_len=4096, npus_per_node=4).tp is None  # TP stays inside a node
-    assert choose_tp(SIZES["Qwen3-32B"], 32, seq_len=4096).tp == 8
-    assert choose_tp(SIZES["Qwen3-8B"], 8, seq_len=4096).why == "TP 2: TP 1 needs 77.7 GiB per NPU > 54 planned"
+    c = choose_layout(q7, 16, seq_len=4096)  # the optimizer sharded over 16: TP 1 still needs the accumulator
+    assert (c.tp, c.dp) == (2, 8) and "TP 1 ZeRO-1 needs 67.1 GiB per NPU > 54 planned" in c.why
+    assert choose_layout(q32, 16, seq_len=4096, stages=(1,)).tp is None
+    c = choose_layout(q32, 32, seq_len=4096)
+    assert (c.tp, c.dp, c.zero) == (8, 4, 1) and "TP 4 ZeRO-1 needs 77.4 GiB per NPU > 54 planned" in c.why
+    assert choose_layout(q32, 32, seq_len=4096, npus_per_node=4, stages=(1,)).tp is None  # TP stays in a node
+    assert choose_layout(SIZES["Qwen3-32B"], 32, seq_len=4096).tp == 8
+    assert choose_layout(SIZES["Qwen3-8B"], 8, seq_len=4096).why.startswith("TP 2 ZeRO-1: TP 1 ZeRO-1 needs 77.7 GiB")
 
 
-def test_a_layout_that_fits_nowhere_names_the_smallest_world_a_shorter_sequence_or_more_than_zero1():
-    from jobspec.memory import no_fit_advice
+def test_the_lowest_stage_that_fits_then_the_smallest_tp():
+    """32B on 16 NPUs: no TP fits with ZeRO-1, TP 8 with ZeRO-2 (its fp32 gradient sums sharded, the reduce-scatters
+    in flight bounded); 72B on 32 only with ZeRO-3, whose terms are the decoder layers' shard and one gathered
+    layer, the embedding and LM head whole."""
+    from jobspec.layout_choice import choose_layout
+    from jobspec.memory import BUCKET_BYTES, IN_FLIGHT_BUCKETS, estimate_memory
+    from jobspec.qwen_sizes import SIZES
+
+    q32, q72 = SIZES["Qwen2.5-32B"], SIZES["Qwen2.5-72B"]
+    c = choose_layout(q32, 16, seq_len=4096)
+    assert (c.tp, c.dp, c.zero) == (8, 2, 2) and "TP 8 ZeRO-1 needs 57.9 GiB per NPU > 54 planned; TP 1 ZeRO-2" in c.why
+    c = choose_layout(q72, 32, seq_len=4096)
+    assert (c.tp, c.dp, c.zero) == (2, 16, 3)
+    assert "TP 8 ZeRO-2 needs 74.9 GiB per NPU > 54 planned; TP 1 ZeRO-3" in c.why
+
+    def est(zero):
+        return estimate_memory(q72, seq_len=4096, micro_batch_size=1, tp=2, dp=16, grad_accum=8, vocab_parallel=True,
+                               shard_optimizer=True, zero=zero)
+
+    one, two, three = est(1), est(2), est(3)
+    assert two.accumulator == 0 and two.grad_shards == one.totals and two.rs_buckets == IN_FLIGHT_BUCKETS * BUCKET_BYTES
+    assert two.weights == one.weights and two.grads == one.grads
+    head = 2 * (152064 // 2) * 8192 + 8192  # embedding and LM head (vocab-parallel), final norm: whole
+    layer = (one.weights // 2 - head) // 80
+    assert three.gathered == 2 * layer and three.grads == 2 * (layer + head)
+    assert three.weights == pytest.approx(2 * (80 * layer / 16 + head), rel=1e-3) and three.accumulator == 0
+    assert three.gather_buffer == 2 * (layer + 2 * BUCKET_BYTES // 4)
+
+
+def test_per_step_traffic_of_each_stage():
+    from jobspec.layout_choice import dp_link, step_traffic
+
+    n, d, a = 1000, 4, 8
+    sent = {z: step_traffic(z, weights=n, trained=n, dp=d, grad_accum=a, nbytes=2) for z in (0, 1, 2, 3)}
+    assert sent == {0: 6000, 1: 4500, 2: 25500, 3: 48000}  # 3/4 of 8n, 6n, (32 + 2)n, 32n + 32n
+    assert step_traffic(3, weights=n, trained=n, dp=1, grad_accum=a, nbytes=2) == 0
+    # the embedding / LM head whole: gathered once after the step, not twice per micro-batch
+    kept = step_traffic(3, weights=n, trained=n, dp=d, grad_accum=a, nbytes=2, whole=100)
+    assert kept == (32 * n + 32 * 900 + 2 * 100) * 3 // 4
+    assert dp_link(8, 4, 8) == "RoCE between 4 nodes" and dp_link(2, 4, 8) == "HCCS inside a node"
+    assert dp_link(2, 8, 8) == "RoCE between 2 nodes"
+
+
+def test_a_layout_that_fits_nowhere_names_the_smallest_world_and_its_layout():
+    from jobspec.layout_choice import no_fit_advice
     from jobspec.qwen_sizes import SIZES
 
     msg = no_fit_advice(SIZES["Qwen2.5-32B"], 8, seq_len=4096)
-    assert msg.startswith("no layout of 8 NPU(s) fits: TP 1 needs") and "32 NPUs (4 node(s))" in msg
+    assert msg.startswith("no layout of 8 NPU(s) fits: TP 1 ZeRO-1 needs") and "16 NPUs (2 node(s), TP 8 x DP 2, " \
+        "ZeRO-2)" in msg
     assert "data.seq_len=" not in msg and "LoRA" in msg  # no sequence of >= 256 fits 32B on 8 NPUs
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 2, seq_len=4096)
-    assert "TP 2 needs" in msg and "4 NPUs (1 node(s))" in msg
+    assert "TP 2 needs" in msg and "4 NPUs (1 node(s), TP 2 x DP 2, ZeRO-1)" in msg
     msg = no_fit_advice(SIZES["Qwen2.5-7B"], 4, seq_len=131072)  # activations: a shorter sequence fits
-    assert "32 NPUs (4 node(s))" in msg and "data.seq_len=32768" in msg
-    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 16, seq_len=4096)
-    assert "more than ZeRO-1 on up to 256 NPUs" in msg and "node(s)" not in msg
+    assert "data.seq_len=32768" in msg
+    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 8, seq_len=4096, stages=(1, 2))  # parallel.zero=2 given
+    assert "would fit: 128 NPUs (16 node(s), TP 8 x DP 16, ZeRO-2)" in msg
+    msg = no_fit_advice(SIZES["Qwen2.5-72B"], 8, seq_len=4096, stages=(1,))  # the replicated fp32 gradients
+    assert "no layout on up to 256 NPUs with ZeRO-1" in msg and "node(s)" not in msg
 
 
 def test_qwen3_estimate_counts_its_own_shapes():
@@ -179,17 +225,20 @@ def test_the_readme_size_table_is_the_estimators():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
     assert table == size_table()
-    assert "| Qwen2.5-72B | full | 72.71 B | needs more than ZeRO-1 |" in table
+    assert "| Qwen2.5-72B | full | 72.71 B | TP 2 x DP 16, ZeRO-3 | 32 | 4 |" in table
+    assert "| Qwen2.5-32B | full | 32.76 B | TP 8 x DP 2, ZeRO-2 | 16 | 2 |" in table
+    assert "| Qwen2.5-7B | full | 7.62 B | TP 2 x DP 2, ZeRO-1 | 4 | 1 |" in table
     assert "| Qwen2.5-72B | LoRA | 72.71 B | TP 4 x DP 1 | 4 | 1 |" in table
 
 
 def test_the_table_is_what_plan_estimates_for_the_chosen_layout():
     """plan's estimate (the NPU recipe resolved with the chosen TP on that world) equals the table's."""
-    from jobspec.memory import memory_estimate, smallest_world
+    from jobspec.layout_choice import smallest_world
+    from jobspec.memory import memory_estimate
     from jobspec.qwen_sizes import SIZES
     from jobspec.recipe_load import load_recipe
 
-    for name in ("Qwen2.5-7B", "Qwen3-32B"):
+    for name in ("Qwen2.5-7B", "Qwen3-14B"):  # ZeRO-1 rows (a ZeRO-3 row: tests/launcher/test_plan_zero.py)
         world, choice = smallest_world(SIZES[name], seq_len=4096)
         recipe = load_recipe("qwen2.5-7b-full", {"parallel.tp": str(choice.tp)}).resolved(world, "npu")
         assert memory_estimate(recipe, SIZES[name]).total == choice.estimate.total, name

@@ -91,8 +91,9 @@ def test_plan_prints_the_memory_estimate_of_the_built_layout(atlas, tmp_path, ca
     state = mem["weights"] + mem["grads"] + mem["accumulator"] + mem["master"] + mem["optimizer"]
     assert abs(state - 7_615_616_512 * (8 / 2 + 12 / 4)) / state < 1e-3
     assert "= 53.3 (embedding/LM head vocab-parallel, seq_len 4096, micro batch 1, grad_accum 8" in out.out
-    rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full", "parallel.vocab_parallel=false", "parallel.tp=2"],
-                             capsys, **host)  # auto: nothing fits 54 GiB with the head replicated
+    rc, plan, out = run_main(["plan", "--recipe", "qwen2.5-7b-full", "parallel.vocab_parallel=false", "parallel.tp=2",
+                              "parallel.zero=1"], capsys, **host)  # auto: ZeRO-1 does not fit 54 GiB with the head
+    # replicated (parallel.zero: auto would take ZeRO-2 there)
     assert rc == 0 and "= 61.5 (embedding/LM head replicated" in out.out
 
 

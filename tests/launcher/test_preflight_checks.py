@@ -177,7 +177,7 @@ def test_memory_over_budget_suggests_layout(atlas):
 
 
 def test_memory_suggestion_is_auto_s_choice_and_a_layout_of_this_model(tmp_path):
-    """The suggested TP is the one parallel.tp=auto would take (jobspec.memory.choose_tp, whose tp_problems
+    """The suggested TP is the one parallel.tp=auto would take (jobspec.layout_choice.choose_layout, whose tp_problems
     the layout check uses): 24 query heads but 3 KV heads, so TP 2, 4 and 8 split no KV head evenly however
     much memory they would save (the suggestion once checked only the query heads: 'use TP=2')."""
     cfg = dict(QWEN7B, hidden_size=3072, num_attention_heads=24, num_key_value_heads=3)

@@ -9,7 +9,7 @@ import pytest
 from launcher_fakes import recorded_npu_smi
 
 import launcher.__main__ as lm
-from jobspec.memory import MARGIN_NOTE
+from jobspec.layout_choice import MARGIN_NOTE
 from jobspec.qwen_sizes import SIZES, size_table
 
 
@@ -34,11 +34,11 @@ def plan(atlas: Path, recipe: str, size: str | None, npus: int, capsys: pytest.C
 
 
 @pytest.mark.parametrize("size,npus,tp,why", [
-    ("Qwen2.5-7B", 4, 2, "auto -> TP 2: TP 1 needs 83.1 GiB per NPU > 54 planned"),
-    ("Qwen2.5-7B", 8, 2, "auto -> TP 2: TP 1 needs 72.4 GiB per NPU > 54 planned"),  # the field guide's layout
-    ("Qwen2.5-7B", 16, 2, "auto -> TP 2: TP 1 needs 67.1 GiB per NPU > 54 planned"),
-    ("Qwen2.5-32B", 32, 8, "auto -> TP 8: TP 1 needs 262.7 GiB per NPU > 54 planned; TP 2 needs 139.1 GiB per NPU "
-                           "> 54 planned; TP 4 needs 77.4 GiB per NPU > 54 planned"),
+    ("Qwen2.5-7B", 4, 2, "auto -> TP 2 ZeRO-1: TP 1 ZeRO-1 needs 83.1 GiB per NPU > 54 planned"),
+    ("Qwen2.5-7B", 8, 2, "auto -> TP 2 ZeRO-1: TP 1 ZeRO-1 needs 72.4 GiB per NPU > 54 planned"),  # the field guide's
+    ("Qwen2.5-7B", 16, 2, "auto -> TP 2 ZeRO-1: TP 1 ZeRO-1 needs 67.1 GiB per NPU > 54 planned"),
+    ("Qwen2.5-32B", 32, 8, "auto -> TP 8 ZeRO-1: TP 1 ZeRO-1 needs 262.7 GiB per NPU > 54 planned; TP 2 ZeRO-1 needs "
+                           "139.1 GiB per NPU > 54 planned; TP 4 ZeRO-1 needs 77.4 GiB per NPU > 54 planned"),
 ])
 def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsys, size, npus, tp, why):
     rc, p, out, _ = plan(atlas, "qwen-full", size, npus, capsys)
@@ -49,6 +49,10 @@ def test_auto_takes_the_smallest_tp_that_fits_and_the_plan_says_why(atlas, capsy
     why += f"; {MARGIN_NOTE}"  # the planning margin stays until device measurements exist
     assert p["recipe"]["parallel"]["tp"] == tp and p["sources"]["parallel.tp"] == why
     assert f"[launcher] parallel.tp: {why}\n" in out
+    assert (p["recipe"]["parallel"]["zero"], layout["shard_optimizer"], layout["shard_gradients"]) == (1, True, False)
+    zero = p["sources"]["parallel.zero"]  # the stage chosen with the TP, and what each stage would move
+    assert zero.startswith(f"auto -> ZeRO-1 (TP {tp} x DP {npus // tp}, ZeRO-1; the lowest stage that fits")
+    assert "per step a rank sends over " in zero and all(f"ZeRO-{z} " in zero for z in (1, 2, 3))
     assert p["recipe"]["train"]["compile_layers"] is False  # and the plan says why (Ascend: not measured)
     line = next(x for x in out.splitlines() if x.startswith("[launcher] train.compile_layers: "))
     assert line.startswith("[launcher] train.compile_layers: off (auto): ") and "launch.device=npu: " in line
@@ -58,7 +62,7 @@ def test_lora_is_chosen_with_the_lora_estimate(atlas, capsys):
     """32B: full fine-tune fits nowhere on 8 NPUs, LoRA with TP 2 (TP 1: the bf16 base alone is 61 GiB)."""
     rc, p, _, _ = plan(atlas, "qwen-lora", "Qwen2.5-32B", 8, capsys)
     assert rc == 0 and (p["recipe"]["layout"]["tp"], p["recipe"]["layout"]["dp"]) == (2, 4)
-    assert p["sources"]["parallel.tp"].startswith("auto -> TP 2: TP 1 needs 69.5")
+    assert p["sources"]["parallel.tp"].startswith("auto -> TP 2 ZeRO-1: TP 1 ZeRO-1 needs 69.5")
     assert p["recipe"]["train"]["method"] == "lora"
 
 
@@ -69,13 +73,14 @@ def test_an_explicit_tp_is_kept(atlas, capsys):
 
 
 @pytest.mark.parametrize("size,npus,advice", [
-    ("Qwen2.5-72B", 8, ["more than ZeRO-1 on up to 256 NPUs", "LoRA (train.method=lora"]),
-    ("Qwen2.5-32B", 8, ["would fit: 32 NPUs (4 node(s))", "LoRA (train.method=lora"]),
+    ("Qwen2.5-72B", 8, ["would fit: 32 NPUs (4 node(s), TP 2 x DP 16, ZeRO-3)", "LoRA (train.method=lora"]),
+    ("Qwen2.5-32B", 8, ["would fit: 16 NPUs (2 node(s), TP 8 x DP 2, ZeRO-2)", "TP 8 needs 87.1 GiB per NPU",
+                        "TP 4 ZeRO-3 needs 85.8 GiB per NPU", "LoRA (train.method=lora"]),
 ])
 def test_a_model_that_fits_nowhere_is_refused_before_any_work(atlas, capsys, size, npus, advice):
     rc, p, out, err = plan(atlas, "qwen-full", size, npus, capsys)
     assert rc == 2 and p is None and "Traceback" not in err + out
-    assert f"parallel.tp='auto': auto: no layout of {npus} NPU(s) fits: TP 1 needs" in err
+    assert f"parallel.tp='auto': auto: no layout of {npus} NPU(s) fits: TP 1 ZeRO-1 needs" in err
     assert all(a in err for a in advice), err
     assert not (atlas / "out").exists()  # nothing written
 
@@ -84,6 +89,7 @@ def test_without_a_config_json_or_on_cpu_auto_is_one_with_its_reason(atlas, caps
     rc, p, out, _ = plan(atlas, "qwen-full", None, 8, capsys)
     assert rc == 0 and (p["recipe"]["layout"]["tp"], p["recipe"]["layout"]["dp"]) == (1, 8)
     assert p["sources"]["parallel.tp"] == f"auto -> 1: no {atlas / 'model' / 'config.json'} yet to estimate from"
+    assert "parallel.zero" not in p["sources"] and p["recipe"]["layout"]["shard_optimizer"]  # decide's ZeRO-1
     rc, p, out, _ = plan(atlas, "tiny-cpu", None, 1, capsys, TP="auto", MODEL_DIR="")  # the tiny default
     assert rc == 0 and p["recipe"]["layout"]["tp"] == 1
     assert p["sources"]["parallel.tp"] == "auto -> 1: CPU workers (the choice is made for NPU memory)"
@@ -101,13 +107,14 @@ def table_row(name: str, method: str) -> dict[str, str]:
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("name,recipe", [("Qwen2.5-7B", "qwen-full"), ("Qwen2.5-32B", "qwen-full"),
+@pytest.mark.parametrize("name,recipe", [("Qwen2.5-7B", "qwen-full"), ("Qwen2.5-14B", "qwen-full"),
                                          ("Qwen3-8B", "qwen-full"), ("Qwen3-32B", "qwen-lora"),
                                          ("Qwen2.5-72B", "qwen-lora")])
 def test_plan_prints_the_size_tables_layout_and_memory(atlas, capsys, name, recipe):
+    """The rows ZeRO-1 fits (ZeRO-2 and 3 rows: tests/launcher/test_plan_zero.py)."""
     row = table_row(name, "LoRA" if recipe == "qwen-lora" else "full")
     rc, p, out, _ = plan(atlas, recipe, name, int(row["NPUs"]), capsys)
     t = p["recipe"]["layout"]
-    assert rc == 0 and f"TP {t['tp']} x DP {t['dp']}" == row["layout"]
+    assert rc == 0 and f"TP {t['tp']} x DP {t['dp']}" + (", ZeRO-1" if t["dp"] > 1 else "") == row["layout"]
     assert f"= {row['GiB per NPU']} (embedding/LM head" in out and f"{p['memory']['total'] / 2**30:.1f}" == \
         row["GiB per NPU"]

@@ -2,11 +2,11 @@
 import pytest
 
 from finetune.dist import check_world, dp_group_ranks, group_name, init_distributed, tp_group_ranks
-from jobspec.layout import Layout, decide, world_problems
+from jobspec.layout import Layout, LayoutRequest, decide, world_problems
 
 
 def _decide(tp: int, dp: int, world: int, overlap: bool = True) -> Layout:
-    return decide(tp, dp, 1, None, overlap, True, 1, 1, 8, world, "cpu")
+    return decide(LayoutRequest(world=world, device="cpu", tp=tp, dp=dp, overlap_grad_reduce=overlap, seq_len=8))
 
 
 def test_the_layout_is_derived_once_and_the_worker_only_checks():

@@ -102,3 +102,47 @@ def test_zero2_accumulates_the_chunks_of_each_micro_batch_as_zero1_the_whole_gra
         np.testing.assert_array_equal(a, b)
     whole = np.concatenate([sum(m[i] for m in micro).reshape(-1) for i in range(len(params))])
     assert_fp32_close(np.concatenate(zero2)[:whole.size], whole, len(micro))  # the sums, whatever the add order
+
+
+def test_zero2_keeps_a_bounded_number_of_reduce_scatters_in_flight():
+    """Each reduce-scatter holds its bucket's flat fp32 copy until waited: ZeRO-2 waits for the oldest beyond
+    IN_FLIGHT_BUCKETS as buckets launch (not all after the backward), with the same chunk sums bit for bit."""
+    from finetune.parallel.overlap import ShardedAccumulation
+    from jobspec.memory import IN_FLIGHT_BUCKETS
+
+    params = list(toy_worker.Toy().trainable_params())
+    opt = ShardedAdamW(params, toy_worker.CFG, RankInfo(), bucket_bytes=200)
+    assert len(opt.buckets) > IN_FLIGHT_BUCKETS + 2
+    rng = np.random.default_rng(6)
+    micro = [[rng.standard_normal(p.shape).astype(np.float32) for p in params] for _ in range(2)]
+    flying: set[int] = set()
+    most = [0]
+
+    class Flight:  # a collective in flight from launch to wait
+        def __init__(self, k, inner):
+            self.k, self.inner = k, inner
+            flying.add(k)
+            most[0] = max(most[0], len(flying))
+
+        def wait(self):
+            flying.discard(self.k)
+            return self.inner.wait()
+
+    def run():  # the gradients arrive last first, as a backward's hooks give them
+        reduction = ShardedAccumulation(params, opt, overlap=False)
+        acc = None
+        for arrays in micro:
+            grads = [ms.Tensor(a.copy()) for a in arrays]
+            reduction.arm(acc)
+            for i in reversed(range(len(grads))):
+                reduction._arrive(i, grads[i])
+            acc = reduction.add(acc, grads) if acc is None else reduction.finish(grads)
+        return [c.asnumpy().copy() for c in acc]
+
+    waited_at_the_end = run()
+    launch = opt.launch
+    opt.launch = lambda k, grads: Flight(k, launch(k, grads))
+    bounded = run()
+    assert most[0] == IN_FLIGHT_BUCKETS and not flying
+    for a, b in zip(bounded, waited_at_the_end):
+        np.testing.assert_array_equal(a, b)
