@@ -2,10 +2,10 @@
 
     python finetune/export.py --checkpoint step_30 --output-dir output --model-dir /models/Qwen2.5-7B-Instruct
 
-The checkpoint may come from any TP x DP layout (its slices are gathered by ``finetune/reshard.py``);
+The checkpoint may come from any TP x DP layout (its slices are gathered by ``finetune/io/reshard.py``);
 ``config.json``, ``generation_config.json`` and the tokenizer come from the base model directory.
 A LoRA run's checkpoint (adapters only) gives what the run's final export gives: ``<out>/adapter`` in
-peft's format and, unless ``--no-merge``, the merged model ``<out>/hf`` (finetune/lora_io.py).
+peft's format and, unless ``--no-merge``, the merged model ``<out>/hf`` (finetune/io/lora_io.py).
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from typing import cast
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.checkpoint import MANIFEST, verify
-from finetune.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir
-from finetune.lora_io import export_lora_checkpoint
-from finetune.reshard import SavedState
-from jobspec.checkpoints import STATE, other_base, unhealthy, usable
+from finetune.io.checkpoint import MANIFEST, verify
+from finetune.io.hf_io import EXPORT_DTYPES, load_hf_config, write_hf_dir
+from finetune.io.lora_io import export_lora_checkpoint
+from finetune.io.reshard import SavedState
+from jobspec.checkpoint_index import STATE, other_base, unhealthy, usable
 from jobspec.config import parse_size
 from jobspec.fsutil import ForeignDirectory, remove_stale_temps
 from jobspec.memory import BUCKET_BYTES
-from jobspec.qwen2_layout import full_shapes
+from jobspec.model_layout import full_shapes
 from jobspec.rundir import RunDir, is_complete, step_dirs, step_name
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # imported where used: the CLI answers its argument errors be
     from tokenizers import Tokenizer
 
     from finetune.dist import RankInfo
-    from finetune.model import Qwen2ForCausalLM
+    from finetune.model.decoder import DecoderLM
 
 SYSTEM_PROMPT = DataConfig().system_prompt  # the one the fine-tune trains with by default
 ANSWER_HEADER = "<|im_start|>assistant\n"  # the template's generation prompt
@@ -138,8 +138,8 @@ def generate(model, prompts: list[list[int]], stops: set[int], s: Sampling, pad_
 
 def check_weights_before_build(model_dir: str | Path) -> dict:
     """The config of ``model_dir`` once its weight files hold every tensor in the right shape."""
-    from finetune.hf_io import check_weights, load_hf_config
-    from jobspec.qwen2_layout import full_shapes
+    from finetune.io.hf_io import check_weights, load_hf_config
+    from jobspec.model_layout import full_shapes
 
     config = load_hf_config(model_dir)
     check_weights(model_dir, full_shapes(config))
@@ -147,15 +147,15 @@ def check_weights_before_build(model_dir: str | Path) -> dict:
 
 
 def load_model(model_dir: str | Path, device: str = "auto", rank: RankInfo | None = None
-               ) -> tuple[Qwen2ForCausalLM, Tokenizer, str]:
-    """(Qwen2ForCausalLM with the weights of an HF directory, its tokenizer, device target); ``rank``: the TP slices
+               ) -> tuple[DecoderLM, Tokenizer, str]:
+    """(DecoderLM with the weights of an HF directory, its tokenizer, device target); ``rank``: the TP slices
     of an initialised rank (``finetune.dist.init_distributed``), else a whole model."""
     import mindspore as ms
     from tokenizers import Tokenizer
 
     from finetune.dist import RankInfo, set_device
-    from finetune.hf_io import load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM, compute_dtype
+    from finetune.io.hf_io import load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig, compute_dtype
     from jobspec.platform import platform_of
 
     tok_file = Path(model_dir) / "tokenizer.json"
@@ -168,7 +168,7 @@ def load_model(model_dir: str | Path, device: str = "auto", rank: RankInfo | Non
     ms.set_context(mode=ms.PYNATIVE_MODE)
     if rank is None:
         set_device(target, None)
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), rank or RankInfo(device_target=target),
+    model = DecoderLM(ModelConfig.from_dict(config), rank or RankInfo(device_target=target),
                              compute_dtype=compute_dtype(platform.default_precision))
     load_weights(model, model_dir)
     return model, Tokenizer.from_file(str(tok_file)), target
@@ -348,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                  if getattr(args, f.name) is not None})
         family = family_in(model_dir)  # before the model loads: an unknown family is refused
         if args.adapter:
-            from finetune.lora_io import check_adapter_base
+            from finetune.io.lora_io import check_adapter_base
 
             check_adapter_base(args.adapter, model_dir)
         model, tokenizer, target = load_model(model_dir, args.device)
         if args.adapter:
-            from finetune.lora_io import load_adapter
+            from finetune.io.lora_io import load_adapter
 
             load_adapter(model, args.adapter)
             what += f" with the LoRA adapter {args.adapter}"

@@ -19,10 +19,10 @@ if __package__ in (None, ""):  # started as a script by msrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.affinity import apply_binding
-from jobspec.checkpoints import tidy
+from jobspec.checkpoint_index import tidy
 from jobspec.config import ConfigError, Recipe
 from jobspec.lifecycle import LAUNCHER_PID_ENV, die_with_parent, run_rank
-from jobspec.planfile import load_run
+from jobspec.plan_reader import load_run
 from jobspec.rerun import rerun_answer
 from jobspec.rundir import RunDir
 
@@ -56,7 +56,7 @@ def _train(recipe: Recipe, run_dir: RunDir, model_hash: str) -> int:
     if mismatch:
         print(f"[worker] {mismatch}", file=sys.stderr)
         return 2
-    from finetune.train import run  # imports mindspore
+    from finetune.run.loop import run  # imports mindspore
 
     return run(recipe, run_dir, model_hash)
 

@@ -292,7 +292,7 @@ def compile_layers_refusals(r: Recipe) -> list[str]:
     """Why decoder layers cannot run as graphs for ``r``, each "<setting>: <reason>" (the graphs read the
     weights' own memory: every writer of a weight writes in place, optim.update.write_param and the host
     kernel, which DP, ZeRO and fp16 masters were shown to train with; tests/finetune/test_model_graphs.py;
-    LoRA's dropout masks are drawn ahead into Parameters, finetune/lora.py).
+    LoRA's dropout masks are drawn ahead into Parameters, finetune/model/lora.py).
     A rule on a value still to be derived (precision or device auto) waits for ``Recipe.resolved``."""
     t = r.train
     why = {"train.recompute=true: recompute runs each layer op by op": t.recompute,

@@ -1,5 +1,5 @@
 """The model families this trainer implements, one :class:`Family` record each: everything that differs
-between them, read by the parameter table (jobspec/qwen2_layout.py), the model (finetune/model.py), the chat
+between them, read by the parameter table (jobspec/model_layout.py), the model (finetune/model/decoder.py), the chat
 template (jobspec/data/template.py), generation and the tiny model. Adding a family is one record here plus
 whatever new code its fields name (docs/model-families.md). Pure Python.
 """
@@ -19,7 +19,7 @@ class Family:
     architecture: str  # the Hugging Face class named in config.json's "architectures"
     qkv_bias: bool  # the q/k/v projections carry biases
     qk_norm: bool  # an RMSNorm over each query and key head before RoPE
-    rope: str  # the RoPE kind (config.json's rope_type) finetune/model.py computes for it
+    rope: str  # the RoPE kind (config.json's rope_type) finetune/model/decoder.py computes for it
     template: str  # the chat template's name in jobspec/data/template.py
     stop_tokens: tuple[str, ...]  # generation stops at these (besides generation_config.json's eos_token_id)
     pad_token: str  # left-pads a batch of prompts

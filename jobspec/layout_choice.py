@@ -19,8 +19,8 @@ from typing import Any
 from jobspec.config import ConfigError, Problem, Recipe, resolved_model_dir
 from jobspec.lora_config import trainable_elements
 from jobspec.memory import _DTYPE_BYTES, FULL_FT, MemoryEstimate, TrainShape, estimate_memory, layer_elements
+from jobspec.model_layout import local_shapes, tp_problems
 from jobspec.platform import PLATFORMS
-from jobspec.qwen2_layout import local_shapes, tp_problems
 
 NPU_USABLE_BYTES = 60 * 2**30  # of a 64 GB 910B's HBM, what a job may plan with (the rest: runtime, HCCL)
 # What the layout choice plans with: 90% of the usable memory, a margin for the allocator's fragmentation

@@ -1,7 +1,7 @@
 """The ``lora`` recipe section (peft's names and defaults) and its checks; pure Python.
 
 ``train.method: lora`` trains low-rank adapters ``W + (alpha / r) * B @ A`` on the decoder's linear
-layers (``target_modules``) with the base weights frozen; see finetune/lora.py.
+layers (``target_modules``) with the base weights frozen; see finetune/model/lora.py.
 """
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def _target_problems(c: LoraConfig) -> list[Problem]:
 def trainable_elements(model_config: dict[str, Any], c: LoraConfig, tp: int = 1, vocab_parallel: bool = False
                        ) -> tuple[int, int]:
     """(adapter elements, modules_to_save elements) one TP rank holds: a column-parallel layer's B and a
-    row-parallel layer's A are split like the layer (finetune/lora.py); the rest whole."""
-    from jobspec.qwen2_layout import local_shapes, param_table
+    row-parallel layer's A are split like the layer (finetune/model/lora.py); the rest whole."""
+    from jobspec.model_layout import local_shapes, param_table
 
     local = local_shapes(model_config, tp, vocab_parallel)
     adapters = 0

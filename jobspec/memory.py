@@ -2,7 +2,7 @@
 
 Every buffer alive at the step's peak, each term tied to the code that allocates it. Weights, gradients,
 fp32 master weights and Adam moments are exact element counts of the local tensors under the layout (the
-TP split rules of ``jobspec.qwen2_layout``, which the model uses too; the same bucket partition as the
+TP split rules of ``jobspec.model_layout``, which the model uses too; the same bucket partition as the
 sharded optimizer). Activations and workspace are an estimate. A step has three peaks, the largest counts
 (:attr:`MemoryEstimate.total`): the backward (accumulator, one micro-batch's gradients, activations,
 logits), the optimizer step (fp32 totals, update temporaries, collective buffers) and a checkpoint save
@@ -18,8 +18,8 @@ from typing import Any
 
 from jobspec.config import Recipe, TrainConfig
 from jobspec.lora_config import LoraConfig, trainable_elements
+from jobspec.model_layout import Dims, local_kv_heads, local_shapes
 from jobspec.platform import PLATFORMS
-from jobspec.qwen2_layout import Dims, local_kv_heads, local_shapes
 from jobspec.shard_layout import ShardLayout
 
 BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB): finetune.dist uses it
@@ -32,18 +32,18 @@ WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers,
 # tensors counted: the token cache, the tokenizer, thread pools, and freed heap that glibc keeps (the launcher's
 # malloc settings) but a later buffer does not fit in; measured by tools/bench_memory.py (docs/memory.md)
 CPU_WORKSPACE_BYTES = 200 * 2**20
-# CPU, train.compile_layers: what each decoder layer's graph (finetune/model.py compile_layers) holds beyond op by
-# op, fitted to step-1 peaks with and without graphs (docs/memory.md): per graph, per fp32 byte of the layer's
-# weights, per token x hidden of the micro-batch
+# CPU, train.compile_layers: what each decoder layer's graph (finetune/model/decoder.py compile_layers) holds
+# beyond op by op, fitted to step-1 peaks with and without graphs (docs/memory.md): per graph, per fp32 byte of
+# the layer's weights, per token x hidden of the micro-batch
 GRAPH_BYTES, GRAPH_PER_WEIGHT_BYTE, GRAPH_PER_TOKEN_HIDDEN = 45 * 2**20, 5, 109
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Which code allocates each term (the plan prints the terms; docs/memory.md measures them).
 TERMS = {
-    "weights": "the model's parameters in the compute dtype, LoRA adapters in fp32 (finetune/model.py)",
+    "weights": "the model's parameters in the compute dtype, LoRA adapters in fp32 (finetune/model/decoder.py)",
     "master": "fp32 master weights (optim/adamw.py AdamW.master, optim/sharded.py master chunks)",
     "optimizer": "Adam moments m and v in fp32 (optim/adamw.py, optim/sharded.py: this rank's shard)",
     "accumulator": "fp32 gradient accumulator over micro-batches (parallel/overlap.py GradReduction.add)",
-    "grads": "one micro-batch's gradients in the compute dtype (train.py accumulate: grad_fn's output)",
+    "grads": "one micro-batch's gradients in the compute dtype (run/loop.py accumulate: grad_fn's output)",
     "activations": "kept activations (recompute: the layer inputs and one layer's; LoRA dropout inputs)",
     "logits": "the LM head's logits chunk and its gradient (parallel/vocab.py LMHeadCrossEntropy)",
     "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
@@ -51,9 +51,9 @@ TERMS = {
     "update": "optimizer update temporaries: clipped gradients (optim/update.py StepGate), the kernel's per bucket",
     "collectives": "DP reduction buffers: a bucket's flat copy in flight (NPU), the shared-memory slots "
                    "(CPU, parallel/hostcomm.py)",
-    "staging": "checkpoint-save host copies (checkpoint.py save_checkpoint; host memory: CPU only)",
+    "staging": "checkpoint-save host copies (io/checkpoint.py save_checkpoint; host memory: CPU only)",
     "workspace": "framework workspace beyond the tensors (NPU: runtime, HCCL, fragmentation; CPU: measured)",
-    "graphs": "the compiled decoder-layer graphs' own buffers (CPU, train.compile_layers: finetune/model.py)",
+    "graphs": "the compiled decoder-layer graphs' own buffers (CPU, train.compile_layers: finetune/model/decoder.py)",
     # ZeRO-2 and 3 (parallel.zero; docs/distributed.md "ZeRO stages")
     "grad_shards": "ZeRO-2/3: this rank's fp32 chunk sums of the earlier micro-batches' gradients "
                    "(parallel/overlap.py ShardedAccumulation.add)",
@@ -84,7 +84,7 @@ SHRINKS = {
     "gathered": "a larger parallel.tp",
     "gather_buffer": "a larger parallel.tp",
 }
-# a checkpoint is saved after the update while the loop still holds the step's totals (train.py train_loop)
+# a checkpoint is saved after the update while the loop still holds the step's totals (run/loop.py train_loop)
 PHASES = {"backward": ("accumulator", "grads", "activations", "logits", "grad_shards", "rs_buckets", "gathered",
                       "gather_buffer"), "step": ("totals", "update"),
           "save": ("totals", "staging")}

@@ -23,7 +23,7 @@ class Platform:
     device: Device  # the recipe's name (launch.device, plan.json)
     target: str  # MindSpore's name (mindspore.set_device)
     accelerator: bool  # each worker owns one device (DEVICE_ID) with its own memory; else host processes
-    fused_kernels: bool  # the fused kernels of finetune/kernels.py (and their RNG); else the reference math
+    fused_kernels: bool  # the fused kernels of finetune/model/kernels.py (and their RNG); else the reference math
     kernels_block: bool  # kernels run when called (mindspore.runtime.launch_blocking), not queued asynchronously
     native_collectives: bool  # the backend has every DP collective (HCCL); else emulated, shared memory possible
     default_precision: Literal["bf16", "fp32"]  # what train.precision auto means here

@@ -14,7 +14,7 @@ from typing import Any
 from jobspec.layout_choice import smallest_world
 from jobspec.lora_config import LoraConfig
 from jobspec.memory import FULL_FT, TrainShape
-from jobspec.qwen2_layout import param_count
+from jobspec.model_layout import param_count
 
 
 def _cfg(model_type: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int,

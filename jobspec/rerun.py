@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from jobspec.checkpoints import STATE, usable, ways_out
+from jobspec.checkpoint_index import STATE, usable, ways_out
 from jobspec.config import Recipe
 from jobspec.hf_files import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, SINGLE
 from jobspec.keys import training_keys
@@ -100,7 +100,7 @@ def _refusal(recipe: Recipe, path: Path | None, what: str, changes: list[str]) -
 def data_changes_of(recipe: Recipe, state: dict[str, Any]) -> list[str]:
     """What differs between the recipe's data and the data the checkpoint with ``state`` trained, when its token
     cache is still the one it trained (jobspec/data/runcheck.py); [] when that cannot be told."""
-    from jobspec.checkpoints import data_id
+    from jobspec.checkpoint_index import data_id
     from jobspec.config import ConfigError
     from jobspec.data import cache
     from jobspec.data.prepare import tokenizer_checked

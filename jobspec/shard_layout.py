@@ -1,7 +1,7 @@
 """The ZeRO partition and its optimizer-state keys, in one place (issue 32 item 6).
 
 The sharded optimizer (``finetune/optim/sharded.py``) cuts its state by it and resharding
-(``finetune/reshard.py``) reads and writes checkpoints by it: if one side changed alone, resume would break
+(``finetune/io/reshard.py``) reads and writes checkpoints by it: if one side changed alone, resume would break
 silently. Pure Python (no MindSpore, no numpy).
 
 Partition: the trained parameters, in model order, end to end in one flat fp32 index space, cut into

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from jobspec.family import FAMILIES, family_of
 from jobspec.fsutil import atomic_dir
-from jobspec.qwen2_layout import full_shapes
+from jobspec.model_layout import full_shapes
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -1,5 +1,5 @@
 """A model directory's weights against its config.json, and a LoRA adapter against its base, from the
-safetensors headers only (no tensor data): every tensor the layout table (jobspec/qwen2_layout.py) expects,
+safetensors headers only (no tensor data): every tensor the layout table (jobspec/model_layout.py) expects,
 in its shape. Preflight's model row; ``generate --adapter``."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from jobspec.family import family_of
 from jobspec.hf_files import read_header
-from jobspec.qwen2_layout import Dims, full_shapes
+from jobspec.model_layout import Dims, full_shapes
 
 FIX = ("config.json and the weights are of different models: use the config.json that came with these weights "
        "(model_type, head_dim, tie_word_embeddings), or re-download the model")
@@ -65,7 +65,7 @@ def _hints(cfg: dict[str, Any], found: dict[str, tuple[tuple[int, ...], Path]]) 
     return out
 
 
-PEFT_PREFIX = "base_model.model."  # peft's tensor names (finetune/lora_io.py writes them)
+PEFT_PREFIX = "base_model.model."  # peft's tensor names (finetune/io/lora_io.py writes them)
 
 
 def adapter_problems(adapter: Path, base: Path) -> list[str]:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec import model_layout
 from jobspec import native as nativelib
-from jobspec import qwen2_layout
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.family import family_of
 from jobspec.layout_choice import choose_layout
@@ -75,9 +75,9 @@ def model_config(recipe: Recipe) -> dict | None:
 
 
 def param_count(cfg: dict) -> int:
-    """Exact Qwen2 parameter count from config.json (``jobspec.qwen2_layout``); 0 when sizes are missing."""
+    """Exact Qwen2 parameter count from config.json (``jobspec.model_layout``); 0 when sizes are missing."""
     try:
-        return qwen2_layout.param_count(cfg)
+        return model_layout.param_count(cfg)
     except (KeyError, TypeError, ZeroDivisionError, ValueError):  # ValueError: another family (check_model)
         return 0
 
@@ -358,7 +358,7 @@ def check_world(c: Context) -> list[Check]:
                          "e.g. TP=2 with 8 NPUs per node"))
     cfg = model_config(r) or (r.model.init and tiny_config(r.model.init))
     try:
-        problems = qwen2_layout.tp_problems(cfg, tp, r.parallel.vocab_parallel) if cfg else []
+        problems = model_layout.tp_problems(cfg, tp, r.parallel.vocab_parallel) if cfg else []
     except (KeyError, TypeError, ZeroDivisionError, ValueError):
         problems = []  # a config without sizes or of another family: check_model reports it
     out += [Check("layout", "fail", msg, fix) for msg, fix in problems]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from jobspec.checkpoints import model_hash, tidy
+from jobspec.checkpoint_index import model_hash, tidy
 from jobspec.config import Recipe, resolved_model_dir
 from jobspec.fsutil import remove_stale_temps
 from jobspec.rundir import run_dir_of
@@ -17,7 +17,7 @@ from launcher.plan import Plan
 
 def tidy_run_dir(recipe: Recipe, plan: Plan, log: Callable[[str], None]) -> None:
     """This node's housekeeping before its workers start, its results put into ``plan``:
-    :func:`jobspec.checkpoints.tidy` (stale temporary directories, train.resume=never's archive), after which
+    :func:`jobspec.checkpoint_index.tidy` (stale temporary directories, train.resume=never's archive), after which
     the workers resume only this job's own checkpoints (a restart continues, never starts over); the base
     model hashed once per node for the run identity (``plan.model_hash``, none without a config.json: the
     worker says what is missing), remembered in OUTPUT_DIR so that a rerun reads only changed files; no rank

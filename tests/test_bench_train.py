@@ -11,7 +11,7 @@ BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench_train.py"
 
 
 def test_the_benchmark_steps_the_model_the_trainer_builds(ms_cpu, tmp_path, monkeypatch):
-    """Training mode, as finetune.trainer.build_model leaves it: the LM head computes the logits once a
+    """Training mode, as finetune.run.training.build_model leaves it: the LM head computes the logits once a
     step and keeps them for the backward. The bench used to build its own model in evaluation mode,
     whose backward recomputes them (two vocab-sized matmuls where a run does one), so it understated us."""
     from jobspec.tiny import ensure_tiny_model

@@ -42,7 +42,7 @@ from bench_train import SHAPE, write_model
 
 from jobspec.config import REPO_ROOT
 from jobspec.layout_choice import step_traffic
-from jobspec.qwen2_layout import local_shapes
+from jobspec.model_layout import local_shapes
 
 WARMUP_STEPS = 2
 

@@ -45,7 +45,7 @@ WITHIN, ABOVE, GA_BYTES = 0.15, 0.05, 1.5  # the goals above
 EMPTY = """import resource
 import mindspore as ms
 import numpy as np
-import finetune.train  # noqa: F401  (every module a worker imports)
+import finetune.run.loop  # noqa: F401  (every module a worker imports)
 ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
 (ms.Tensor(np.ones(4, np.float32)) + 1).asnumpy()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -129,7 +129,7 @@ def row(got: dict[str, Any], empty: int) -> dict[str, Any]:
 
 def trained_params(hidden: int, layers: int) -> int:
     """Parameters of the bench model at ``hidden`` x ``layers`` (all trained: a full fine-tune)."""
-    from jobspec.qwen2_layout import local_shapes
+    from jobspec.model_layout import local_shapes
 
     return sum(math.prod(s) for s in local_shapes(shape_of(hidden, layers), 1).values())
 

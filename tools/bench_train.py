@@ -117,7 +117,7 @@ def write_inputs(tmp: Path, batch: int, seq: int, shape: dict | None = None) -> 
 
 
 class Ours:
-    """Our trainer's step: the model and optimizer as ``finetune.trainer`` builds them (training mode,
+    """Our trainer's step: the model and optimizer as ``finetune.run.training`` builds them (training mode,
     ``train.compile_layers`` from its path in ``PATHS``, None: the recipe's default), value_and_grad of the
     scaled loss (train.accumulate; LoRA's dropout masks advanced per step as the trainer does) and the AdamW
     step; ``method``: train.method (lora: the recipe's ``lora`` defaults)."""
@@ -127,7 +127,7 @@ class Ours:
 
         from finetune.dist import init_distributed
         from finetune.parallel.overlap import GradReduction
-        from finetune.trainer import build_model, build_optimizer
+        from finetune.run.training import build_model, build_optimizer
         from jobspec.recipe_load import load_recipe
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -137,7 +137,7 @@ class Ours:
                                           "train.clip_grad": 0.0, "train.method": method, **compile_layers}
                              ).resolved(1, "cpu")
         self.compiled = bool(recipe.train.compile_layers)
-        rank = init_distributed(recipe.decided_layout)  # one process, as finetune.train starts one
+        rank = init_distributed(recipe.decided_layout)  # one process, as finetune.run.loop starts one
         self.model, self.params = build_model(recipe, rank, model_dir, ms.float32)  # as the trainer builds it
         self.opt = build_optimizer(self.params, recipe.train, rank, False)
         self.reduction = GradReduction(self.params, self.opt, overlap=False)  # one process: nothing to overlap
@@ -149,10 +149,10 @@ class Ours:
 
     def step(self) -> tuple[float, float]:
         """(seconds, mean loss) of one training step."""
-        from finetune.train import accumulate
+        from finetune.run.loop import accumulate
 
         t = time.perf_counter()
-        masks = getattr(self.model, "lora_masks", None)  # as Trainer.scaled_loss: this step's dropout masks
+        masks = getattr(self.model, "lora_masks", None)  # as Training.scaled_loss: this step's dropout masks
         if masks is not None:
             masks.advance(masks.step + 1, self.mb["input_ids"].shape)
         grads, loss = accumulate(self.grad_fn, [self.mb], self.scale, self.reduction)

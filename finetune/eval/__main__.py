@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("[eval] " + "\n[eval] ".join(problems), file=sys.stderr)
         return 2
-    from finetune.hf_io import HFModelError
+    from finetune.io.hf_io import HFModelError
 
     try:
         tasks = prepare(c, models)

@@ -11,7 +11,7 @@ from finetune.dist import RankInfo
 from finetune.eval.loaders import EvalDataError
 from finetune.eval.runner import Scorer, score_task
 from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
-from jobspec.checkpoints import model_hash
+from jobspec.checkpoint_index import model_hash
 from jobspec.data.chat_template import model_template, render_hf
 from jobspec.eval_config import EvalConfig, task_base
 from jobspec.rundir import EVAL_FILES, RunDir
@@ -32,7 +32,7 @@ def load_scorer(model_dir: str, device: str, chat: bool, rank: RankInfo | None =
     """The model of ``model_dir`` on ``device`` (``rank``'s TP slices) with its tokenizer, stops, context length and
     generation penalty."""
     from finetune.generate import Sampling, load_model, stop_ids
-    from finetune.hf_io import load_hf_config
+    from finetune.io.hf_io import load_hf_config
 
     log = rank.log if rank else print
     model, tok, _ = load_model(model_dir, device, rank)
@@ -99,7 +99,7 @@ def print_table(rows: list[dict[str, Any]], labels: list[str]) -> None:
 
 
 def reusable(out: Path, label: str, identity: str, settings: dict[str, Any], tasks: list[str]) -> bool:
-    """Whether ``<out>/<label>.json`` holds the results of these weights (``identity``: jobspec.checkpoints'
+    """Whether ``<out>/<label>.json`` holds the results of these weights (``identity``: jobspec.checkpoint_index'
     model_hash) for these settings (the device included) and tasks."""
     path = out / f"{label}.json"
     if not path.is_file():

@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel linear layers and their communication Cells.
 
 With ``rank.tp == 1`` the linears are plain matmuls and no collective is created.
-Weights follow Hugging Face's ``[out, in]`` layout (split axes: ``jobspec.qwen2_layout``).
+Weights follow Hugging Face's ``[out, in]`` layout (split axes: ``jobspec.model_layout``).
 """
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ class ColumnParallelLinear(nn.Cell):
         self.bias = Parameter(initializer("zeros", (out,), ms.float32), name="bias") if has_bias else None
         self.copy = CopyToTP(rank) if rank.tp > 1 else None
         self.share = SumOverReplicas(rank, replicas) if replicas and rank.tp > replicas else None
-        self.adapter: nn.Cell | None = None  # a LoRA adapter (finetune/lora.py) adds its output, from x before CopyToTP
+        # a LoRA adapter (finetune/model/lora.py) adds its output, from x before CopyToTP
+        self.adapter: nn.Cell | None = None
 
     def construct(self, x):
         y = self._base(self.copy(x) if self.copy is not None else x)
@@ -117,7 +118,7 @@ class RowParallelLinear(nn.Cell):
         self.weight = Parameter(initializer(Normal(0.02), (out_features, local_in), ms.float32), name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if has_bias else None
         self.reduce = ReduceFromTP(rank) if rank.tp > 1 else None
-        self.adapter: nn.Cell | None = None  # a LoRA adapter (finetune/lora.py) adds its output
+        self.adapter: nn.Cell | None = None  # a LoRA adapter (finetune/model/lora.py) adds its output
 
     def construct(self, x):
         y = linear(x, self.weight, None, self.dtype)

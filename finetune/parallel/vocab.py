@@ -1,7 +1,7 @@
 """Vocabulary-parallel layers: the token embedding, the LM head and the parallel cross-entropy.
 
 With vocab-parallel tensor parallelism each TP rank holds a contiguous slice of the vocabulary rows
-(``jobspec.qwen2_layout`` decides which); otherwise the rows are replicated and no collective is made.
+(``jobspec.model_layout`` decides which); otherwise the rows are replicated and no collective is made.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The self-test's single-device checks: each runs one fused call the way the model makes it (through
-``finetune.kernels``, ``finetune.optim.AdamW`` or the model itself) and returns (device results,
+``finetune.model.kernels``, ``finetune.optim.AdamW`` or the model itself) and returns (device results,
 fp32 references computed with numpy on the host).
 
 Big operands are compared on sampled rows/columns (``ROWS``): the device computes the full operation
@@ -14,8 +14,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from finetune import kernels
 from finetune.dist import RankInfo
+from finetune.model import kernels
 from jobspec.platform import by_target
 
 FUSED = RankInfo(device_target="Ascend")  # the fused path (on CPU: the twins, installed by the caller)
@@ -235,11 +235,11 @@ TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidd
 
 def tiny_models(dtype) -> tuple:
     """(the fused path in ``dtype``, the reference path in fp32) of :data:`TINY`, weights set by each check."""
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    cfg = Qwen2Config.from_dict(TINY)
-    return (Qwen2ForCausalLM(cfg, FUSED, compute_dtype=dtype),
-            Qwen2ForCausalLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32))
+    cfg = ModelConfig.from_dict(TINY)
+    return (DecoderLM(cfg, FUSED, compute_dtype=dtype),
+            DecoderLM(cfg, RankInfo(device_target="CPU"), compute_dtype=ms.float32))
 
 
 def check_tiny_model(dtype, rng, models: tuple | None = None):

@@ -33,7 +33,7 @@ from jobspec.data.report import Progress, example, format_report, make_report
 from jobspec.data.runcheck import Resumed, check_same_data
 from jobspec.data.template import IGNORE
 from jobspec.fsutil import ForeignDirectory, atomic_dir
-from jobspec.planfile import load_plan
+from jobspec.plan_reader import load_plan
 from jobspec.rundir import run_dir_of
 
 CHUNK = 256  # samples per worker task

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jobspec.checkpoints import STATE, data_id, usable, ways_out
+from jobspec.checkpoint_index import STATE, data_id, usable, ways_out
 from jobspec.config import DataConfig
 from jobspec.data import cache
 from jobspec.data.files import DataError, resolve_sources

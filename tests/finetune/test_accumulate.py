@@ -22,7 +22,7 @@ from mindspore import ops
 from finetune.dist import RankInfo
 from finetune.optim import AdamW
 from finetune.parallel.overlap import GradReduction
-from finetune.train import accumulate
+from finetune.run.loop import accumulate
 from jobspec.config import REPO_ROOT, TrainConfig
 
 
@@ -46,7 +46,7 @@ def _micro_batches(n: int) -> list[dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_accumulation_is_the_fp32_sum_bit_for_bit_in_the_first_micro_batchs_tensors(monkeypatch, overlap):
-    import finetune.train as train
+    import finetune.run.loop as train
 
     monkeypatch.setattr(train, "batch_tensors", lambda mb: [ms.Tensor(mb[k]) for k in
                                                             ("input_ids", "labels", "position_ids", "segment_ids")])

@@ -9,7 +9,8 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from finetune.checkpoint import (
+from finetune.dist import RankInfo
+from finetune.io.checkpoint import (
     CheckpointMismatch,
     InsufficientSpace,
     TrainerState,
@@ -17,8 +18,7 @@ from finetune.checkpoint import (
     load_latest,
     save_checkpoint,
 )
-from finetune.dist import RankInfo
-from jobspec.checkpoints import condemn, find_latest, run_identity, verify
+from jobspec.checkpoint_index import condemn, find_latest, run_identity, verify
 
 
 def _params(seed):
@@ -206,7 +206,7 @@ def test_a_full_disk_stops_before_writing_and_leaves_older_checkpoints(tmp_path)
 
 def test_resume_never_moves_the_old_checkpoints_aside(tmp_path):
     """issue 19.2: train.resume=never must not mix a new run's checkpoints with (or prune into) the old ones."""
-    from jobspec.checkpoints import archive_checkpoints
+    from jobspec.checkpoint_index import archive_checkpoints
 
     _save(tmp_path / "checkpoints", 10)
     said = []
@@ -275,7 +275,7 @@ def test_a_disk_full_inside_the_write_publishes_nothing_and_leaves_no_tmp(tmp_pa
 
     from safetensors import SafetensorError
 
-    import finetune.checkpoint as ck
+    import finetune.io.checkpoint as ck
 
     root = tmp_path / "checkpoints"
     _save(root, 10)

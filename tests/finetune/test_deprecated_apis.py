@@ -26,7 +26,7 @@ FLAGGED = re.compile(r"deprecat|renamed|removed|keyword|will change", re.I)  # t
 KEYWORD_ONLY = re.compile(r"`{1,2}(\w+)`{1,2} will become (?:keyword-only|a keyword parameter)", re.I)
 # Calls that stay, each with why.
 KEPT = {
-    "ms.set_context": "mode=PYNATIVE_MODE in train.py and generate.py: 2.10 says only 'will be deprecated in future "
+    "ms.set_context": "mode=PYNATIVE_MODE in run/loop.py and generate.py: 2.10 says only 'will be deprecated in future "
                       "versions' and names no replacement for `mode` (PyNative is its default: the call can go)",
     "ops.assign_add": "the in-place gradient accumulation (parallel/overlap.py): measured on CPU, 2.10's documented "
                       "replacement Tensor.add_ returns a new tensor and leaves its own unchanged, and InplaceAddExt "

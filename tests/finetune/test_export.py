@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _model(ms, model_dir, rank=RankInfo(), **kw):
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, **kw)
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(model_dir)), rank, **kw)
     if rank.tp == 1:
         load_weights(model, model_dir)
     return model
@@ -27,7 +27,7 @@ def _model(ms, model_dir, rank=RankInfo(), **kw):
 
 def _checkpoint(ms, tmp_path, src):
     """A one-process checkpoint of ``src``'s weights with random Adam moments; returns (dir, model, moments)."""
-    from finetune.checkpoint import TrainerState, save_checkpoint
+    from finetune.io.checkpoint import TrainerState, save_checkpoint
 
     model = _model(ms, src)
     rng = np.random.default_rng(0)
@@ -40,7 +40,7 @@ def _checkpoint(ms, tmp_path, src):
 
 def test_export_equals_the_live_models_export(ms_cpu, tmp_path, tiny_hf_dir):
     from finetune.export import main
-    from finetune.hf_io import export_hf
+    from finetune.io.hf_io import export_hf
 
     src = tiny_hf_dir(tie_word_embeddings=False)
     path, model, _ = _checkpoint(ms_cpu, tmp_path, src)
@@ -122,7 +122,7 @@ def test_export_imports_no_mindspore():
 def test_tp1_checkpoint_resumes_under_tp2_and_dp2(ms_cpu, tmp_path, tiny_hf_dir, vocab_parallel, family):
     """Each TP rank gets its slice of the weights and moments; a sharded DP rank its bucket chunks
     (Qwen3: its replicated q/k norms whole on every rank)."""
-    from finetune.checkpoint import load_checkpoint
+    from finetune.io.checkpoint import load_checkpoint
 
     ms = ms_cpu
     src = tiny_hf_dir(tie_word_embeddings=False, num_key_value_heads=1, **family)  # tp=2 > 1 KV head: replicated
@@ -159,8 +159,8 @@ def test_tp1_checkpoint_resumes_under_tp2_and_dp2(ms_cpu, tmp_path, tiny_hf_dir,
 def test_latest_falls_back_past_a_truncated_newest_checkpoint(ms_cpu, tmp_path, tiny_hf_dir, capsys):
     """Issue 31: ``export --checkpoint latest`` on a truncated newest checkpoint stopped instead of taking the one
     before, as resume does; it now names the skipped one and exports the older."""
-    from finetune.checkpoint import TrainerState, save_checkpoint
     from finetune.export import main
+    from finetune.io.checkpoint import TrainerState, save_checkpoint
 
     src = tiny_hf_dir()
     path, model, moments = _checkpoint(ms_cpu, tmp_path, src)

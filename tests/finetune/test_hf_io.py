@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from finetune.hf_io import HFModelError, bf16_to_fp32, fp32_to_bf16, load_hf_config, plan_shards, weight_files
+from finetune.io.hf_io import HFModelError, bf16_to_fp32, fp32_to_bf16, load_hf_config, plan_shards, weight_files
 from jobspec.fsutil import MARKER
 from jobspec.hf_files import read_header
 
@@ -17,10 +17,10 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 def _model(ms_cpu, model_dir):
-    from finetune.hf_io import load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(model_dir)))
     load_weights(model, model_dir)
     return model
 
@@ -30,7 +30,7 @@ def _state(model) -> dict[str, np.ndarray]:
 
 
 def test_fp32_round_trip_is_exact(ms_cpu, tmp_path):
-    from finetune.hf_io import export_hf
+    from finetune.io.hf_io import export_hf
 
     model = _model(ms_cpu, GOLDEN / "untied")
     out = export_hf(model, GOLDEN / "untied", tmp_path / "hf", dtype="fp32", shard_size_bytes=10**9)
@@ -47,7 +47,7 @@ def test_fp32_round_trip_is_exact(ms_cpu, tmp_path):
 
 
 def test_sharded_export_and_load(ms_cpu, tmp_path):
-    from finetune.hf_io import export_hf
+    from finetune.io.hf_io import export_hf
 
     model = _model(ms_cpu, GOLDEN / "tied")
     limit = 40_000
@@ -73,7 +73,7 @@ def test_sharded_export_and_load(ms_cpu, tmp_path):
 
 
 def test_bf16_export_rounds_to_nearest_even(ms_cpu, tmp_path):
-    from finetune.hf_io import export_hf
+    from finetune.io.hf_io import export_hf
 
     model = _model(ms_cpu, GOLDEN / "untied")
     out = export_hf(model, GOLDEN / "untied", tmp_path / "hf", dtype="bf16")
@@ -124,8 +124,8 @@ def test_index_naming_missing_shard(tmp_path):
 def test_shape_mismatch_and_missing_tensor_are_reported_together(ms_cpu, tmp_path):
     import shutil
 
-    from finetune.hf_io import load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
     d = tmp_path / "bad"
     shutil.copytree(GOLDEN / "untied", d)
@@ -133,7 +133,7 @@ def test_shape_mismatch_and_missing_tensor_are_reported_together(ms_cpu, tmp_pat
     tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((16, 32), np.float32)
     del tensors["lm_head.weight"]
     save_file(tensors, str(d / "model.safetensors"))
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(d)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(d)))
     with pytest.raises(HFModelError) as err:
         load_weights(model, d)
     msg = str(err.value)
@@ -142,7 +142,7 @@ def test_shape_mismatch_and_missing_tensor_are_reported_together(ms_cpu, tmp_pat
 
 
 def test_export_copies_tokenizer_and_replaces_old_export(ms_cpu, tmp_path, tiny_hf_dir):
-    from finetune.hf_io import export_hf
+    from finetune.io.hf_io import export_hf
 
     src = tiny_hf_dir()
     model = _model(ms_cpu, src)
@@ -182,7 +182,7 @@ def test_non_finite_weights_are_never_exported(tmp_path, tiny_hf_dir, dtype, val
     """Issue 31: an export (full or LoRA merged, both through write_hf_dir) refuses weights that are not finite
     in the export dtype (3.4e38 rounds to inf in bf16, 7e4 overflows fp16), naming the tensor; nothing published,
     no temporary directory left. The same finite weights in fp32 are written."""
-    from finetune.hf_io import NonFiniteWeights, write_hf_dir
+    from finetune.io.hf_io import NonFiniteWeights, write_hf_dir
 
     shapes = {"a.weight": (2, 3), "b.weight": (4,)}
     bad = {"a.weight": np.ones((2, 3), np.float32), "b.weight": np.array([1, value, 2, 3], np.float32)}

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from finetune.hf_io import _write_shard, fp32_to_bf16, read_into, read_tensor
+from finetune.io.hf_io import _write_shard, fp32_to_bf16, read_into, read_tensor
 
 
 @pytest.mark.parametrize("st_dtype", ["float32", "float16", "bfloat16"])

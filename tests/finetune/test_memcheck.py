@@ -1,9 +1,9 @@
-"""The step-1 memory record (finetune/memcheck.py): the plan's estimate beside the measured peak."""
+"""The step-1 memory record (finetune/run/memcheck.py): the plan's estimate beside the measured peak."""
 from __future__ import annotations
 
 import json
 
-from finetune.memcheck import measured, memory_record, plan_estimate
+from finetune.run.memcheck import measured, memory_record, plan_estimate
 from jobspec.memory import SHRINKS, MemoryEstimate
 
 EST = MemoryEstimate(weights=10 * 2**30, grads=2 * 2**30, master=0, optimizer=20 * 2**30, activations=2**30,
@@ -42,7 +42,7 @@ def test_the_estimate_comes_from_plan_json_and_without_one_from_the_recipe(tmp_p
 
 
 def test_summary_json_carries_the_step_1_memory_fields():
-    from finetune.report import summary
+    from finetune.run.summary import summary
 
     fields, _ = memory_record(EST, {"memory_source": "rss", "memory_peak_rss_bytes": 5 * 2**30})
     records = [{"step": 1, "loss": 2.0, **fields}, {"step": 2, "loss": 1.0, "memory_estimate_bytes": 1}]

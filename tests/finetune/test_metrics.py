@@ -1,7 +1,7 @@
 """metrics.jsonl on resume: exactly the records up to the checkpoint's step; a restart keeps the old history."""
 import json
 
-from finetune.metrics import MetricsWriter, read_metrics
+from finetune.run.metrics import MetricsWriter, read_metrics
 
 
 def _write(path, steps, tail=""):

@@ -10,10 +10,10 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 def _build(ms_cpu, model_dir, **kw):
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), **kw)
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(model_dir)), **kw)
     load_weights(model, model_dir)
     return model
 
@@ -182,17 +182,17 @@ def test_recompute_keeps_gradients(ms_cpu, case):
 
 
 def test_config_from_dict_reads_hf_variants():
-    from finetune.model import Qwen2Config
+    from finetune.model.decoder import ModelConfig
 
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2, "unknown_hf_key": 1}
-    cfg = Qwen2Config.from_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
+    cfg = ModelConfig.from_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
     assert cfg.rope_theta == 5e5 and cfg.num_key_value_heads == 2 and cfg.head_dim == 4
-    assert Qwen2Config.from_dict({**base, "rope_theta": 1e4, "tie_word_embeddings": True}).tie_word_embeddings
+    assert ModelConfig.from_dict({**base, "rope_theta": 1e4, "tie_word_embeddings": True}).tie_word_embeddings
     with pytest.raises(ValueError, match="hidden_size"):
-        Qwen2Config.from_dict({k: v for k, v in base.items() if k != "hidden_size"})
+        ModelConfig.from_dict({k: v for k, v in base.items() if k != "hidden_size"})
     with pytest.raises(ValueError, match="yarn"):
-        Qwen2Config.from_dict({**base, "rope_scaling": {"type": "yarn", "factor": 4}})
+        ModelConfig.from_dict({**base, "rope_scaling": {"type": "yarn", "factor": 4}})
 
 
 @pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
@@ -200,17 +200,17 @@ def test_config_from_dict_reads_hf_variants():
                                              ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
                                              ("qwen3", "Qwen2ForCausalLM")])
 def test_config_of_another_family_is_refused_naming_what_is_supported(model_type, arch):
-    from finetune.model import Qwen2Config
+    from finetune.model.decoder import ModelConfig
 
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2}
     with pytest.raises(ValueError, match=f"model_type '{model_type}' \\({arch}\\) is not supported.*Qwen3ForCausalLM"):
-        Qwen2Config.from_dict({**base, "model_type": model_type, "architectures": [arch]})
-    coder = Qwen2Config.from_dict({**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+        ModelConfig.from_dict({**base, "model_type": model_type, "architectures": [arch]})
+    coder = ModelConfig.from_dict({**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
     assert coder.model_type == "qwen2"  # Qwen2.5-Coder / -Math
-    assert Qwen2Config.from_dict({**base, "architectures": ["Qwen3ForCausalLM"]}).model_type == "qwen3"
+    assert ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"]}).model_type == "qwen3"
     with pytest.raises(ValueError, match="attention_bias true is not supported for model_type 'qwen3'"):
-        Qwen2Config.from_dict({**base, "model_type": "qwen3", "attention_bias": True})
+        ModelConfig.from_dict({**base, "model_type": "qwen3", "attention_bias": True})
 
 
 def test_half_compute_dtype_keeps_fp32_masters_and_loss(ms_cpu):

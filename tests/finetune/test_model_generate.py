@@ -33,10 +33,10 @@ def test_next_token_rules():
 
 
 def _golden(case: str):
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / case)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(GOLDEN / case)))
     load_weights(model, GOLDEN / case)
     return model
 
@@ -152,11 +152,11 @@ def test_cli_refuses_a_model_of_another_family_before_building(ms_cpu, tmp_path,
 
 
 def test_cli_checks_weights_before_building(ms_cpu, tiny_hf_dir, capsys, monkeypatch):
-    import finetune.model
+    import finetune.model.decoder
 
     d = tiny_hf_dir()
     (d / "model.safetensors").unlink()
-    monkeypatch.setattr(finetune.model, "Qwen2ForCausalLM", lambda *a, **k: pytest.fail("model built"))
+    monkeypatch.setattr(finetune.model.decoder, "DecoderLM", lambda *a, **k: pytest.fail("model built"))
     assert main(["--model-dir", str(d), "--prompt", "x"]) == 2
     assert "no model.safetensors" in capsys.readouterr().err
     assert main(["--model-dir", str(d.parent / "nope"), "--prompt", "x"]) == 2
@@ -182,7 +182,7 @@ def test_sample_check_answers_the_bundled_prompts_like_generate_on_the_export(ms
     """The check after training: the in-memory model gives what `generate` gives on the export."""
     from finetune.dist import RankInfo
     from finetune.generate import load_model, sample_check
-    from finetune.hf_io import export_hf
+    from finetune.io.hf_io import export_hf
     from jobspec.config import ExportConfig, Recipe
 
     src = tiny_hf_dir(vocab_size=151936, hidden_size=16, intermediate_size=32)

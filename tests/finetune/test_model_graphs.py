@@ -1,4 +1,4 @@
-"""Decoder layers compiled as graphs (Qwen2Model.compile_layers) compute what the op-by-op path does."""
+"""Decoder layers compiled as graphs (DecoderModel.compile_layers) compute what the op-by-op path does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,11 +10,11 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 def test_compiled_layers_match_transformers(ms_cpu):
     ms = ms_cpu
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
     g = np.load(GOLDEN / "untied" / "golden.npz")
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / "untied")))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(GOLDEN / "untied")))
     load_weights(model, GOLDEN / "untied")
     model.model.compile_layers()
     assert len(model.model.graphs) == 2
@@ -38,10 +38,10 @@ def test_a_compiled_layer_sees_weights_written_in_place_and_not_new_storage(ms_c
     only: hf_io and checkpoint restore run before the first step)."""
     ms = ms_cpu
     from finetune.hostmem import own_memory
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.model.decoder import DecoderLM, ModelConfig
     from finetune.optim.update import write_param
 
-    cfg = Qwen2Config.from_dict({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    cfg = ModelConfig.from_dict({"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
     ids = ms.Tensor(np.random.default_rng(0).integers(0, 128, (1, 8)).astype(np.int32))
     writers = {"write_param": lambda w, x: write_param(w, ms.Tensor(x)),
@@ -49,7 +49,7 @@ def test_a_compiled_layer_sees_weights_written_in_place_and_not_new_storage(ms_c
                "set_data": lambda w, x: w.set_data(ms.Tensor(x))}
     changed = {}
     for compiled in (False, True):
-        model = Qwen2ForCausalLM(cfg)
+        model = DecoderLM(cfg)
         if compiled:
             model.model.compile_layers()
         w = next(p for p in model.trainable_params() if "layers.0.mlp.down_proj" in p.name)

@@ -27,8 +27,8 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 WORKER = TP2_WORKER_HEAD + r'''
 from finetune.dist import RankInfo
-from finetune.hf_io import export_hf, gather_full, load_hf_config, load_weights
-from finetune.model import Qwen2Config, Qwen2ForCausalLM
+from finetune.io.hf_io import export_hf, gather_full, load_hf_config, load_weights
+from finetune.model.decoder import ModelConfig, DecoderLM
 ''' + TP2_WORKER_INIT + r'''
 rank = RankInfo(rank=get_rank(), world_size=2, tp=2, tp_rank=get_rank(), tp_group="tp")
 out_dir = sys.argv[2]
@@ -37,7 +37,7 @@ ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
 pos = np.tile(np.arange(ids.shape[1], dtype=np.int32), (ids.shape[0], 1))
 args = [ms.Tensor(x) for x in (ids, labels, pos, np.ones_like(ids))]
 for case, (model_dir, vocab_parallel, chunk) in json.loads(sys.argv[4]).items():
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel,
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel,
                              loss_chunk_tokens=chunk)
     load_weights(model, model_dir)
     logits = model.logits(args[0]).asnumpy()
@@ -86,10 +86,10 @@ def test_tp2_matches_single_process(ms_cpu, tmp_path, tiny_hf_dir):
             np.testing.assert_allclose(tp[key] / n, g[key], rtol=1e-4, atol=1e-5, err_msg=f"{case}: {key}")
 
     # replicated KV heads: same logits and loss as this process's tp=1 run of the same weights
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(replicated)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(replicated)))
     load_weights(model, replicated)
     ids, labels = g["input_ids"].astype(np.int32), g["labels"].astype(np.int32)
     pos = np.tile(np.arange(ids.shape[1], dtype=np.int32), (ids.shape[0], 1))
@@ -112,16 +112,16 @@ from jobspec.config import ExportConfig, Recipe
 from jobspec.rundir import RunDir
 from finetune.dist import RankInfo
 from finetune.generate import sample_check
-from finetune.hf_io import export_hf, load_hf_config, load_weights
-from finetune.model import Qwen2Config, Qwen2ForCausalLM
+from finetune.io.hf_io import export_hf, load_hf_config, load_weights
+from finetune.model.decoder import ModelConfig, DecoderLM
 ''' + TP2_WORKER_INIT + r'''
 rank = RankInfo(rank=get_rank(), world_size=2, tp=2, tp_rank=get_rank(), tp_group="tp")
 model_dir, out = sys.argv[2], sys.argv[3]
-model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=True)
+model = DecoderLM(ModelConfig.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=True)
 load_weights(model, model_dir)
 hf = f"{out}/hf"
 export_hf(model, model_dir, hf, dtype="fp32", rank=rank)
-# as train.py does: tokenizer and generation config from the base model, which every rank has
+# as run/loop.py does: tokenizer and generation config from the base model, which every rank has
 # (rank 0 alone writes the export; reading it from rank 1 races with that write)
 sample_check(model, model_dir, Recipe(export=ExportConfig(check_max_new_tokens=4)), rank, RunDir(out).samples)
 '''

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token
+from finetune.run.perf import PEAK_TFLOPS, StepTimer, chip_name, flops_per_token
 from jobspec.tiny import TINY_DEFAULTS
 
 
@@ -48,7 +48,7 @@ def test_peak_figures_are_the_cited_ones_each_with_its_source_and_the_log_names_
     import types
 
     from finetune.dist import RankInfo
-    from finetune.perf import device_peak_flops
+    from finetune.run.perf import device_peak_flops
 
     assert {k: v[0] for k, v in PEAK_TFLOPS.items()} == {"910B1": 378.9, "910B2": 353.9, "910B3": 294.9,
                                                           "910B4": 270.0}
@@ -70,7 +70,7 @@ def test_ascend_profiler_starts_itself_and_leaves_the_analysis_offline(ms_cpu, m
     import types
 
     from finetune.dist import RankInfo
-    from finetune.perf import StepProfiler
+    from finetune.run.perf import StepProfiler
 
     events = []
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from finetune.train import run
-from jobspec.checkpoints import unhealthy
+from finetune.run.loop import run
+from jobspec.checkpoint_index import unhealthy
 from jobspec.config import resolved_model_dir
 from jobspec.finish import finished
 from jobspec.memory import MemoryEstimate
@@ -175,9 +175,9 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
     import mindspore as ms
 
     from finetune.dist import init_distributed
-    from finetune.progress import Reporter
-    from finetune.train import StopFlag, train_loop
-    from finetune.trainer import setup
+    from finetune.run.loop import StopFlag, train_loop
+    from finetune.run.progress import Reporter
+    from finetune.run.training import setup
     from jobspec.layout import Layout
 
     # the layers op by op, as on Ascend: compiling a layer (CPU's default) reads host data at the first call
@@ -211,9 +211,9 @@ def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(t
 
     from finetune.dist import init_distributed
     from finetune.optim import update
-    from finetune.progress import Reporter
-    from finetune.train import StopFlag, train_loop
-    from finetune.trainer import setup
+    from finetune.run.loop import StopFlag, train_loop
+    from finetune.run.progress import Reporter
+    from finetune.run.training import setup
     from jobspec.layout import Layout
 
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
@@ -230,14 +230,14 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
     import mindspore as ms
 
     from finetune.dist import RankInfo
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
-    from finetune.trainer import BATCH_KEYS
+    from finetune.model.decoder import DecoderLM, ModelConfig
+    from finetune.run.training import BATCH_KEYS
     from jobspec.data.batching import BatchLoader
     from jobspec.data.cache import VAL_INDEX
     from jobspec.data.template import IGNORE
 
     config = json.loads((straight / "base-model" / "config.json").read_text())
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), RankInfo())
+    model = DecoderLM(ModelConfig.from_dict(config), RankInfo())
     cache = next(p.parent for p in (straight / "data").rglob(VAL_INDEX))
     results = []
     for dp, mbs in ((1, 1), (2, 4), (3, 2)):
@@ -252,7 +252,7 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
     np.testing.assert_allclose([x for x, _ in results], results[0][0], rtol=1e-5)
     from types import SimpleNamespace
 
-    from finetune.progress import evaluate
+    from finetune.run.progress import evaluate
 
     t = SimpleNamespace(model=model, rank=RankInfo(), val_loader=BatchLoader(cache, 128, 2, 1, 1, 0, 42,
                                                                                 index_name=VAL_INDEX))

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from finetune import worker
-from jobspec import checkpoints
-from jobspec.checkpoints import STATE
+from jobspec import checkpoint_index
+from jobspec.checkpoint_index import STATE
 from jobspec.config import REPO_ROOT, resolved_model_dir, to_dict
 from jobspec.finish import finished
 from jobspec.lifecycle import LAUNCHER_PID_ENV
@@ -74,7 +74,7 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     import mindspore as ms
 
     from finetune.dist import init_distributed
-    from finetune.trainer import setup
+    from finetune.run.training import setup
     from jobspec.tiny import ensure_tiny_model
 
     small = {"output_dir": str(tmp_path), "data.max_samples": "64", "data.seq_len": "128",
@@ -83,17 +83,17 @@ def test_setup_takes_the_plans_model_hash_and_hashes_once_without_it(tmp_path, m
     ensure_tiny_model(resolved_model_dir(recipe), recipe.model.init, recipe.model.init_seed)
     rank = init_distributed(recipe.decided_layout)
     reads = []
-    real = checkpoints.file_hash
-    monkeypatch.setattr(checkpoints, "file_hash", lambda path: (reads.append(path), real(path))[1])
+    real = checkpoint_index.file_hash
+    monkeypatch.setattr(checkpoint_index, "file_hash", lambda path: (reads.append(path), real(path))[1])
     assert setup(recipe, rank, ms.float32, RunDir(tmp_path), "0123456789abcdef").identity["model"] == "0123456789abcdef"
     assert reads == []  # the weights were loaded, not read a second time for the identity
     computed = setup(recipe, rank, ms.float32, RunDir(tmp_path)).identity["model"]  # an older plan: hashed here
-    assert len(reads) == 1 and computed == checkpoints.model_hash(resolved_model_dir(recipe))
+    assert len(reads) == 1 and computed == checkpoint_index.model_hash(resolved_model_dir(recipe))
 
 
 def test_a_worker_started_by_hand_does_the_launchers_housekeeping_on_rank_0_only(tmp_path, monkeypatch):
     """Without the launcher (no AF_LAUNCHER_PID), rank 0 removes this host's dead temporary directories and,
-    with train.resume=never, moves the old checkpoints aside (jobspec.checkpoints.tidy, the launcher's own
+    with train.resume=never, moves the old checkpoints aside (jobspec.checkpoint_index.tidy, the launcher's own
     step); another rank, or a worker under the launcher, leaves them."""
     from jobspec.fsutil import _me
 

@@ -134,7 +134,7 @@ def test_the_resolved_recipe_round_trips_through_its_dict():
 
 def test_load_plan_reads_the_recipe_of_a_plan_a_recipe_json_or_yaml(tmp_path):
     from jobspec.finish import finished
-    from jobspec.planfile import load_plan
+    from jobspec.plan_reader import load_plan
 
     """One reader for the workers and prepare-data (they read plan.json each on their own before); a recipe no
     launcher finished comes back finished as the launcher does (jobspec/finish.py)."""

@@ -43,10 +43,10 @@ def test_generation_stops_and_pads_with_the_record_s_tokens(tmp_path, monkeypatc
 
 
 def test_a_rope_kind_other_than_the_family_s_is_refused():
-    from finetune.model import Qwen2Config
+    from finetune.model.decoder import ModelConfig
 
     base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
             "num_attention_heads": 2, "num_key_value_heads": 1, "model_type": "qwen2"}
-    assert Qwen2Config.from_dict({**base, "rope_scaling": {"rope_type": FAMILIES["qwen2"].rope}}).model_type == "qwen2"
+    assert ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": FAMILIES["qwen2"].rope}}).model_type == "qwen2"
     with pytest.raises(ValueError, match="rope type 'llama3' is not supported"):
-        Qwen2Config.from_dict({**base, "rope_scaling": {"rope_type": "llama3"}})
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "llama3"}})

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.memory import estimate_memory, shard_elements
-from jobspec.qwen2_layout import local_shapes
+from jobspec.model_layout import local_shapes
 
 QWEN7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -99,8 +99,8 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
     vp: vocab-parallel embedding and LM head (1/tp of the rows each) or replicated."""
     ms = pytest.importorskip("mindspore")
     from finetune.dist import RankInfo
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
-    from finetune.trainer import build_optimizer
+    from finetune.model.decoder import DecoderLM, ModelConfig
+    from finetune.run.training import build_optimizer
     from jobspec.config import TrainConfig
     from jobspec.tiny import TINY_DEFAULTS
 
@@ -111,7 +111,7 @@ def test_state_parts_equal_real_tensor_bytes_on_every_rank(tp, dp, shard, precis
     for r in range(tp * dp):
         rank = RankInfo(rank=r, world_size=tp * dp, tp=tp, dp=dp, tp_rank=r % tp, dp_rank=r // tp,
                         tp_group="tp" if tp > 1 else None, dp_group="dp" if dp > 1 else None)
-        params = Qwen2ForCausalLM(Qwen2Config.from_dict(cfg), rank, vocab_parallel=vp).trainable_params()
+        params = DecoderLM(ModelConfig.from_dict(cfg), rank, vocab_parallel=vp).trainable_params()
         for p in params:
             p.set_dtype(dtype)  # (set_data(p.astype(...)) would keep the fp32 dtype)
         assert sum(int(p.nbytes) for p in params) == est.weights
@@ -207,7 +207,7 @@ def test_a_layout_that_fits_nowhere_names_the_smallest_world_and_its_layout():
 
 def test_qwen3_estimate_counts_its_own_shapes():
     from jobspec.memory import estimate_memory
-    from jobspec.qwen2_layout import param_count
+    from jobspec.model_layout import param_count
     from jobspec.qwen_sizes import SIZES
 
     q3 = SIZES["Qwen3-0.6B"]  # head_dim 128 with hidden 1024 / 16 heads: q_proj is 2048 x 1024

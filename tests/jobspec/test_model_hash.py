@@ -1,4 +1,4 @@
-"""The base model's identity (jobspec/checkpoints.model_hash): every weight file read in full once, then
+"""The base model's identity (jobspec/checkpoint_index.model_hash): every weight file read in full once, then
 remembered by (path, size, mtime_ns) so that a rerun reads nothing unchanged; an edit is read again."""
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import os
 
 import pytest
 
-from jobspec import checkpoints
-from jobspec.checkpoints import model_hash
+from jobspec import checkpoint_index
+from jobspec.checkpoint_index import model_hash
 
 
 @pytest.fixture
 def reads(monkeypatch):
     """The files model_hash reads in full, in order."""
     seen = []
-    real = checkpoints.file_hash
-    monkeypatch.setattr(checkpoints, "file_hash", lambda path: (seen.append(path.name), real(path))[1])
+    real = checkpoint_index.file_hash
+    monkeypatch.setattr(checkpoint_index, "file_hash", lambda path: (seen.append(path.name), real(path))[1])
     return seen
 
 
@@ -63,7 +63,7 @@ def test_a_big_model_says_that_it_is_hashed_once(tmp_path, monkeypatch):
     model = _model(tmp_path / "m")
     with open(model / "model-00001-of-00002.safetensors", "r+b") as f:
         f.truncate(3 << 30)  # sparse: 3 GiB on paper
-    monkeypatch.setattr(checkpoints, "file_hash", lambda path: "0" * 64)  # not read here
+    monkeypatch.setattr(checkpoint_index, "file_hash", lambda path: "0" * 64)  # not read here
     said: list[str] = []
     cache = tmp_path / "hashes.json"
     model_hash(model, cache, log=said.append)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from finetune.checkpoint import MANIFEST
-from jobspec.checkpoints import STATE
+from finetune.io.checkpoint import MANIFEST
+from jobspec.checkpoint_index import STATE
 from jobspec.config import REPO_ROOT
 from jobspec.recipe_load import load_recipe
 from jobspec.rerun import RunSettingsChanged, finished_already, run_settings

@@ -7,7 +7,7 @@ import pytest
 from jobspec.config import REPO_ROOT, ConfigError, resolved_model_dir, to_dict
 from jobspec.finish import BUNDLED_TOKENIZER, finished
 from jobspec.lifecycle import log_dir
-from jobspec.planfile import load_run
+from jobspec.plan_reader import load_run
 from jobspec.recipe_load import load_recipe
 from jobspec.rundir import ENTRIES, RunDir, is_complete, readme_table, run_dir_of
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jobspec.qwen2_layout import full_shapes
+from jobspec.model_layout import full_shapes
 from jobspec.tiny import TINY_DEFAULTS, ensure_tiny_model
 
 SMALL = {"vocab_size": 300, "hidden_size": 16, "intermediate_size": 24}

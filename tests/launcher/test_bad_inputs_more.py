@@ -22,7 +22,7 @@ import launcher.__main__ as lm
 from jobspec.config import ConfigError
 from jobspec.data.files import resolve_sources
 from jobspec.data.formats import check_data, iter_samples
-from jobspec.qwen2_layout import full_shapes
+from jobspec.model_layout import full_shapes
 from jobspec.recipe_load import load_recipe
 from jobspec.tiny import ensure_tiny_model
 from launcher import cluster

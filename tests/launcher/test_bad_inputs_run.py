@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from jobspec.checkpoints import data_id
+from jobspec.checkpoint_index import data_id
 from jobspec.config import REPO_ROOT
 from jobspec.data import cache
 from jobspec.fsutil import _me

@@ -12,7 +12,7 @@ import pytest
 from launcher_fakes import make_sys
 
 import launcher.__main__ as lm
-from jobspec import checkpoints
+from jobspec import checkpoint_index
 from jobspec.fsutil import _me
 from launcher import cli
 from launcher.rundir_prep import tidy_run_dir
@@ -21,8 +21,8 @@ from launcher.rundir_prep import tidy_run_dir
 @pytest.fixture
 def reads(monkeypatch):
     seen = []
-    real = checkpoints.file_hash
-    monkeypatch.setattr(checkpoints, "file_hash", lambda path: (seen.append(path), real(path))[1])
+    real = checkpoint_index.file_hash
+    monkeypatch.setattr(checkpoint_index, "file_hash", lambda path: (seen.append(path), real(path))[1])
     return seen
 
 

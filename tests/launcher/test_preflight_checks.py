@@ -14,7 +14,7 @@ from launcher_fakes import make_dev, recorded_npu_smi
 
 from jobspec.config import ASSETS_DIR
 from jobspec.memory import MemoryEstimate
-from jobspec.qwen2_layout import full_shapes
+from jobspec.model_layout import full_shapes
 from jobspec.recipe_load import load_recipe
 from launcher import devices, preflight
 

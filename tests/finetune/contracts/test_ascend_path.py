@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from finetune.dist import RankInfo
-from finetune.kernels import Packed
+from finetune.model.kernels import Packed
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 ASCEND = RankInfo(device_target="Ascend")
@@ -20,10 +20,10 @@ HD16_QWEN3 = {**HD16, "model_type": "qwen3", "head_dim": 32}  # per-head q/k RMS
 
 
 def _golden_model(case: str, rank: RankInfo):
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(GOLDEN / case)), rank)
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(GOLDEN / case)), rank)
     load_weights(model, GOLDEN / case)
     return model
 
@@ -33,9 +33,9 @@ def _hd16_model(rank: RankInfo, dtype: str, config: dict = HD16):
     ``dtype`` as the trainer sets them for fp16/bf16."""
     import mindspore as ms
 
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config), rank, compute_dtype=getattr(ms, dtype))
+    model = DecoderLM(ModelConfig.from_dict(config), rank, compute_dtype=getattr(ms, dtype))
     rng = np.random.default_rng(7)
     for p in model.trainable_params():
         base = 1.0 if p.name.endswith("norm.weight") else 0.0
@@ -126,7 +126,7 @@ def test_rms_norm_with_low_precision_weight(twins, dtype):
     """Issue 9 defect 1: the trainer makes norm weights bf16/fp16; the fused call must pass aclnnRmsNorm's
     dtype pairs (it passed fp32 x with a bf16 weight before)."""
     ms = __import__("mindspore")
-    from finetune import kernels
+    from finetune.model import kernels
 
     x = ms.Tensor(np.random.default_rng(0).standard_normal((2, 3, 32)).astype(np.float32)).astype(getattr(ms, dtype))
     w = ms.Tensor(np.linspace(0.5, 1.5, 32).astype(np.float32)).astype(getattr(ms, dtype))
@@ -157,7 +157,7 @@ def test_kv_cache_generation_on_the_ascend_path(twins):
 def test_rope_falls_back_outside_its_documented_sizes(twins):
     """B >= 1000 (a 1000-row decode step) is outside rotate_half's documented B < 1000: reference math."""
     ms = __import__("mindspore")
-    from finetune import kernels
+    from finetune.model import kernels
 
     x = ms.Tensor(np.random.default_rng(0).standard_normal((1000, 1, 2, 16)).astype(np.float16))
     cos = ms.Tensor(np.cos(np.arange(16) * 0.1).astype(np.float16).reshape(1, 1, 1, 16).repeat(1000, 0))
@@ -221,10 +221,10 @@ def test_recomputed_layers_on_the_ascend_path(twins):
     Tensor in the attention spec, an argument of the recomputed layer, once shifted the gradients
     onto the wrong parameters)."""
     ms = __import__("mindspore")
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
     plain = _hd16_model(ASCEND, "float16")
-    recomputed = Qwen2ForCausalLM(Qwen2Config.from_dict(HD16), ASCEND, recompute=True, compute_dtype=ms.float16)
+    recomputed = DecoderLM(ModelConfig.from_dict(HD16), ASCEND, recompute=True, compute_dtype=ms.float16)
     for p, q in zip(recomputed.trainable_params(), plain.trainable_params()):
         p.set_data(q.astype(ms.float32))
         p.set_dtype(ms.float16)
@@ -240,7 +240,7 @@ def test_packed_spec_comes_from_the_host_batch_not_the_device(twins):
     (trainer.batch_tensors), never reading the segment tensor back from the NPU; a segment tensor
     without its host array is read (the old path, a device sync per micro-batch)."""
     ms = __import__("mindspore")
-    from finetune.trainer import BATCH_KEYS, batch_tensors
+    from finetune.run.training import BATCH_KEYS, batch_tensors
 
     model = _hd16_model(ASCEND, "float16")
     mb = dict(zip(BATCH_KEYS, _packed_batch()))

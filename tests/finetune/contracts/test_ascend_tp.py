@@ -21,8 +21,8 @@ GOLDEN = REPO / "tests" / "finetune" / "golden"
 
 WORKER = TP2_WORKER_HEAD + r'''
 from finetune.dist import RankInfo
-from finetune.hf_io import gather_full, load_hf_config, load_weights
-from finetune.model import Qwen2Config, Qwen2ForCausalLM
+from finetune.io.hf_io import gather_full, load_hf_config, load_weights
+from finetune.model.decoder import ModelConfig, DecoderLM
 from tests.finetune.contracts.twins import install
 ''' + TP2_WORKER_INIT + r'''
 calls = install()
@@ -31,7 +31,7 @@ out_dir = sys.argv[2]
 for case, (model_dir, vocab_parallel, dtype, batch) in json.loads(sys.argv[3]).items():
     b = np.load(batch)
     ids, labels, pos, seg = (b[k].astype(np.int32) for k in ("ids", "labels", "pos", "seg"))
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel,
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(model_dir)), rank, vocab_parallel=vocab_parallel,
                              compute_dtype=getattr(ms, dtype))
     load_weights(model, model_dir)
     params = model.trainable_params()
@@ -92,13 +92,13 @@ def test_tp2_ascend_path_under_twins(ms_cpu, tmp_path):
             np.testing.assert_allclose(tp[key] / n, g[key], rtol=1e-4, atol=1e-5, err_msg=f"{case}: {key}")
 
     # fp16 packed rows: tp=2 (2 query / 1 KV head per rank in TND) = the single-process Ascend path
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
     from tests.finetune.contracts.twins import install
 
     with pytest.MonkeyPatch.context() as mp:
         install(mp.setattr)
-        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(hd16)), ASCEND, compute_dtype=ms.float16)
+        model = DecoderLM(ModelConfig.from_dict(load_hf_config(hd16)), ASCEND, compute_dtype=ms.float16)
         load_weights(model, hd16)
         for p in model.trainable_params():
             p.set_dtype(ms.float16)

@@ -23,7 +23,7 @@ def _fa(**over):
     """A valid TND call (two sequences of 3 and 5 tokens, 4 query / 2 KV heads, D=16), then overrides."""
     import mindspore as ms
 
-    from finetune.kernels import causal_block
+    from finetune.model.kernels import causal_block
 
     args = dict(query=T((8, 4, 16)), key=T((8, 2, 16), seed=1), value=T((8, 2, 16), seed=2), head_num=4,
                 attn_mask=causal_block(), actual_seq_qlen=(3, 8), actual_seq_kvlen=(3, 8), scalar_value=0.25,
@@ -206,7 +206,7 @@ def test_violation_is_refused(ms_cpu, op, key, make):
 
 def test_valid_calls_compute_the_reference(ms_cpu):
     ms = ms_cpu
-    from finetune import kernels
+    from finetune.model import kernels
 
     a = _fa()
     out = _call("flash_attention_score", a).asnumpy().astype(np.float32)

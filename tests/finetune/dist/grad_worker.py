@@ -3,7 +3,7 @@
     grad_worker.py <out_dir>
 
 Each DP rank runs the toy model in fp16 over MICRO micro-batches of its own data, accumulates with
-``finetune.train.accumulate`` and reduces with both DP paths (``AdamW``'s all-reduce and
+``finetune.run.loop.accumulate`` and reduces with both DP paths (``AdamW``'s all-reduce and
 ``ShardedAdamW``'s reduce-scatter, 256-byte buckets), each after the backward and overlapped with
 the last micro-batch's backward (``GradReduction``). Writes ``rank<r>.npz``: the raw fp16
 micro-batch gradients (``raw.<mb>.<i>``), the reduced results (``sum.<i>``, ``shard.<bucket>``;
@@ -31,7 +31,7 @@ from toy_worker import CFG, CLASSES, VOCAB, Toy
 from finetune.dist import init_distributed, launched_world
 from finetune.optim import AdamW, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from finetune.train import accumulate
+from finetune.run.loop import accumulate
 from finetune.transport import Native
 from jobspec.layout import Layout
 from tests.finetune.contracts import twins

@@ -14,7 +14,7 @@ import harness
 from finetune.dist import RankInfo
 from finetune.optim import AdamW, ShardedAdamW
 from finetune.parallel.overlap import GradReduction
-from finetune.train import accumulate
+from finetune.run.loop import accumulate
 from toy_worker import CFG
 
 DP = 2

@@ -3,7 +3,7 @@ resumes under TP1 x DP2 and TP1 x DP1 and continues exactly as the TP2 x DP2 run
 final checkpoint gives the files the run itself exported.
 
 Same data, seed and global batch (4 sequences) in every layout; the sharded optimizer state is
-re-cut for the new DP group (finetune/reshard.py).
+re-cut for the new DP group (finetune/io/reshard.py).
 """
 import json
 import shutil

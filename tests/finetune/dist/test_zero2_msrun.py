@@ -85,7 +85,7 @@ def test_zero2_equals_one_process(tmp, tp, dp, zero, extra):
 
 def test_a_zero2_checkpoint_is_a_zero1_checkpoint(tmp):
     """The optimizer (and so its state) is ZeRO-1's: the same keys and shapes on every rank, so either stage
-    resumes the other and reshard.py takes both to any (TP, DP)."""
+    resumes the other and io/reshard.py takes both to any (TP, DP)."""
     from safetensors import safe_open
 
     def shapes(out: Path) -> list[dict[str, list[int]]]:

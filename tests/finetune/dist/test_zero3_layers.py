@@ -6,7 +6,7 @@ import mindspore as ms
 import numpy as np
 
 from finetune.dist import RankInfo
-from finetune.model import Qwen2Config, Qwen2ForCausalLM
+from finetune.model.decoder import ModelConfig, DecoderLM
 from finetune.optim import ShardedAdamW
 from finetune.parallel.zero3 import Zero3Reduction, shard_layers
 from jobspec.config import TrainConfig
@@ -16,9 +16,9 @@ from tests.tolerances import assert_fp32_close
 SEQ = 16
 
 
-def _model() -> Qwen2ForCausalLM:
+def _model() -> DecoderLM:
     ms.set_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config.from_dict(tiny_config({"vocab_size": 512})))
+    return DecoderLM(ModelConfig.from_dict(tiny_config({"vocab_size": 512})))
 
 
 def _batch() -> list[ms.Tensor]:

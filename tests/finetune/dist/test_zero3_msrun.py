@@ -56,7 +56,7 @@ def test_zero3_equals_one_process(tmp, tp, dp, extra):
 @pytest.mark.parametrize("dp, zero", [(2, 1), (1, 1)])
 def test_a_zero3_checkpoint_resumes_at_zero1_and_in_one_process(tmp, dp, zero):
     """The DP 2 ZeRO-3 run's step-10 checkpoint (whole weights, ZeRO-1's optimizer shards) continues under DP 2
-    ZeRO-1 and in one process (finetune/reshard.py) as the ZeRO-3 run itself went on."""
+    ZeRO-1 and in one process (finetune/io/reshard.py) as the ZeRO-3 run itself went on."""
     src = _run(tmp, "dp2-zero3", 2, **{"parallel.zero": "3", **SAVE})
     name = f"resume-dp{dp}-zero{zero}"
     ckpt = "checkpoints/step_00000010"
@@ -78,7 +78,7 @@ def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(m
     """Rank 0's peak RSS after 2 steps (metrics.jsonl's ``peak_memory_bytes``) at DP 2: ZeRO-3 holds half the
     decoder layers' weights and fp32 gradient chunks where ZeRO-1 holds them whole, so its peak is lower by at
     least 40 % of the layers' weight + gradient bytes (8 per parameter). The embedding stays whole in both."""
-    from jobspec.qwen2_layout import full_shapes
+    from jobspec.model_layout import full_shapes
     from jobspec.tiny import ensure_tiny_model, tiny_config
 
     model = module_tmp / "big-model"

@@ -14,18 +14,18 @@ from jobspec.rundir import RunDir
 
 
 def _model(path):
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(path)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(path)))
     load_weights(model, path)
     return model
 
 
 def test_adapter_and_merged_export_give_peft_s_logits(ms_cpu, tmp_path):
     from finetune.dist import RankInfo
-    from finetune.lora_io import check_adapter_base, export_lora, load_adapter
-    from jobspec.checkpoints import model_hash
+    from finetune.io.lora_io import check_adapter_base, export_lora, load_adapter
+    from jobspec.checkpoint_index import model_hash
     from jobspec.lora_config import LoraConfig
 
     ms = ms_cpu

@@ -23,12 +23,12 @@ def grad_terms() -> int:
 
 def lora_model(ms, **kw):
     """The golden base with adapters (r 4, alpha 8, dropout 0, all seven targets); (model, trainable params)."""
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.lora import apply_lora
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
+    from finetune.model.lora import apply_lora
     from jobspec.lora_config import LoraConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(BASE)))
     load_weights(model, BASE)
     params = apply_lora(model, LoraConfig(**{"r": 4, "alpha": 8, "dropout": 0.0, **kw}), seed=0)
     return model, params

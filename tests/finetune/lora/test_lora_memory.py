@@ -1,5 +1,5 @@
 """The frozen base costs no gradient and no optimizer state: the optimizer's parameter list holds the
-adapters only, and a LoRA run's peak memory (finetune/perf.py ``peak_memory_bytes``, as each logged step
+adapters only, and a LoRA run's peak memory (finetune/run/perf.py ``peak_memory_bytes``, as each logged step
 reports it; peak RSS on CPU) is below the full run's on the same model and batch by a large share of what
 full fine-tuning adds (fp32 gradient + two AdamW moments, 12 bytes a parameter)."""
 import json
@@ -26,7 +26,7 @@ RUN = {"train.max_steps": "2", "train.log_every": "1", "train.micro_batch_size":
 # well above the noise of a process's RSS
 BIG = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2, "num_attention_heads": 8,
        "num_key_value_heads": 2, "tie_word_embeddings": True}
-CHILD = ("import json, sys; from finetune.train import run; from jobspec.recipe_load import load_recipe; "
+CHILD = ("import json, sys; from finetune.run.loop import run; from jobspec.recipe_load import load_recipe; "
          "sys.exit(run(load_recipe('tiny-cpu-lora', json.loads(sys.argv[1]))))")
 
 
@@ -35,7 +35,7 @@ def test_the_optimizer_holds_only_the_adapters(ms_cpu, tmp_path, recompute):
     """Also with train.recompute, which the trainer applies after the adapters exist: the recomputed layers
     differentiate the adapters (B gets gradients at step 0; A's are zero while B is)."""
     from finetune.dist import RankInfo
-    from finetune.trainer import batch_tensors, setup
+    from finetune.run.training import batch_tensors, setup
 
     overrides = {"output_dir": str(tmp_path), "train.recompute": str(recompute).lower(), **RUN}
     recipe = finished(load_recipe("tiny-cpu-lora", overrides).resolved(1, "cpu"))

@@ -20,12 +20,12 @@ ASCEND = RankInfo(device_target="Ascend")
 def _model(ms, rank: RankInfo = RankInfo(), recompute: bool = False):
     """The golden base with the golden adapters (r 4, alpha 8, dropout 0), built as the trainer does:
     adapters attached first, the layers recomputed after."""
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.lora import apply_lora
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
+    from finetune.model.lora import apply_lora
     from jobspec.lora_config import LoraConfig
 
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)), rank)
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(BASE)), rank)
     load_weights(model, BASE, rank)
     params = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), seed=0)
     if recompute:
@@ -62,7 +62,7 @@ def test_recompute_gives_peft_s_gradients(ms_cpu):
     assert loss == pytest.approx(ploss, rel=1e-6)
     for a, b, p in zip(grads, pgrads, params):
         assert_fp32_close(a, b, grad_terms(), err_msg=p.name)
-    from finetune.lora import apply_lora
+    from finetune.model.lora import apply_lora
     from jobspec.lora_config import LoraConfig
 
     with pytest.raises(ValueError, match="attach the adapters first, then model.model.recompute_layers"):
@@ -73,7 +73,7 @@ def test_gradient_accumulation_equals_one_big_batch(ms_cpu):
     """train.accumulate over one-row micro-batches sums to the two-row batch's gradients (peft's)."""
     from finetune.optim import AdamW
     from finetune.parallel.overlap import GradReduction
-    from finetune.train import accumulate
+    from finetune.run.loop import accumulate
     from jobspec.config import TrainConfig
 
     ms = ms_cpu
@@ -138,7 +138,7 @@ def test_fp16_lora_scales_the_loss_and_skips_a_non_finite_step(tmp_path, capsys)
     (nothing applied, scale halved), as for full fine-tuning; the run goes on and finishes."""
     from test_lora_train import _recipe
 
-    from finetune.train import run
+    from finetune.run.loop import run
 
     out = tmp_path / "fp16"
     assert run(_recipe(out, **{"train.precision": "fp16", "train.max_steps": "4", "train.save_every": "0",
@@ -160,9 +160,9 @@ def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
     """lora.dropout > 0: the same (step, micro-batch) gives the same masks, another micro-batch other ones;
     a recomputed layer draws its forward's masks again, and compiled layers read the same masks drawn
     ahead (LoraAdapter.draw), so their gradients equal the plain path's."""
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.lora import apply_lora
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
+    from finetune.model.lora import apply_lora
     from jobspec.lora_config import LoraConfig
 
     ms = ms_cpu
@@ -170,7 +170,7 @@ def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
     runs = []
     rows = tuple(batch[0].shape)
     for path in ("plain", "recompute", "compiled"):
-        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
+        model = DecoderLM(ModelConfig.from_dict(load_hf_config(BASE)))
         load_weights(model, BASE)
         if path == "compiled":  # before the adapters, as build_model does
             model.model.compile_layers()
@@ -190,7 +190,7 @@ def test_dropout_masks_are_keyed_and_recompute_draws_them_again(ms_cpu):
     for a, b in zip(g1, g5):  # a graph rounds differently (fused ops): the compiled golden test's tolerance
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert l0 != pytest.approx(float(np.load(G)["loss"]) * _batch(ms)[1], rel=1e-4)  # the masks act
-    late = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))  # compiled after the adapters: refused
+    late = DecoderLM(ModelConfig.from_dict(load_hf_config(BASE)))  # compiled after the adapters: refused
     apply_lora(late, LoraConfig(r=4, alpha=8, dropout=0.3), seed=0)
     with pytest.raises(ValueError, match="compile the layers first, then apply_lora"):
         late.model.compile_layers()
@@ -206,7 +206,7 @@ def test_fp16_fused_attention_with_adapters_equals_the_reference_path(twins, rec
     reference path's."""
     import mindspore as ms
 
-    from finetune.lora import apply_lora
+    from finetune.model.lora import apply_lora
     from jobspec.lora_config import LoraConfig
     from tests.finetune.contracts.test_ascend_path import _hd16_model, _loss_and_grads, _packed_batch
 
@@ -235,14 +235,14 @@ def test_eval_mode_applies_no_dropout_after_training_steps(ms_cpu, compiled):
     shape), eval mode applies no mask at all: the loss is peft's without dropout at the training shape, and
     generation (other shapes) runs."""
     from finetune.generate import Sampling, generate
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.lora import apply_lora
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
+    from finetune.model.lora import apply_lora
     from jobspec.lora_config import LoraConfig
 
     ms = ms_cpu
     batch, n = _batch(ms)
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(BASE)))
+    model = DecoderLM(ModelConfig.from_dict(load_hf_config(BASE)))
     load_weights(model, BASE)
     if compiled:
         model.model.compile_layers()
@@ -265,7 +265,7 @@ def test_on_ascend_each_adapter_reseeds_one_generator_instead_of_making_one_per_
     import mindspore as ms
     from mindspore import mint, ops
 
-    from finetune.lora import LoraAdapter, MaskKey
+    from finetune.model.lora import LoraAdapter, MaskKey
 
     drawn = []
 

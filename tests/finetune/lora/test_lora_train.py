@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from finetune.checkpoint import CheckpointMismatch
-from finetune.train import run
+from finetune.io.checkpoint import CheckpointMismatch
+from finetune.run.loop import run
 from jobspec.config import resolved_model_dir
 from jobspec.recipe_load import load_recipe
 from jobspec.tiny import ensure_tiny_model
@@ -120,8 +120,8 @@ def test_export_of_a_checkpoint_equals_the_run_s_final_export(lora_run, tmp_path
     """``export --checkpoint`` of a LoRA checkpoint: adapter/ and merged hf/ tensor-equal to the run's final
     export of the same step; the merged model loads and gives the same logits; --no-merge: adapter/ only."""
     from finetune.export import main
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
     base = str(lora_run / "base-model")
     args = ["--checkpoint", "latest", "--output-dir", str(lora_run), "--model-dir", base, "--dtype", "fp32"]
@@ -137,7 +137,7 @@ def test_export_of_a_checkpoint_equals_the_run_s_final_export(lora_run, tmp_path
     ids = np.arange(3, 40, dtype=np.int32).reshape(1, -1)
     logits = []
     for d in (tmp_path / "e" / "hf", lora_run / "hf"):
-        model = Qwen2ForCausalLM(Qwen2Config.from_dict(load_hf_config(d)))
+        model = DecoderLM(ModelConfig.from_dict(load_hf_config(d)))
         load_weights(model, d)
         logits.append(model.logits(ms_cpu.Tensor(ids)).asnumpy())
     np.testing.assert_array_equal(logits[0], logits[1])
@@ -171,7 +171,7 @@ def test_export_gathers_a_tp2_lora_checkpoint(lora_run, tmp_path):
     column-parallel layer by rows, A of a row-parallel one by columns) exports to the run's adapter/ and hf/."""
     from safetensors.numpy import save_file
 
-    from finetune.lora_io import export_lora_checkpoint
+    from finetune.io.lora_io import export_lora_checkpoint
 
     src, ckpt = lora_run / "checkpoints" / "step_00000006", tmp_path / "step_00000006"
     shutil.copytree(src, ckpt)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from finetune.checkpoint import MANIFEST
-from jobspec.checkpoints import STATE, data_id
+from finetune.io.checkpoint import MANIFEST
+from jobspec.checkpoint_index import STATE, data_id
 from jobspec.data import cache
 from jobspec.data.prepare import main, prepare
 from tests.jobspec.data.data_helpers import alpaca, cache_of, recipe_for, write_json

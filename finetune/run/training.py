@@ -1,7 +1,7 @@
-"""Training setup: the model, optimizer, data and resume, gathered into one :class:`Trainer`.
+"""Training setup: the model, optimizer, data and resume, gathered into one :class:`Training`.
 
-``setup`` builds everything the loop in ``finetune/train.py`` reads and changes; ``Trainer.save``
-and ``Trainer.restore`` write and read all of it as one object (weights, optimizer, data position,
+``setup`` builds everything the loop in ``finetune/run/loop.py`` reads and changes; ``Training.save``
+and ``Training.restore`` write and read all of it as one object (weights, optimizer, data position,
 loss scale and counters together).
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from finetune.checkpoint import CheckpointMismatch, TrainerState, load_checkpoint, load_latest, save_checkpoint
 from finetune.dist import RankInfo
+from finetune.io.checkpoint import CheckpointMismatch, TrainerState, load_checkpoint, load_latest, save_checkpoint
 from finetune.optim import AdamW, LossScaler, Optimizer, ShardedAdamW
 from finetune.parallel.overlap import GradReduction, reduction_for
-from jobspec.checkpoints import condemn, run_identity, usable, ways_out
+from jobspec.checkpoint_index import condemn, run_identity, usable, ways_out
 from jobspec.config import Recipe, TrainConfig
 from jobspec.data.batching import BatchLoader
 from jobspec.rerun import changed_settings, run_settings
@@ -32,20 +32,20 @@ BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 def batch_tensors(mb: dict[str, np.ndarray]) -> list[ms.Tensor]:
     """A micro-batch as the model's int32 arguments (``BATCH_KEYS`` order). The labels and segment ids keep
     their host arrays as ``.host``: the loss picks its labelled rows and the fused attention builds its spec
-    from them without reading the device (model.labelled_rows, Qwen2Model._mask)."""
+    from them without reading the device (model.labelled_rows, DecoderModel._mask)."""
     tensors = [ms.Tensor(mb[k], ms.int32) for k in BATCH_KEYS]
     tensors[1].host, tensors[-1].host = mb["labels"], mb["segment_ids"]
     return tensors
 
 
 @dataclass
-class Trainer:
+class Training:
     """Everything the loop reads and changes; saved and resumed as one object."""
 
     recipe: Recipe
     run: RunDir  # every path of the run (plan.json's run_dir)
     rank: RankInfo
-    model: Any  # Qwen2ForCausalLM
+    model: Any  # DecoderLM
     model_dir: Path
     params: list
     opt: Optimizer  # AdamW or ShardedAdamW
@@ -138,10 +138,10 @@ class Trainer:
         return found[0] if found else None
 
 
-def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = "") -> Trainer:
+def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = "") -> Training:
     """Model, optimizer, loss scaler and data for this rank of the finished ``recipe`` (jobspec/finish.py) in
     ``run``, resumed when a checkpoint says so; ``model_hash``: the base model's identity from the plan
-    (jobspec.checkpoints.model_hash)."""
+    (jobspec.checkpoint_index.model_hash)."""
     tc = recipe.train
     model_dir = Path(recipe.model.dir)
     if not (model_dir / "config.json").is_file():
@@ -169,7 +169,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
 
         zero3 = shard_layers(model, opt, rank)
         reduction = Zero3Reduction(params, opt, zero3)
-    trainer = Trainer(recipe, run, rank, model, model_dir, params, opt,
+    trainer = Training(recipe, run, rank, model, model_dir, params, opt,
                       reduction or reduction_for(params, opt, layout, rank),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps,
                       zero3=zero3)
@@ -184,7 +184,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
     # the launcher hashed the base model once per node (model_hash); a worker started without it hashes here
     trainer.identity = run_identity(model_dir, run.data, model_hash or None, run.hashes)
     if tc.method == "lora":  # resuming adapters of another shape or a full run's checkpoint is refused
-        from finetune.lora_io import lora_identity
+        from finetune.io.lora_io import lora_identity
 
         trainer.identity.update(lora_identity(recipe.lora))
     if tc.resume != "never":  # auto: the newest checkpoint that verifies; else the path it names
@@ -215,13 +215,13 @@ def build_loaders(recipe: Recipe, rank: RankInfo, run: RunDir) -> tuple[BatchLoa
 
 def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple[Any, list]:
     """This rank's slice of the model with the Hugging Face weights loaded; (model, trainable params)."""
-    from finetune.hf_io import load_hf_config, load_weights
-    from finetune.model import Qwen2Config, Qwen2ForCausalLM
+    from finetune.io.hf_io import load_hf_config, load_weights
+    from finetune.model.decoder import DecoderLM, ModelConfig
 
     tc = recipe.train
     ms.set_seed(tc.seed)
-    cfg, layout = Qwen2Config.from_dict(load_hf_config(model_dir)), recipe.decided_layout
-    model = Qwen2ForCausalLM(cfg, rank, compute_dtype=dtype,
+    cfg, layout = ModelConfig.from_dict(load_hf_config(model_dir)), recipe.decided_layout
+    model = DecoderLM(cfg, rank, compute_dtype=dtype,
                              vocab_parallel=layout.vocab_parallel, loss_chunk_tokens=tc.loss_chunk_tokens)
     load_weights(model, model_dir, rank)
     if tc.compile_layers:  # decided by Recipe.resolved (config.compile_layers_refusals)
@@ -231,7 +231,7 @@ def build_model(recipe: Recipe, rank: RankInfo, model_dir: Path, dtype) -> tuple
     params = model.trainable_params()
     model.cast_params(dtype)  # low-precision weights; the optimizer keeps fp32 masters
     if tc.method == "lora":  # the base frozen in the compute dtype; the optimizer gets the fp32 adapters
-        from finetune.lora import apply_lora
+        from finetune.model.lora import apply_lora
 
         params = apply_lora(model, recipe.lora, tc.seed)
     # last: the recomputed layers differentiate the parameters trainable now (ZeRO-3 recomputes each layer itself)

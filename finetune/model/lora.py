@@ -4,7 +4,7 @@
 and attaches a :class:`LoraAdapter` to each targeted linear layer of a built model:
 ``y = base(x) + scale * B @ A @ dropout(x)``. The adapters stay fp32 (their own masters for AdamW).
 
-Tensor parallelism follows the base layer's split in the layout table (jobspec/qwen2_layout.py): a
+Tensor parallelism follows the base layer's split in the layout table (jobspec/model_layout.py): a
 column-parallel layer (split output rows) keeps A ``[r, in]`` whole on every rank and splits B
 ``[out, r]`` like its output; its gradient of ``A @ x`` is summed over the TP group (``CopyToTP``).
 A row-parallel layer (split input columns) splits A like its input and keeps B whole; ``A @ x`` is
@@ -22,16 +22,16 @@ from mindspore import Parameter, nn, ops
 from mindspore.ops.operations.math_ops import Bernoulli
 
 from finetune.dist import RankInfo
+from finetune.io.reshard import cut
 from finetune.optim.update import write_param
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, ReduceFromTP, RowParallelLinear, linear
-from finetune.reshard import cut
 from jobspec.lora_config import TARGETS, LoraConfig, module_path
-from jobspec.qwen2_layout import TPSlice
+from jobspec.model_layout import TPSlice
 
 
 class MaskKey:
     """Where the dropout masks are drawn: ``(train.seed, step, micro-batch)``, set before each micro-batch's
-    forward (``advance``, called by Trainer.scaled_loss). Each adapter adds its module path and rank
+    forward (``advance``, called by Training.scaled_loss). Each adapter adds its module path and rank
     (:meth:`of`), so a mask is a function of (seed, step, micro-batch, layer, module, rank) alone: a resumed
     run draws the masks of the uninterrupted one, and a recomputed layer draws its forward's again."""
 

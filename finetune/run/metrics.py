@@ -1,4 +1,4 @@
-"""Rank-0 observability: metrics.jsonl and progress lines (summary, plot, TensorBoard: finetune/report.py)."""
+"""Rank-0 observability: metrics.jsonl and progress lines (summary, plot, TensorBoard: finetune/run/summary.py)."""
 from __future__ import annotations
 
 import json

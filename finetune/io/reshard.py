@@ -1,6 +1,6 @@
 """Checkpoint tensors across TP x DP layouts (numpy only; no mindspore).
 
-A checkpoint holds each rank's local tensors (``finetune/checkpoint.py``): the model once per TP
+A checkpoint holds each rank's local tensors (``finetune/io/checkpoint.py``): the model once per TP
 position (the ranks of dp_rank 0, ``rank == tp_rank``), the optimizer state per rank when sharded
 over DP (flat buckets cut into ``dp`` chunks, ``jobspec/shard_layout.py``), else once per TP
 position. :class:`SavedState` reassembles full Hugging Face tensors from any of them; the slice a
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from jobspec.qwen2_layout import TPSlice
+from jobspec.model_layout import TPSlice
 from jobspec.shard_layout import LAYOUT_KEY, ShardLayout, state_key
 
 MANIFEST = "manifest.json"
@@ -52,7 +52,7 @@ class SavedState:
     """Full tensors of a checkpoint written under any layout.
 
     ``names``: the model's parameter names in model order (the sharded optimizer's flat order);
-    ``full``: their full shapes (``jobspec.qwen2_layout``).
+    ``full``: their full shapes (``jobspec.model_layout``).
     """
 
     def __init__(self, path: Path, names: list[str], full: dict[str, tuple[int, ...]], bucket_bytes: int):

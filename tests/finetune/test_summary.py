@@ -1,4 +1,4 @@
-"""finetune.report: summary.json, loss.png panels and TensorBoard event files read back by TensorBoard itself."""
+"""finetune.run.summary: summary.json, loss.png panels and TensorBoard event files read back by TensorBoard itself."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import report
+from finetune.run import summary
 from jobspec.recipe_load import load_recipe
 from jobspec.rundir import RunDir
 
@@ -26,7 +26,7 @@ def records(n: int = 8, with_eval: bool = True, with_mfu: bool = True) -> list[d
 
 
 def test_summary_numbers():
-    s = report.summary(records(), tokens=4096, wall_s=12.345, last_checkpoint="/o/checkpoints/step_8",
+    s = summary.summary(records(), tokens=4096, wall_s=12.345, last_checkpoint="/o/checkpoints/step_8",
                        export_path="/o/hf")
     assert (s["steps"], s["tokens"], s["wall_time_s"]) == (8, 4096, 12.35)
     assert s["first_loss"] == pytest.approx(4.6) and s["last_loss"] == pytest.approx(1.8)
@@ -35,13 +35,13 @@ def test_summary_numbers():
     assert s["mean_mfu"] == pytest.approx(0.345)
     assert s["peak_memory_bytes"] == 2**30 + 8
     assert (s["last_checkpoint"], s["export_path"]) == ("/o/checkpoints/step_8", "/o/hf")
-    assert report.summary(records(), 0, 0.0, peak_memory_bytes=7)["peak_memory_bytes"] == 7
+    assert summary.summary(records(), 0, 0.0, peak_memory_bytes=7)["peak_memory_bytes"] == 7
 
 
 def test_summary_without_eval_or_mfu():
-    s = report.summary(records(with_eval=False, with_mfu=False), 1, 1.0)
+    s = summary.summary(records(with_eval=False, with_mfu=False), 1, 1.0)
     assert s["best_eval_loss"] is None and s["mean_mfu"] is None and s["peak_memory_bytes"] is None
-    assert report.summary([], 0, 0.0)["first_loss"] is None
+    assert summary.summary([], 0, 0.0)["first_loss"] is None
 
 
 def test_a_non_finite_loss_leaves_summary_json_strict(tmp_path):
@@ -50,15 +50,15 @@ def test_a_non_finite_loss_leaves_summary_json_strict(tmp_path):
     recs = records(with_eval=False)
     recs[-1]["loss"], recs[2]["loss"], recs[3]["grad_norm"] = float("nan"), float("inf"), float("nan")
     run = RunDir(tmp_path)
-    report.summarize(recs, run, 1, 1.0)
+    summary.summarize(recs, run, 1, 1.0)
     s = json.loads(run.summary.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
     assert s["last_loss"] == pytest.approx(recs[-2]["loss"]) and s["min_loss_step"] == 7
     assert run.loss_plot.is_file()
 
 
 def test_smoothing_is_a_debiased_ema():
-    assert report.smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0
-    s = report.smooth([1.0, 0.0], weight=0.5)
+    assert summary.smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0
+    s = summary.smooth([1.0, 0.0], weight=0.5)
     assert s == pytest.approx([1.0, 0.5 * 0.5 / 0.75])
 
 
@@ -82,7 +82,7 @@ def test_loss_png_has_the_panels(tmp_path, monkeypatch, with_eval, with_mfu):
         close(fig)
     monkeypatch.setattr(plt, "close", spy)
     title = "Qwen2.5-7B | TP 2 x DP 4 x PP 1 | recipe qwen2.5-7b-full | run sft"
-    report.plot(records(with_eval=with_eval, with_mfu=with_mfu), tmp_path / "loss.png", title)
+    summary.plot(records(with_eval=with_eval, with_mfu=with_mfu), tmp_path / "loss.png", title)
     assert _png_size(tmp_path / "loss.png") == (1100, 700)
     assert seen["titles"] == [title]
     expected = ["grad norm", "learning rate", "loss", "tokens/s"] + (["MFU %"] if with_mfu else [])
@@ -93,11 +93,11 @@ def test_loss_png_has_the_panels(tmp_path, monkeypatch, with_eval, with_mfu):
 
 def test_run_title_names_model_layout_and_run(tmp_path):
     r = load_recipe("tiny-cpu", {"model.dir": "/models/Qwen2.5-7B-Instruct", "output_dir": str(tmp_path / "sft-1")})
-    assert report.run_title(r, 2, 4, 1) == "Qwen2.5-7B-Instruct | TP 2 x DP 4 x PP 1 | recipe tiny-cpu | run sft-1"
+    assert summary.run_title(r, 2, 4, 1) == "Qwen2.5-7B-Instruct | TP 2 x DP 4 x PP 1 | recipe tiny-cpu | run sft-1"
 
 
 def test_scalar_tags():
-    tags = report.scalars({"step": 3, "loss": 1.0, "eval_loss": 2.0, "mfu": 0.4, "elapsed_s": 9.0, "data_s": 0.1,
+    tags = summary.scalars({"step": 3, "loss": 1.0, "eval_loss": 2.0, "mfu": 0.4, "elapsed_s": 9.0, "data_s": 0.1,
                            "stopped": True, "note": "x"})
     assert tags == {"train/loss": 1.0, "eval/loss": 2.0, "perf/mfu": 0.4, "train/data_s": 0.1}
 
@@ -113,7 +113,7 @@ def _event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_event_file_reads_back(tmp_path):
     recs = records()
-    w = report.ReportWriter(RunDir(tmp_path), "t")
+    w = summary.RunSummary(RunDir(tmp_path), "t")
     for r in recs:
         w.write(r)
     s = w.close(recs, tokens=100, wall_s=1.0, export_path=str(tmp_path / "hf"))
@@ -128,11 +128,11 @@ def test_tensorboard_event_file_reads_back(tmp_path):
 
 def test_tensorboard_resume_purges_the_steps_redone(tmp_path):
     recs = records(with_eval=False)
-    w = report.ReportWriter(RunDir(tmp_path), "t")
+    w = summary.RunSummary(RunDir(tmp_path), "t")
     for r in recs:  # the first run logged steps 1..8, then died; the checkpoint was at step 5
         w.write(r)
     w.close(recs, 1, 1.0)
-    w = report.ReportWriter(RunDir(tmp_path), "t", resume_step=5)
+    w = summary.RunSummary(RunDir(tmp_path), "t", resume_step=5)
     for r in recs[5:]:
         w.write({**r, "loss": r["loss"] + 100})
     w.close(recs, 1, 1.0)
@@ -144,7 +144,7 @@ def test_tensorboard_resume_purges_the_steps_redone(tmp_path):
 def test_tensorboard_off(tmp_path):
     assert load_recipe("tiny-cpu").train.tensorboard is True
     recipe = load_recipe("tiny-cpu", {"train.tensorboard": "false"})
-    w = report.ReportWriter(RunDir(tmp_path), "t", tensorboard=recipe.train.tensorboard)
+    w = summary.RunSummary(RunDir(tmp_path), "t", tensorboard=recipe.train.tensorboard)
     w.write(records()[0])
     w.close(records(), 1, 1.0)
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "summary.json").is_file()

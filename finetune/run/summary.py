@@ -56,7 +56,7 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def memory_at_step_1(records: list[dict]) -> dict:
-    """The step-1 memory record's fields (finetune/memcheck.py): the measured peak beside the plan's estimate."""
+    """The step-1 memory record's fields (finetune/run/memcheck.py): the measured peak beside the plan's estimate."""
     first = next((r for r in records if "memory_estimate_bytes" in r), {})
     return {k: v for k, v in first.items() if k.startswith("memory_")}
 
@@ -135,7 +135,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-class ReportWriter:
+class RunSummary:
     """What the loop calls on rank 0: :meth:`write` per logged record, :meth:`close` once at the end.
 
     TensorBoard event files go to ``run.tensorboard`` unless ``tensorboard`` is False

@@ -1,7 +1,7 @@
 """Finding a run's checkpoints without MindSpore: where they live, which are published, healthy and intact,
 which run wrote them (model and data identity), and moving them aside (train.resume=never).
 
-finetune/checkpoint.py saves and loads them inside the ranks; the launcher's rerun check and prepare-data's
+finetune/io/checkpoint.py saves and loads them inside the ranks; the launcher's rerun check and prepare-data's
 run check read them here before any rank starts.
 """
 from __future__ import annotations

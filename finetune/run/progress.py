@@ -8,11 +8,11 @@ from typing import Any
 import mindspore as ms
 
 from finetune.dist import dp_totals
-from finetune.memcheck import measured, memory_record, plan_estimate
-from finetune.metrics import MetricsWriter, progress_line, read_metrics
-from finetune.perf import StepTimer, device_peak_flops, flops_per_token, peak_memory_bytes
-from finetune.report import ReportWriter, run_title
-from finetune.trainer import Trainer, batch_tensors
+from finetune.run.memcheck import measured, memory_record, plan_estimate
+from finetune.run.metrics import MetricsWriter, progress_line, read_metrics
+from finetune.run.perf import StepTimer, device_peak_flops, flops_per_token, peak_memory_bytes
+from finetune.run.summary import RunSummary, run_title
+from finetune.run.training import Training, batch_tensors
 from jobspec.data.template import IGNORE
 
 
@@ -23,7 +23,7 @@ def dp_sent_bytes(channel: Any) -> int:
 class Reporter:
     """Builds the records of one run; rank 0 writes them (other ranks compute the same numbers)."""
 
-    def __init__(self, t: Trainer):
+    def __init__(self, t: Training):
         rank, recipe = t.rank, t.recipe
         self.model_config = t.model.config.to_dict()
         self.flops_per_token = flops_per_token(self.model_config, recipe.data.seq_len)
@@ -35,10 +35,10 @@ class Reporter:
         self.metrics = self.report = None
         if rank.is_main:
             self.metrics = MetricsWriter(t.run.metrics, t.step)
-            self.report = ReportWriter(t.run, run_title(recipe, rank.tp, rank.dp, recipe.parallel.pp),
+            self.report = RunSummary(t.run, run_title(recipe, rank.tp, rank.dp, recipe.parallel.pp),
                                        recipe.train.tensorboard, t.step)
 
-    def step_record(self, t: Trainer, loss: float, lr: float, grad_norm: float, loss_scale: float) -> dict:
+    def step_record(self, t: Training, loss: float, lr: float, grad_norm: float, loss_scale: float) -> dict:
         """The logged step's record: loss, lr, grad norm, tokens/s, MFU, time per phase, peak memory."""
         now = time.time()
         tokens_per_s = (t.tokens_seen - self.window[1]) / max(now - self.window[0], 1e-9)
@@ -69,7 +69,7 @@ class Reporter:
             print(f"[train] step {record['step']}: eval loss {record['eval_loss']:.4f} over "
                   f"{record['eval_tokens']:,} tokens", flush=True)
 
-    def close(self, t: Trainer, checkpoint: str, export_path: str | None) -> dict | None:
+    def close(self, t: Training, checkpoint: str, export_path: str | None) -> dict | None:
         """Rank 0: flush TensorBoard, write summary.json and loss.png; the summary."""
         if self.report is None:
             return None
@@ -77,7 +77,7 @@ class Reporter:
                                  last_checkpoint=checkpoint, export_path=export_path)
 
 
-def evaluate(t: Trainer) -> dict:
+def evaluate(t: Training) -> dict:
     """Token-weighted mean loss over the whole validation set (each DP rank its share, summed over
     the ranks): ``{"eval_loss", "eval_tokens"}``."""
     loss_sum, tokens = ms.Tensor(0.0, ms.float32), 0

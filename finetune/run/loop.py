@@ -1,7 +1,7 @@
 """The training loop: one function, top to bottom, run by every rank.
 
 Configured only by the resolved recipe and the rank environment msrun gives the process. The
-setup (model, optimizer, data, resume) is ``finetune/trainer.py``; this module runs the steps.
+setup (model, optimizer, data, resume) is ``finetune/run/training.py``; this module runs the steps.
 
 Host syncs: on Ascend a step copies nothing from the device. Clipping, skipping a non-finite step
 and the fp16 loss scale happen on the device (finetune/optim/update.py ``StepGate``; on CPU, whose kernels
@@ -20,15 +20,15 @@ import numpy as np
 from mindspore import ops
 
 from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, launched_world
-from finetune.model import compute_dtype
+from finetune.model.decoder import compute_dtype
 from finetune.optim import SkippedSteps, UpdateCheck, lr_at
 from finetune.parallel.overlap import GradReduction
-from finetune.perf import StepProfiler
-from finetune.progress import Reporter, evaluate
-from finetune.trainer import Trainer, batch_tensors, setup
-from jobspec.checkpoints import condemn
+from finetune.run.perf import StepProfiler
+from finetune.run.progress import Reporter, evaluate
+from finetune.run.training import Training, batch_tensors, setup
+from jobspec.checkpoint_index import condemn
 from jobspec.config import Recipe
-from jobspec.planfile import unplanned
+from jobspec.plan_reader import unplanned
 from jobspec.platform import platform_of
 from jobspec.rundir import RunDir
 
@@ -76,7 +76,7 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
 
 def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> int:
     """Fine-tune as the finished recipe says into ``run_dir`` (plan.json's; None: a recipe without a plan, e.g. a
-    test's, finished here as the launcher does, jobspec.planfile.unplanned; ``model_hash``: the plan's, see
+    test's, finished here as the launcher does, jobspec.plan_reader.unplanned; ``model_hash``: the plan's, see
     trainer.setup); returns the process exit code."""
     if run_dir is None:
         recipe, run_dir, _ = unplanned(recipe)
@@ -100,7 +100,7 @@ def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> 
         return finish(trainer, reporter)
 
 
-def train_loop(t: Trainer, reporter: Reporter, stop: StopFlag) -> int:
+def train_loop(t: Training, reporter: Reporter, stop: StopFlag) -> int:
     """Run the steps from ``t.step`` to ``t.total_steps`` (or an early stop); the exit code (0: finish)."""
     tc, rank = t.recipe.train, t.rank
     grad_fn = ms.value_and_grad(t.scaled_loss, None, t.reduction.taped(t.params))
@@ -189,7 +189,7 @@ def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healt
             "to tolerate longer runs of bad steps.")
 
 
-def finish(t: Trainer, reporter: Reporter) -> int:
+def finish(t: Training, reporter: Reporter) -> int:
     """The end of a complete run: final checkpoint, Hugging Face export, summary; the exit code."""
     rank, run, recipe = t.rank, t.run, t.recipe
     bad = [p.name for p in t.params if not bool(ops.isfinite(p).all())]
@@ -201,7 +201,7 @@ def finish(t: Trainer, reporter: Reporter) -> int:
     checkpoint = t.finished_at if t.finished_at == run.checkpoint(t.step) else t.save(finished=True)
     hf_dir = run.hf
     if recipe.export.enabled:
-        from finetune.hf_io import NonFiniteWeights
+        from finetune.io.hf_io import NonFiniteWeights
         from jobspec.config import parse_size
 
         try:
@@ -227,19 +227,19 @@ def finish(t: Trainer, reporter: Reporter) -> int:
     return 0
 
 
-def export_final(t: Trainer, shard_size: int) -> None:
+def export_final(t: Training, shard_size: int) -> None:
     """The run's export: hf/, and for LoRA adapter/ in peft's format with hf/ the merged model (export.merge)."""
     rank, run, recipe = t.rank, t.run, t.recipe
     rank.log(f"[train] writing the Hugging Face model to {run.hf} ({recipe.export.dtype})")
     if recipe.train.method == "lora":
-        from finetune.lora_io import export_lora
+        from finetune.io.lora_io import export_lora
 
         export_lora(t.model, t.params, recipe.lora, t.model_dir, t.identity.get("model", ""), run, recipe.export.dtype,
                     shard_size, recipe.export.merge, rank)
         merged = f", merged model to {run.hf}" if recipe.export.merge else ""
         rank.log(f"[train] LoRA adapter written to {run.adapter}{merged}")
     else:
-        from finetune.hf_io import export_hf
+        from finetune.io.hf_io import export_hf
 
         export_hf(t.model, t.model_dir, run.hf, recipe.export.dtype, shard_size, rank)
         rank.log(f"[train] Hugging Face model written to {run.hf}")

@@ -1,7 +1,7 @@
 """LoRA adapters in and out in peft's format: ``adapter/`` (adapter_model.safetensors, adapter_config.json,
 tokenizer files), the merged full model (``hf/``: base + scale * B @ A) and loading an adapter back.
 
-Names: ours are the layer's path + ``.lora_A.weight`` (finetune/lora.py); peft's prefix them with
+Names: ours are the layer's path + ``.lora_A.weight`` (finetune/model/lora.py); peft's prefix them with
 ``base_model.model.`` and store ``modules_to_save`` weights under their own name with the same prefix.
 Export is collective (TP slices gathered, see hf_io.gather_slice); only the main rank writes.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from finetune.dist import RankInfo
-from finetune.hf_io import (
+from finetune.io.hf_io import (
     EXPORT_DTYPES,
     TOKENIZER_FILES,
     _convert,
@@ -28,11 +28,11 @@ from finetune.hf_io import (
     weight_files,
     write_hf_dir,
 )
-from jobspec.checkpoints import other_base
+from jobspec.checkpoint_index import other_base
 from jobspec.fsutil import atomic_dir
 from jobspec.hf_files import ADAPTER_BASE, ADAPTER_CONFIG, ADAPTER_FILE, read_header
 from jobspec.lora_config import TARGETS, LoraConfig
-from jobspec.qwen2_layout import full_shapes
+from jobspec.model_layout import full_shapes
 from jobspec.rundir import RunDir
 
 PEFT_PREFIX = "base_model.model."
@@ -129,7 +129,7 @@ def export_lora_checkpoint(checkpoint: Path, identity: dict, model_dir: str | Pa
     layout and the base model on disk (numpy only, one process): ``out`` laid out as a run's export
     (``RunDir(out).adapter`` and, with ``merge``, ``RunDir(out).hf``). ``identity``: the checkpoint's (its
     ``lora`` section, see :func:`lora_identity`)."""
-    from finetune.reshard import SavedState, rank_file
+    from finetune.io.reshard import SavedState, rank_file
     from jobspec.memory import BUCKET_BYTES
 
     if "lora" not in identity:
@@ -192,8 +192,8 @@ def load_adapter(model, adapter_dir: str | Path) -> list:
     """Attach the adapter of ``adapter_dir`` to ``model`` (each TP rank its slices); its parameters."""
     import mindspore as ms
 
-    from finetune.lora import apply_lora
-    from finetune.reshard import cut
+    from finetune.io.reshard import cut
+    from finetune.model.lora import apply_lora
 
     cfg, tensors = read_adapter(adapter_dir)
     params = apply_lora(model, cfg, seed=0)

@@ -36,7 +36,7 @@ class Dims:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Dims:
-        """From a Hugging Face config dict (or ``Qwen2Config.to_dict()``)."""
+        """From a Hugging Face config dict (or ``ModelConfig.to_dict()``)."""
         h, nh = config["hidden_size"], config["num_attention_heads"]
         fam = family_of(config)
         return cls(vocab=config["vocab_size"], hidden=h, inter=config["intermediate_size"],

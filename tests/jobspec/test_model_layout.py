@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobspec.qwen2_layout import full_shapes, local_shapes, param_count, param_table, tp_layout, tp_problems
+from jobspec.model_layout import full_shapes, local_shapes, param_count, param_table, tp_layout, tp_problems
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -64,7 +64,7 @@ def test_tp_problems_are_all_reported_at_once():
 
 
 def test_model_does_not_import_tiny():
-    tree = ast.parse((REPO / "finetune" / "model.py").read_text())
+    tree = ast.parse((REPO / "finetune" / "model" / "decoder.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "jobspec.tiny" not in imported and "jobspec.qwen2_layout" in imported
+    assert "jobspec.tiny" not in imported and "jobspec.model_layout" in imported

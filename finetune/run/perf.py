@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.dist import RankInfo
+from jobspec.model_layout import Dims, param_table
 from jobspec.platform import Platform
-from jobspec.qwen2_layout import Dims, param_table
 
 _CALCULATOR = "Huawei Cloud ModelArts MFU calculator, as issue 18 section 1.8 quotes it"
 # bf16/fp16 dense peak TFLOPS per chip, keyed by the name npu-smi and CANN's aclrtGetSocName report, with the

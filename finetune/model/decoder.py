@@ -18,13 +18,13 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.initializer import initializer
 
-from finetune import kernels
 from finetune.dist import RankInfo
+from finetune.model import kernels
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
 from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
 from jobspec.data.template import IGNORE
 from jobspec.family import family_of
-from jobspec.qwen2_layout import Dims, TPSlice, full_shapes, local_kv_heads, tp_layout
+from jobspec.model_layout import Dims, TPSlice, full_shapes, local_kv_heads, tp_layout
 
 _MASKED = -1e9
 
@@ -35,7 +35,7 @@ def compute_dtype(precision: str) -> ms.Type:
 
 
 @dataclass
-class Qwen2Config:
+class ModelConfig:
     """The config.json fields the model uses; unknown Hugging Face keys are ignored."""
 
     vocab_size: int
@@ -52,7 +52,7 @@ class Qwen2Config:
     model_type: str = "qwen2"  # a key of jobspec.family.FAMILIES
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> Qwen2Config:
+    def from_dict(cls, d: dict, source: str = "config.json") -> ModelConfig:
         """Build from a Hugging Face config dict (rope_theta may sit in ``rope_parameters``); a
         family other than Qwen2/Qwen3 dense is refused (``family_of``), and a RoPE kind other than the family's."""
         d = dict(d)
@@ -100,7 +100,7 @@ class Attention(nn.Cell):
     """GQA self-attention (Qwen2: QKV bias; Qwen3: per-head q/k RMSNorm), RoPE, causal + same-segment
     mask. Each TP rank normalizes only its heads, so the q/k norm weights' gradients are summed over TP."""
 
-    def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
+    def __init__(self, cfg: ModelConfig, rank: RankInfo, dtype, fused: bool):
         super().__init__()
         h, hd, nh, nkv, tp = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, rank.tp
         self.heads, self.kv_heads, self.head_dim = nh // tp, local_kv_heads(cfg.to_dict(), tp), hd
@@ -142,7 +142,7 @@ class Attention(nn.Cell):
 class MLP(nn.Cell):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases."""
 
-    def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
+    def __init__(self, cfg: ModelConfig, rank: RankInfo, dtype, fused: bool):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = ColumnParallelLinear(h, i, False, rank, dtype)
@@ -157,7 +157,7 @@ class MLP(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, cfg: Qwen2Config, rank: RankInfo, dtype, fused: bool):
+    def __init__(self, cfg: ModelConfig, rank: RankInfo, dtype, fused: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, rank, dtype, fused)
@@ -169,10 +169,10 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen2Model(nn.Cell):
+class DecoderModel(nn.Cell):
     """Embedding, decoder layers and the final norm (``model.*`` in Hugging Face names)."""
 
-    def __init__(self, cfg: Qwen2Config, rank: RankInfo, recompute: bool, dtype, fused: bool,
+    def __init__(self, cfg: ModelConfig, rank: RankInfo, recompute: bool, dtype, fused: bool,
                  vocab_rows: VocabRange | None = None):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rank, vocab_rows)
@@ -219,7 +219,7 @@ class Qwen2Model(nn.Cell):
         if late:
             raise ValueError(f"compile_layers after LoRA adapters with dropout ({late[0]}, ...): a graph would "
                              "freeze their first dropout mask; compile the layers first, then apply_lora "
-                             "(as finetune.trainer.build_model does)")
+                             "(as finetune.run.training.build_model does)")
         self.graphs = [ms.jit(layer.construct) for layer in self.layers]
 
     def _mask(self, segment_ids, past: int, cached: bool, keys=None):
@@ -252,14 +252,14 @@ def labelled_rows(labels: Tensor) -> np.ndarray:
     return np.flatnonzero(host[:, 1:].reshape(-1) != IGNORE).astype(np.int32)
 
 
-class Qwen2ForCausalLM(nn.Cell):
+class DecoderLM(nn.Cell):
     """Qwen2 / Qwen3 causal LM; ``model(input_ids, labels, position_ids, segment_ids) -> loss_sum``.
 
     ``vocab_parallel`` (with ``rank.tp > 1``): the embedding and the LM head hold ``vocab / tp``
     rows per TP rank and the loss is the parallel cross-entropy; otherwise both are replicated.
     """
 
-    def __init__(self, cfg: Qwen2Config, rank: RankInfo = RankInfo(), recompute: bool = False,
+    def __init__(self, cfg: ModelConfig, rank: RankInfo = RankInfo(), recompute: bool = False,
                  compute_dtype=mstype.float32, vocab_parallel: bool = False, loss_chunk_tokens: int = 0):
         super().__init__()
         self.config = cfg
@@ -271,13 +271,13 @@ class Qwen2ForCausalLM(nn.Cell):
         self.vocab_rows = VocabRange(rows.start, rows.size) if rows else VocabRange(0, cfg.vocab_size)
         split = rows is not None
         fused = rank.platform.fused_kernels
-        self.model = Qwen2Model(cfg, rank, recompute, compute_dtype, fused, self.vocab_rows)
+        self.model = DecoderModel(cfg, rank, recompute, compute_dtype, fused, self.vocab_rows)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,
                                           loss_chunk_tokens)
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
         shapes = self.hf_shapes()
-        for name, p in self.hf_state().items():  # for resharding checkpoints (finetune/reshard.py) and
+        for name, p in self.hf_state().items():  # for resharding checkpoints (finetune/io/reshard.py) and
             p.hf_shape, p.tp_slice = shapes[name], self.tp_layout.get(name)  # the TP-aware grad norm (grads.py)
             if p.tp_slice is not None:
                 p.tp_axis, p.tp_owner = p.tp_slice.axis, p.tp_slice.owner

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune.perf import peak_rss_bytes
+from finetune.run.perf import peak_rss_bytes
 from jobspec.memory import SHRINKS, MemoryEstimate, memory_estimate
 
 ABOVE = 0.05  # warn when the device peak exceeds the estimate by more than this

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from finetune.dist import RankInfo, all_reduce_sum, barrier
-from jobspec.checkpoints import (
+from jobspec.checkpoint_index import (
     STATE,
     complete_steps,
     unhealthy,
@@ -239,7 +239,7 @@ def load_checkpoint(path: Path, model_params: list, rank: RankInfo, shard: bool,
 
     Any problem raises naming the file (train.resume=<path>). A checkpoint of another layout (tp, dp,
     vocab-parallel) is gathered and re-split for this one when the parameters are a model's (they
-    carry ``hf_shape`` and ``tp_slice``, see ``finetune/reshard.py``); ``shard``: whether this run's
+    carry ``hf_shape`` and ``tp_slice``, see ``finetune/io/reshard.py``); ``shard``: whether this run's
     optimizer is sharded over DP (the layout's ``shard_optimizer``), which decides the format of the
     returned optimizer state.
     """
@@ -271,7 +271,7 @@ def _read(path: Path, model_params: list, rank: RankInfo, shard: bool, identity:
     weights = load_file(str(model_file)) if same else {}
     fits = same and all(p.name in weights and tuple(weights[p.name].shape) == tuple(p.shape) for p in model_params)
     if not fits and all(hasattr(p, "hf_shape") for p in model_params):
-        from finetune.reshard import SavedState, local_state
+        from finetune.io.reshard import SavedState, local_state
 
         _verified(path)  # resharding reads every rank's files
         saved = SavedState(path, [p.name for p in model_params], {p.name: p.hf_shape for p in model_params},

@@ -1,0 +1,1 @@
+"""What goes to and comes from disk: checkpoints, resharding, Hugging Face and PEFT directories."""

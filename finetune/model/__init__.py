@@ -1,0 +1,1 @@
+"""The network: the decoder (Qwen2/Qwen3 dense), its fused-kernel ops, LoRA adapters."""

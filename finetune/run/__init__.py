@@ -1,0 +1,1 @@
+"""The training run: its setup, the loop, step records, speed, memory check, summary."""
