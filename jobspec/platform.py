@@ -10,7 +10,10 @@ that compares device names (tests/test_import_rules.py holds that). Pure Python,
 from __future__ import annotations
 
 import glob
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 Device = Literal["npu", "cpu"]
@@ -51,6 +54,15 @@ def by_target(target: str) -> Platform:
 def npu_present() -> bool:
     """Whether this machine shows an NPU (/dev/davinciN): the worker side's one probe."""
     return bool(glob.glob("/dev/davinci[0-9]*"))
+
+
+def visible_npus(dev: Path = Path("/dev"), env: Mapping[str, str] = os.environ) -> int:
+    """How many NPUs this process may use: the count of ``ASCEND_RT_VISIBLE_DEVICES`` when set (the launcher
+    sets it for a subset), else of ``/dev/davinciN``; the runtime numbers them 0..n-1 whatever the physical N."""
+    visible = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return len([v for v in visible.split(",") if v.strip()])
+    return len([p for p in dev.glob("davinci[0-9]*") if p.name.removeprefix("davinci").isdigit()])
 
 
 def platform_of(setting: str, has_npu: bool | None = None) -> Platform:

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 from jobspec.config import REPO_ROOT
-from jobspec.platform import PLATFORMS, by_target, platform_of
+from jobspec.platform import PLATFORMS, by_target, platform_of, visible_npus
 
 PLATFORM = "jobspec/platform.py"
 NAMES = {n for p in PLATFORMS.values() for n in (p.device, p.target)}
@@ -44,3 +44,20 @@ def test_one_vocabulary_both_ways():
         assert p.device == name and by_target(p.target) is p and platform_of(name, has_npu=not p.accelerator) is p
     assert platform_of("auto", has_npu=True).accelerator and not platform_of("auto", has_npu=False).accelerator
     assert {p.default_precision for p in PLATFORMS.values()} == {"bf16", "fp32"}
+
+
+def test_no_worker_module_outside_the_platform_probes_for_npus():
+    """The worker side's probes (is there an NPU, how many may this process use) are jobspec/platform.py's; the
+    launcher keeps its own host probe (launcher/devices.py), mapped into the same record."""
+    files = sorted(f for package in ("finetune", "jobspec") for f in (REPO_ROOT / package).rglob("*.py"))
+    probing = [str(f.relative_to(REPO_ROOT)) for f in files if '"davinci' in f.read_text()
+               or "'davinci" in f.read_text() or "/dev/davinci[" in f.read_text()]
+    assert probing == [PLATFORM]
+
+
+def test_visible_npus_counts_what_the_runtime_numbers(tmp_path):
+    for name in ("davinci4", "davinci5", "davinci_manager", "davinci7"):
+        (tmp_path / name).touch()
+    assert visible_npus(tmp_path, {}) == 3
+    assert visible_npus(tmp_path, {"ASCEND_RT_VISIBLE_DEVICES": "4,5"}) == 2
+    assert visible_npus(tmp_path / "none", {}) == 0

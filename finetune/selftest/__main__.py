@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from finetune.selftest import collectives, versions
-from jobspec.platform import PLATFORMS, by_target
+from jobspec.platform import PLATFORMS, by_target, visible_npus
 
 # the whole run on 8 NPUs, by design: the per-check budgets (runner, collectives) add up below it
 TOTAL_BUDGET_S = 120.0
@@ -41,12 +41,10 @@ def device_rows(device: str, device_id: int | None, install_twins: bool) -> list
 
 
 def npu_ids(quick: bool, dev: Path = Path("/dev"), env: Mapping[str, str] = os.environ) -> list[int]:
-    """The logical ids 0..n-1 the runtime gives the visible NPUs (what ``set_device`` takes): n is the count of
-    ``ASCEND_RT_VISIBLE_DEVICES`` when set (the launcher sets it for a subset), else of ``/dev/davinciN``. A
-    container given davinci4-7 sees them as 0-3; the physical numbers are never device ids."""
-    present = [p for p in dev.glob("davinci[0-9]*") if p.name.removeprefix("davinci").isdigit()]
-    visible = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
-    n = len([v for v in visible.split(",") if v.strip()]) if visible else len(present)
+    """The logical ids 0..n-1 the runtime gives the visible NPUs (what ``set_device`` takes; n:
+    ``jobspec.platform.visible_npus``). A container given davinci4-7 sees them as 0-3; the physical numbers are
+    never device ids."""
+    n = visible_npus(dev, env)
     return list(range(n))[:1] if quick else list(range(n))
 
 
