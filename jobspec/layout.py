@@ -109,7 +109,8 @@ class LayoutRequest:
 def decide(r: LayoutRequest) -> Layout:
     """The layout of a ``parallel`` request on ``r.world`` workers: dp 0 -> world / (tp x pp), an unset
     shard_optimizer -> on when dp > 1 (ZeRO-1; ``zero`` 1-3 sets it, 2 and 3 shard the gradients, 3 the weights),
-    overlap only with dp > 1, vocab-parallel only with tp > 1, host collectives (unless refused) wherever
+    overlap only with dp > 1 (and always with ZeRO-3, whose layers reduce during their recomputed backward:
+    parallel/zero3.py Zero3Reduction), vocab-parallel only with tp > 1, host collectives (unless refused) wherever
     :func:`host_collectives_refusal` finds no reason against them. The request is checked against the world
     first (:func:`world_problems`) and ``zero`` against shard_optimizer (:func:`zero_problems`)."""
     dp = r.dp or r.world // (r.tp * r.pp)
@@ -118,7 +119,8 @@ def decide(r: LayoutRequest) -> Layout:
     host = r.host_collectives is not False and host_collectives_refusal(r.device, dp, r.nnodes) is None
     return Layout(tp=r.tp, dp=dp, pp=r.pp, shard_optimizer=shard and dp > 1, host_collectives=host,
                   shard_gradients=r.zero in (2, 3) and dp > 1, shard_weights=r.zero == 3 and dp > 1,
-                  overlap_grad_reduce=r.overlap_grad_reduce and dp > 1, vocab_parallel=r.vocab_parallel and r.tp > 1,
+                  overlap_grad_reduce=(r.overlap_grad_reduce or r.zero == 3) and dp > 1,
+                  vocab_parallel=r.vocab_parallel and r.tp > 1,
                   micro_batch_size=r.micro_batch_size, grad_accum=r.grad_accum, seq_len=r.seq_len, device=r.device)
 
 

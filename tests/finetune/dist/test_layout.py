@@ -52,6 +52,9 @@ def test_parallel_zero_maps_onto_the_sharded_optimizer_and_refuses_what_is_not_b
     assert layout({"parallel.shard_optimizer": "false"}).zero == 0
     z3 = layout({"parallel.zero": "3"})
     assert z3.zero == 3 and z3.shard_gradients and z3.shard_optimizer and layout({"parallel.zero": "3"}, 1).zero == 0
+    # ZeRO-3's layers always reduce during their backward: the layout (and the setup log) says so
+    assert layout({"parallel.zero": "3", "parallel.overlap_grad_reduce": "false"}).overlap_grad_reduce
+    assert not layout({"parallel.zero": "2", "parallel.overlap_grad_reduce": "false"}).overlap_grad_reduce
     assert not load_recipe("tiny-cpu", {"parallel.zero": "3"}).resolved(4, "cpu").train.compile_layers  # refused
     for over, says in (({"parallel.zero": "4"}, "parallel.zero=4: the stages are auto, 1, 2 and 3"),
                        ({"parallel.zero": "3", "train.method": "lora"}, "ZeRO-3 with train.method=lora is not built"),
