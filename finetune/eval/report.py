@@ -14,6 +14,7 @@ from finetune.eval.tasks import MMLU_GROUPS, SPECS, ChatRender, Subtask
 from jobspec.checkpoint_index import model_hash
 from jobspec.data.chat_template import model_template, render_hf
 from jobspec.eval_config import EvalConfig, task_base
+from jobspec.family import family_of
 from jobspec.rundir import EVAL_FILES, RunDir
 
 
@@ -37,11 +38,13 @@ def load_scorer(model_dir: str, device: str, chat: bool, rank: RankInfo | None =
     log = rank.log if rank else print
     model, tok, _ = load_model(model_dir, device, rank)
     cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
-    prefix = tok.token_to_id(cfg.get("bos_token") or cfg.get("eos_token") or "<|endoftext|>")
+    hf_config = load_hf_config(model_dir)
+    pad = family_of(hf_config).pad_token
+    prefix = tok.token_to_id(cfg.get("bos_token") or cfg.get("eos_token") or pad)
     if prefix is None:
-        log(f"[eval] {model_dir}: the tokenizer has no bos_token, eos_token or <|endoftext|>: perplexity's first "
+        log(f"[eval] {model_dir}: the tokenizer has no bos_token, eos_token or {pad}: perplexity's first "
             "window is scored after token 0")
-    length, source = context_length(load_hf_config(model_dir), cfg)
+    length, source = context_length(hf_config, cfg)
     if source == "default":
         log(f"[eval] {model_dir}: no max_position_embeddings in config.json nor model_max_length in "
             f"tokenizer_config.json: requests are cut to lm-eval's default {length} tokens")
