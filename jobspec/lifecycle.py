@@ -26,6 +26,13 @@ PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "AF_LAUNCHER_PID"
 
 
+class PeerLost(RuntimeError):
+    """A rank cannot go on because another process of the job is gone: a consequence, not the cause.
+
+    The launcher names any other failure first: a peer killed by a signal leaves no exit record, so the
+    launcher only knows when it noticed that death, often after this rank has recorded its own exit."""
+
+
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent dies; False where unsupported."""
     try:

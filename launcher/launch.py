@@ -148,7 +148,8 @@ class _Attempt:
         return procs.group_leaders(self.proc.pid)
 
     def failure(self, st: dict[int, dict], stopping: bool) -> Failure | None:
-        """The earliest failure: a non-zero exit record, a rank gone without one, or a dead scheduler."""
+        """The earliest failure: a non-zero exit record, a rank gone without one, or a dead scheduler; a rank
+        that only lost a peer (``PeerLost``) comes after every other failure."""
         bad = []
         for rank, s in st.items():
             wlog = self.log_dir / f"worker_{rank}.log"
@@ -158,7 +159,8 @@ class _Attempt:
                 if not (s["exit_code"] == 0 or (stopping and s["exit_code"] in (130, 143))):
                     err = s.get("error")
                     why = f"{err['type']}: {err['message']}" if err else f"exit code {s['exit_code']}"
-                    bad.append((s["ended_at"], Failure(f"rank {rank}", s["exit_code"], why, wlog)))
+                    consequence = err is not None and err["type"] == lifecycle.PeerLost.__name__
+                    bad.append(((consequence, s["ended_at"]), Failure(f"rank {rank}", s["exit_code"], why, wlog)))
             elif not procs.alive(s["pid"]):
                 code = self._exit_code(s["pid"])
                 if code == 0 or (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
@@ -166,7 +168,7 @@ class _Attempt:
                 # msrun reports the worker that died first, then kills the others itself: when
                 # several are gone by this poll, the time of msrun's report orders them
                 when = self.out.reported_at.get(s["pid"], time.time())
-                bad.append((when, Failure(f"rank {rank}", code if code is not None else -9,
+                bad.append(((False, when), Failure(f"rank {rank}", code if code is not None else -9,
                                                  self._why_killed(s["pid"], code), wlog)))
         ended = all(s["state"] == "exited" or not procs.alive(s["pid"]) for s in st.values())
         all_done = ended and len(st) == len(self.ranks)
@@ -176,7 +178,7 @@ class _Attempt:
                 return None
             why = self._why_killed(self.scheduler, code) if code is not None and code < 0 else \
                 f"exit code {code}" if code is not None else "it is gone"
-            bad.append((time.time(), Failure(f"msrun's scheduler (pid {self.scheduler})", code or -9,
+            bad.append(((False, time.time()), Failure(f"msrun's scheduler (pid {self.scheduler})", code or -9,
                                              f"{why}; the ranks cannot continue without it",
                                              self.log_dir / "scheduler.log")))
         return min(bad, key=lambda b: b[0])[1] if bad else None

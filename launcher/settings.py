@@ -24,10 +24,12 @@ from jobspec.recipe_load import load_recipe
 HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1836"}
 HCCL_PASSTHROUGH = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_BUFFSIZE")
 HCCL_VARS = (*HCCL_DEFAULTS, *HCCL_PASSTHROUGH)
-# CPU workers: glibc's malloc keeps freed memory instead of unmapping it. Each step's large numpy arrays (the LM
-# head's logits and weight gradient) otherwise come back as fresh pages the kernel zeroes: 22% of the CPU time
-# of a DP 2 run (perf), and DP 2 went from 0.75x to 0.94x one process (docs/speed.md, "DP 2").
-CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+# CPU workers: glibc's malloc keeps freed small blocks (no trim), and maps each block of 1 MiB or more on its own
+# (a fixed threshold: no dynamic rise), returned when freed. The numpy arrays of the LM head (logits, weight
+# gradient) and of a checkpoint's copies then leave no freed heap behind that a later, larger one does not fit in:
+# with every block on the heap (MALLOC_MMAP_MAX_=0 before) the step-1 peak RSS was up to 0.6 GiB above the live
+# bytes (docs/memory.md, "glibc"); the cost is fresh zeroed pages for those arrays each step (docs/speed.md).
+CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 # The env contract, the one table: (variable, recipe key or "", meaning). The rows of recipe keys come from the
 # keys' facts (jobspec/keys.py: ``env``, ``env_help``), in the schema's order. The README's table is generated
@@ -43,7 +45,8 @@ ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
                                    "default) when unset"),
     (", ".join(HCCL_PASSTHROUGH), "", "passed through to workers unchanged"),
     (", ".join(CPU_MALLOC_DEFAULTS), "", "defaulted for CPU workers to " + " / ".join(CPU_MALLOC_DEFAULTS.values())
-     + " when unset: glibc keeps freed memory for reuse (each step's large arrays would cost fresh pages)"),
+     + " when unset: glibc maps blocks of 1 MiB or more on their own and returns them when freed, and keeps "
+     "freed smaller ones"),
     ("ASCEND_VISIBLE_DEVICES", "", "physical NPU ids (`0-3`, `0,2,4`, or ascend-operator's `Ascend910-0,Ascend910-1`) "
                                    "to use; read"),
     ("ASCEND_RT_VISIBLE_DEVICES", "", "logical NPU ids; read, and set for workers when only some NPUs are used"),
