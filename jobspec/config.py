@@ -270,7 +270,7 @@ class Recipe:
         if p.tp == "auto":
             raise ConfigError([Problem("parallel.tp", "auto is resolved by the launcher first", "2", "'auto'")])
         problems = world_problems(p.tp, p.dp, p.pp, world) + t.device_problems(device) + zero_problems(
-            p.zero, p.shard_optimizer, t.method)
+            p.zero, p.shard_optimizer)
         if problems:
             raise ConfigError(problems)
         r = copy.deepcopy(self)

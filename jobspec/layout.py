@@ -45,6 +45,14 @@ class Layout:
         """The ZeRO stage over DP: 0 (nothing sharded), 1 (optimizer state), 2 (and gradients), 3 (and weights)."""
         return 3 if self.shard_weights else 2 if self.shard_gradients else int(self.shard_optimizer)
 
+    def sharding(self, method: str = "full") -> str:
+        """What DP shards, for the plan (``method``: train.method)."""
+        if not self.shard_optimizer:
+            return "optimizer state replicated"
+        lora = " (LoRA: the adapters and the frozen base)" if method == "lora" else ""
+        what = {1: "", 2: " and gradients", 3: ", gradients and decoder-layer weights" + lora}[self.zero]
+        return f"optimizer state{what} sharded over DP (ZeRO-{self.zero})"
+
     @property
     def platform(self) -> Platform:
         """What the device decides (``jobspec/platform.py``)."""
@@ -143,14 +151,10 @@ def host_collectives_choice(asked: bool | None, layout: Layout, nnodes: int) -> 
 ZERO_STAGES = ("auto", 1, 2, 3)
 
 
-def zero_problems(zero: int | str, shard_optimizer: bool | None, method: str = "full") -> list[Problem]:
-    """``parallel.zero`` outside ``ZERO_STAGES``, a stage that contradicts ``parallel.shard_optimizer=false``, or
-    ZeRO-3 with LoRA (``method``: train.method; the frozen base is not sharded yet)."""
+def zero_problems(zero: int | str, shard_optimizer: bool | None) -> list[Problem]:
+    """``parallel.zero`` outside ``ZERO_STAGES``, or a stage that contradicts ``parallel.shard_optimizer=false``."""
     if zero not in ZERO_STAGES:
         return [Problem("parallel.zero", "the stages are auto, 1, 2 and 3", "2", repr(zero))]
-    if zero == 3 and method == "lora":
-        return [Problem("parallel.zero", "ZeRO-3 with train.method=lora is not built (the frozen base would need "
-                        "its own shards); LoRA's trained state is small: ZeRO-2 covers it", "2", "3")]
     if zero != "auto" and shard_optimizer is False:
         return [Problem("parallel.zero", f"stage {zero} shards the optimizer state, which parallel.shard_optimizer="
                         "false turns off; leave parallel.shard_optimizer unset", "auto", repr(zero))]

@@ -207,8 +207,8 @@ def print_plan(job: Job, say: Callable[[str], None] = log) -> None:
     for decided in (k for k in ("parallel.tp", "parallel.zero", "train.compile_layers", "parallel.host_collectives")
                     if k in p.sources):
         say(f"{decided}: {p.sources[decided]}")
-    say(f"training: {r.launch.device}, precision {r.train.precision}, optimizer state "
-        f"{f'sharded over DP (ZeRO-{r.layout.zero})' if r.layout and r.layout.shard_optimizer else 'replicated'}")
+    say(f"training: {r.launch.device}, precision {r.train.precision}, "
+        f"{r.layout.sharding(r.train.method) if r.layout else 'optimizer state replicated'}")
     say(f"output: {p.sources['output_dir']}")
     say(f"binding ({p.binding['method']}, allowed CPUs {p.binding['allowed_cpus']} from "
         f"{p.binding['allowed_from']}):")

@@ -258,7 +258,7 @@ def write_hf_dir(out_dir: str | os.PathLike[str] | None, src_model_dir: str | os
     with atomic_dir(Path(out_dir), "hf-export") if out_dir is not None else nullcontext(None) as tmp:
         for file, members in zip(names, shards):
             tensors = {n: _convert(fetch(n), dtype) for n in members}
-            _finite(tensors, dtype)  # every rank fetches the same tensors: every rank stops
+            _finite(tensors, dtype)  # the ranks fetching (a whole TP group) fetch the same tensors: all stop
             if tmp is not None:
                 _write_shard(tmp / file, tensors, st_dtype)
         if tmp is None:
@@ -276,11 +276,12 @@ def export_hf(model, src_model_dir: str | os.PathLike, out_dir: str | os.PathLik
               shard_size_bytes: int = 2 * 10**9, rank: RankInfo | None = None) -> Path | None:
     """Write ``model`` as a Hugging Face directory (:func:`write_hf_dir`); returns the path on rank 0.
 
-    Every rank must call it (TP slices are gathered collectively); only rank 0 writes.
+    Every rank must call it; only rank 0 writes, DP rank 0's TP group gathering the TP slices (collectively): the
+    other DP ranks return at once (under ZeRO-3 only DP rank 0 holds the whole weights, ``Training.host_weights``).
     """
     rank = rank or model.rank
     _check_dtype(dtype)
-    if rank.tp == 1 and not rank.is_main:
+    if rank.dp_rank != 0:
         return None
     state, full = model.hf_state(), model.hf_shapes()
     return write_hf_dir(out_dir if rank.is_main else None, src_model_dir, {n: full[n] for n in state},

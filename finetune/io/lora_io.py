@@ -113,7 +113,10 @@ def merged_weights(model, tensors: dict[str, np.ndarray], cfg: LoraConfig, rank:
 def export_lora(model, params: list, cfg: LoraConfig, base_dir: str | Path, base_hash: str, run: RunDir, dtype: str,
                 shard_size_bytes: int, merge: bool, rank: RankInfo) -> None:
     """``run.adapter`` (peft, fp32) and, with ``merge``, the merged model as ``run.hf`` in ``dtype``.
-    Every rank calls it; only the main rank writes."""
+    Every rank calls it; only the main rank writes, DP rank 0's TP group gathering the TP slices (collectively): the
+    other DP ranks return at once (under ZeRO-3 only DP rank 0 holds the whole weights, ``Training.host_weights``)."""
+    if rank.dp_rank != 0:
+        return
     tensors = adapter_tensors(model, params, rank)
     if rank.is_main:
         write_adapter(run.adapter, tensors, cfg, base_dir, base_hash)

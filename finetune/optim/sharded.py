@@ -72,7 +72,7 @@ class ShardedAdamW:
     def own_chunk(self, k: int) -> ms.Tensor:
         """This rank's chunk of bucket ``k`` of the parameters in fp32, zero-padded to the chunk size (ZeRO-3: the
         weight chunk it keeps)."""
-        if self.weights is not None:
+        if self.weights is not None and k in self.weights.chunks:
             return fp32(self.weights.chunks[k])
         parts = [self.params[i].reshape(-1)[a:b].astype(ms.float32) for i, a, b in self.mine[k]]
         return self._pad(parts, self.chunk[k], ms.float32)

@@ -96,8 +96,7 @@ def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> 
     code = train_loop(trainer, reporter, StopFlag())
     if code:
         return code
-    with trainer.whole_weights():  # ZeRO-3: the final checks, checkpoint, export and sample of whole weights
-        return finish(trainer, reporter)
+    return finish(trainer, reporter)
 
 
 def train_loop(t: Training, reporter: Reporter, stop: StopFlag) -> int:
@@ -119,6 +118,7 @@ def train_loop(t: Training, reporter: Reporter, stop: StopFlag) -> int:
                                  t.reduction)
         timer.mark("fwd_bwd")
         grad_norm, applied = t.opt.apply(grads, lr, t.scaler.grad_scale)
+        del grads  # the step's totals, not held through a checkpoint save or an eval (docs/memory.md)
         timer.mark("optimizer")
         t.scaler.update(applied)
         skipped.update(applied)
@@ -151,8 +151,7 @@ def train_loop(t: Training, reporter: Reporter, stop: StopFlag) -> int:
             return EXIT_DIVERGED
         record = reporter.step_record(t, loss_sum / scale, lr, norm, scale) if logged else {"step": t.step}
         if evaluating:
-            with t.whole_weights():
-                record.update(evaluate(t))
+            record.update(evaluate(t))  # ZeRO-3: each layer gathered in its forward, every DP rank in step
             better = record["eval_loss"] < t.best_eval * (1 - EVAL_MIN_GAIN)
             t.best_eval, t.evals_without_gain = (record["eval_loss"], 0) if better else \
                 (t.best_eval, t.evals_without_gain + 1)
@@ -192,7 +191,7 @@ def diverged_message(step: int, bad: int, loss_scale: float, scaled: bool, healt
 def finish(t: Training, reporter: Reporter) -> int:
     """The end of a complete run: final checkpoint, Hugging Face export, summary; the exit code."""
     rank, run, recipe = t.rank, t.run, t.recipe
-    bad = [p.name for p in t.params if not bool(ops.isfinite(p).all())]
+    bad = t.nonfinite_weights()
     if all_reduce_sum(ms.Tensor(np.array([len(bad)], np.float32)), rank.world_group).asnumpy()[0] > 0:
         rank.log(f"[train] error: non-finite weights{' in ' + ', '.join(bad[:3]) if bad else ''} at step {t.step}: "
                  "no checkpoint or export written; lower train.lr or resume from an earlier checkpoint")
@@ -204,13 +203,19 @@ def finish(t: Training, reporter: Reporter) -> int:
         from finetune.io.hf_io import NonFiniteWeights
         from jobspec.config import parse_size
 
+        unexportable: NonFiniteWeights | None = None
         try:
-            export_final(t, parse_size(recipe.export.shard_size))
+            with t.host_weights():
+                export_final(t, parse_size(recipe.export.shard_size))
         except NonFiniteWeights as e:  # LoRA merged weights, or the export dtype's range
+            unexportable = e
             if rank.local_rank == 0:
                 condemn(checkpoint, f"its weights are not exportable: {e}")
-            rank.log(f"[train] error: {e} (step {t.step}; {checkpoint} marked unhealthy); lower train.lr, or "
-                     "export.dtype=fp32 when the weights only overflow a 16-bit dtype")
+        # only DP rank 0's TP group exports: every rank learns whether it failed, and all exit with the same code
+        if all_reduce_sum(ms.Tensor(np.array([unexportable is not None], np.float32)),
+                          rank.world_group).asnumpy()[0] > 0:
+            rank.log(f"[train] error: {unexportable} (step {t.step}; {checkpoint} marked unhealthy); lower train.lr, "
+                     "or export.dtype=fp32 when the weights only overflow a 16-bit dtype")
             return EXIT_DIVERGED
         from finetune.generate import sample_check
 

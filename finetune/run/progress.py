@@ -3,7 +3,6 @@ the eval loss, and rank 0's outputs (metrics.jsonl, TensorBoard, the console, th
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import mindspore as ms
 
@@ -16,9 +15,12 @@ from finetune.run.training import Training, batch_tensors
 from jobspec.data.template import IGNORE
 
 
-def dp_sent_bytes(channel: Any) -> int:
-    """The bytes this rank has sent over DP so far (``Channel.sent``, finetune/transport.py); 0 without DP."""
-    return 0 if channel is None else int(channel.sent)
+def dp_sent_bytes(t: Training) -> int:
+    """The bytes this rank has sent over DP so far (``Channel.sent``, finetune/transport.py: the optimizer's channel
+    and, ZeRO-3 with LoRA, the frozen base's, ``zero3_lora.FrozenShards``); 0 without DP."""
+    frozen = t.zero3.frozen if t.zero3 is not None else None
+    channels = [t.reduction.opt.channel, frozen.channel if frozen is not None else None]
+    return sum(int(c.sent) for c in channels if c is not None)
 
 class Reporter:
     """Builds the records of one run; rank 0 writes them (other ranks compute the same numbers)."""
@@ -46,7 +48,7 @@ class Reporter:
         peak = peak_memory_bytes(t.rank.platform)
         record = {"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "elapsed_s": round(t.elapsed_s(), 3), "loss_scale": loss_scale, "peak_memory_bytes": peak,
-                  "dp_sent_bytes": dp_sent_bytes(t.reduction.opt.channel),
+                  "dp_sent_bytes": dp_sent_bytes(t),
                   **self.timer.report(t.reduction.take_comm_s())}
         if self.peak_flops:
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * t.rank.world_size)
@@ -79,11 +81,11 @@ class Reporter:
 
 def evaluate(t: Training) -> dict:
     """Token-weighted mean loss over the whole validation set (each DP rank its share, summed over
-    the ranks): ``{"eval_loss", "eval_tokens"}``."""
+    the ranks; ZeRO-3: every DP rank in step, each layer gathered in its forward): ``{"eval_loss", "eval_tokens"}``."""
     loss_sum, tokens = ms.Tensor(0.0, ms.float32), 0
     assert t.val_loader is not None  # called only with a validation set
     t.model.set_train(False)  # no backward follows: the LM head keeps no logits
-    for mb in t.val_loader.eval_micro_batches():
+    for mb in t.val_loader.eval_micro_batches(lockstep=t.zero3 is not None):
         loss_sum = loss_sum + t.model(*batch_tensors(mb))
         tokens += int((mb["labels"][:, 1:] != IGNORE).sum())
     t.model.set_train(True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
+from mindspore import ops
 
 from finetune.dist import RankInfo
 from finetune.io.checkpoint import CheckpointMismatch, TrainerState, load_checkpoint, load_latest, save_checkpoint
@@ -66,9 +67,22 @@ class Training:
     finished_at: Path | None = None  # the run's final checkpoint when it resumed one (its export is redone)
     zero3: Any = None  # ZeRO-3's sharded layer weights (finetune/parallel/zero3.py), or None
 
-    def whole_weights(self) -> contextlib.AbstractContextManager:
-        """Every weight whole inside (ZeRO-3 gathers the layers: collective); nothing to do otherwise."""
-        return self.zero3.whole() if self.zero3 is not None else contextlib.nullcontext()
+    @property
+    def owns_model(self) -> bool:
+        """Whether this rank writes the model's weights (checkpoint, export): DP rank 0 of each TP rank."""
+        return self.rank.dp_rank == 0
+
+    def host_weights(self) -> contextlib.AbstractContextManager:
+        """Every weight whole inside on the rank that writes the model (ZeRO-3 streams the layers to its host,
+        layer by layer: collective; the other ranks keep their shards); nothing to do otherwise."""
+        return self.zero3.on_host(self.owns_model) if self.zero3 is not None else contextlib.nullcontext()
+
+    def nonfinite_weights(self) -> list[str]:
+        """The names of this rank's weights holding a non-finite value (ZeRO-3: its chunks of the decoder layers
+        and the whole others, no gather)."""
+        sharded = self.zero3.sharded if self.zero3 is not None else set()
+        bad = [p.name for i, p in enumerate(self.params) if i not in sharded and not bool(ops.isfinite(p).all())]
+        return bad + (self.zero3.nonfinite() if self.zero3 is not None else [])
 
     def elapsed_s(self) -> float:
         """Training wall time over this run and the runs it resumed."""
@@ -91,9 +105,9 @@ class Training:
                              evals_without_gain=self.evals_without_gain, skipped_steps=self.skipped_steps,
                              bad_streak=self.bad_streak, settings=run_settings(self.recipe), finished=finished)
         sharded = self.opt.sharded
-        with self.whole_weights():
+        with self.host_weights():
             path = save_checkpoint(self.run.checkpoints, state, self.params, self.opt.state_dict(), self.rank,
-                                   self.recipe.train.keep_checkpoints, owns_model=self.rank.dp_rank == 0,
+                                   self.recipe.train.keep_checkpoints, owns_model=self.owns_model,
                                    owns_optim=sharded or self.rank.dp_rank == 0)
         self.rank.log(f"[train] checkpoint {path}")
         return path
@@ -168,6 +182,10 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
         from finetune.parallel.zero3 import Zero3Reduction, shard_layers
 
         zero3 = shard_layers(model, opt, rank)
+        if tc.method == "lora":  # the adapters are the sharded weights above; the frozen base is sharded beside them
+            from finetune.parallel.zero3_lora import shard_frozen_base
+
+            shard_frozen_base(model, zero3, rank)
         reduction = Zero3Reduction(params, opt, zero3)
     trainer = Training(recipe, run, rank, model, model_dir, params, opt,
                       reduction or reduction_for(params, opt, layout, rank),

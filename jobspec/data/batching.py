@@ -174,12 +174,27 @@ class BatchLoader:
                 micro.append(self._rows([self.units[int(u)] for u in mine], self.seq_len))
         return Step(micro, int(self.unit_labels[chosen].sum()), epoch, index)
 
-    def eval_micro_batches(self) -> Iterator[dict[str, NDArray[Any]]]:
+    def eval_micro_batches(self, lockstep: bool = False) -> Iterator[dict[str, NDArray[Any]]]:
         """Every unit exactly once, in cache order, for evaluation: unit i belongs to DP rank
         i % dp_size; this rank's units in micro-batches of micro_batch_size rows (one budget group
         each with max_tokens_per_batch). No shuffling, nothing dropped. A short last micro-batch gets
-        empty rows (no labels): every batch has the training shape, so a compiled layer compiles once."""
-        mine = self.units[self.dp_rank::self.dp_size]
+        empty rows (no labels): every batch has the training shape, so a compiled layer compiles once.
+        ``lockstep``: as many micro-batches as DP rank 0 (which has the most), the missing ones its first
+        without labels (nothing counted): every DP rank runs the same forwards (ZeRO-3 gathers in each)."""
+        yield from self._eval_rows(self.dp_rank)
+        missing = self._eval_count(0) - self._eval_count(self.dp_rank)
+        if lockstep and missing:
+            first = next(self._eval_rows(0))
+            blank = {**first, "labels": np.full_like(first["labels"], IGNORE)}
+            for _ in range(missing):
+                yield blank
+
+    def _eval_count(self, dp_rank: int) -> int:
+        units = len(self.units[dp_rank::self.dp_size])
+        return units if self.dynamic else -(-units // self.mbs)
+
+    def _eval_rows(self, dp_rank: int) -> Iterator[dict[str, NDArray[Any]]]:
+        mine = self.units[dp_rank::self.dp_size]
         if self.dynamic:
             for unit in mine:
                 yield self._rows([[s] for s in unit], max(int(self.index[s, 1]) for s in unit))

@@ -56,8 +56,12 @@ def test_parallel_zero_maps_onto_the_sharded_optimizer_and_refuses_what_is_not_b
     assert layout({"parallel.zero": "3", "parallel.overlap_grad_reduce": "false"}).overlap_grad_reduce
     assert not layout({"parallel.zero": "2", "parallel.overlap_grad_reduce": "false"}).overlap_grad_reduce
     assert not load_recipe("tiny-cpu", {"parallel.zero": "3"}).resolved(4, "cpu").train.compile_layers  # refused
+    lora = layout({"parallel.zero": "3", "train.method": "lora"})  # the frozen base sharded too
+    assert lora.shard_weights and lora.sharding("lora") == ("optimizer state, gradients and decoder-layer weights "
+                                                            "(LoRA: the adapters and the frozen base) sharded over DP "
+                                                            "(ZeRO-3)")
+    assert layout({"parallel.zero": "2"}).sharding() == "optimizer state and gradients sharded over DP (ZeRO-2)"
     for over, says in (({"parallel.zero": "4"}, "parallel.zero=4: the stages are auto, 1, 2 and 3"),
-                       ({"parallel.zero": "3", "train.method": "lora"}, "ZeRO-3 with train.method=lora is not built"),
                        ({"parallel.zero": "3", "train.compile_layers": "true"}, "train.compile_layers=true: not with "
                         "parallel.zero=3"),
                        ({"parallel.zero": "2", "parallel.shard_optimizer": "false"}, "parallel.zero=2: stage 2")):

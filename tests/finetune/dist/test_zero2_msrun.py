@@ -22,8 +22,8 @@ WORKER = harness.REPO / "finetune" / "worker.py"
 STEPS, GLOBAL_SEQS, LR = 20, 8, 2e-3
 
 
-def _run(tmp: Path, name: str, dp: int, tp: int = 1, **extra: str) -> Path:
-    """Plan and run a complete job unless this module already ran it."""
+def _run(tmp: Path, name: str, dp: int, tp: int = 1, worker: Path = WORKER, **extra: str) -> Path:
+    """Plan and run a complete job (``worker``: the script msrun starts) unless this module already ran it."""
     if (tmp / name / "hf").is_dir():
         return tmp / name
     over = {"output_dir": str(tmp / name), "model.dir": str(tmp / "base-model"), "data.cache_dir": str(tmp / "cache"),
@@ -36,9 +36,9 @@ def _run(tmp: Path, name: str, dp: int, tp: int = 1, **extra: str) -> Path:
     plan = tmp / name / "plan.json"
     plan.write_text(json.dumps({"recipe": to_dict(load_recipe("tiny-cpu", over))}))
     if dp * tp == 1:
-        harness.python(WORKER, ["--config", str(plan)], tmp / name)
+        harness.python(worker, ["--config", str(plan)], tmp / name)
     else:
-        harness.msrun(WORKER, ["--config", str(plan)], dp * tp, tmp / name)
+        harness.msrun(worker, ["--config", str(plan)], dp * tp, tmp / name)
     return tmp / name
 
 

@@ -64,6 +64,11 @@ def test_validation_batches_cover_every_sample_once_over_the_ranks(tmp_path, dat
         assert all(m["input_ids"].shape == (2, 128) and m["labels"].dtype == np.int32 for b in ranks for m in b)
         got = sum(int((m["labels"][:, 1:] != IGNORE).sum()) for b in ranks for m in b)
         assert got == want, dp  # a conversation starts with <|im_start|>, never a label: packing loses none
+        # lockstep (ZeRO-3): every rank as many micro-batches as rank 0, the extra ones without labels
+        lock = [list(BatchLoader(info.dir, 128, 2, 1, dp, r, seed=0, packing=packing, index_name=cache.VAL_INDEX)
+                     .eval_micro_batches(lockstep=True)) for r in range(dp)]
+        assert {len(b) for b in lock} == {len(ranks[0])}
+        assert sum(int((m["labels"][:, 1:] != IGNORE).sum()) for b in lock for m in b) == want
     assert not (prepare(*cache_of(recipe_for(tmp_path / "n", [data])), progress=False).dir / cache.VAL_INDEX).exists()
     train = BatchLoader(info.dir, 128, 2, 1, 1, 0, seed=1, packing=packing)
     assert sum(len(u) for u in train.units) == 31
