@@ -94,11 +94,48 @@ def all_gather_flat(chunk: Any, size: int, index: int, group: str | None, native
         return chunk
     if native:
         return _prim("allgather", group)(chunk)
+    return all_reduce_sum(_placed(chunk, size, index), group)
+
+
+def _placed(chunk: Any, size: int, index: int) -> Any:
+    """A zero buffer of ``size`` chunks holding ``chunk`` as chunk ``index`` (an emulated gather's summand)."""
     from mindspore import ops
 
     n = chunk.shape[0]
     zeros = [ops.zeros((m,), dtype=chunk.dtype) for m in (index * n, (size - index - 1) * n)]
     parts = [zeros[0], chunk, zeros[1]]
-    return all_reduce_sum(ops.cat([p for p in parts if p.shape[0]]), group)
+    return ops.cat([p for p in parts if p.shape[0]])
 
 
+class Gathering(InFlight):
+    """An asynchronous all-gather into one buffer per member: ``wait`` gives them end to end (and drops them)."""
+
+    def wait(self) -> Any:
+        from mindspore import ops
+
+        parts, self.out = super().wait(), []
+        return ops.cat(parts)
+
+
+def all_gather_async(chunk: Any, size: int, index: int, group: str | None, native: bool, into: bool
+                     ) -> Ready | InFlight:
+    """Start :func:`all_gather_flat` (same result) as an asynchronous collective; ``wait()`` gives it.
+
+    ``native`` and ``into`` (HCCL): ``mint.distributed.all_gather_into_tensor`` into one flat buffer; ``native``
+    alone: ``mint.distributed.all_gather`` into one buffer per member, concatenated at ``wait`` (MindSpore 2.10's
+    CPU backend has no kernel for the former: "DistCommAllGatherIntoTensor unregistered"); else the AllReduce of
+    :func:`_placed`, started with ``all_reduce_sum_async``.
+    """
+    if group is None:
+        return Ready(chunk)
+    if not native:
+        return all_reduce_sum_async(_placed(chunk, size, index), group)
+    from mindspore import ops
+    from mindspore.mint import distributed
+
+    if into:
+        out = ops.zeros((size * chunk.shape[0],), dtype=chunk.dtype)
+        return InFlight(distributed.all_gather_into_tensor(out, chunk, group=group, async_op=True), out,
+                        inputs=(chunk,))
+    outs = [ops.zeros_like(chunk) for _ in range(size)]
+    return Gathering(distributed.all_gather(outs, chunk, group=group, async_op=True), outs, inputs=(chunk,))

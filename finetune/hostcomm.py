@@ -3,18 +3,19 @@ collectives.
 
 MindSpore's CPU collectives move about 0.2 GB/s on the 2-core machine (docs/speed.md): DP's gradient and
 weight traffic then costs more than the second core gains. Workers on one host can read each other's
-memory instead. Each member of a group maps one file per :class:`Slots` in ``/dev/shm`` (one region per
-bucket), unlinked as soon as every member has it mapped, so nothing is left behind whatever happens to the
-job. A member copies its bucket into its own region and tells the others; each reads every member's
-region and adds them in member order, so every member gets the same bits (and two members, the bits of
-MindSpore's sum, ``a + b``). Messages go through one FIFO per member: ``write``/``read`` on a pipe order
-the memory writes before them (the kernel's pipe lock), on x86 and on Arm alike, and a member waiting for
-a message sleeps in ``select`` instead of spinning on a core a peer needs.
+memory instead. Each member of a group maps one file per :class:`Slots` in ``/dev/shm`` (a few regions, each
+the size of the largest bucket, reused bucket after bucket: ``jobspec.memory.HOST_REGIONS``), unlinked as soon
+as every member has it mapped, so nothing is left behind whatever happens to the job. A member copies its
+bucket into its own region and tells the others; each reads every member's region and adds them in member
+order, so every member gets the same bits (and two members, the bits of MindSpore's sum, ``a + b``). Messages
+go through one FIFO per member: ``write``/``read`` on a pipe order the memory writes before them (the kernel's
+pipe lock), on x86 and on Arm alike, and a member waiting for a message sleeps in ``select`` instead of
+spinning on a core a peer needs.
 
-A region is written again only after every member has said it is done reading it (``done`` messages),
-so a member running ahead cannot overwrite a bucket a slower one still reads. Every member must make the
-same calls in the same order, as with any collective. Pure numpy: tested with plain processes
-(tests/finetune/dist/test_hostcomm.py), used by the workers when the plan says so
+A region is written again only after every member has said it is done reading its previous post (``done``
+messages, counted per region), so a member running ahead cannot overwrite a bucket a slower one still reads.
+Every member must make the same calls in the same order, as with any collective. Pure numpy: tested with plain
+processes (tests/finetune/dist/test_hostcomm.py), used by the workers when the plan says so
 (``layout.host_collectives``).
 """
 from __future__ import annotations
@@ -28,7 +29,10 @@ import time
 
 import numpy as np
 
-MSG = struct.Struct("<BHHII")  # kind, sender, slots id, bucket, generation
+from jobspec.lifecycle import PeerLost
+from jobspec.memory import HOST_REGIONS
+
+MSG = struct.Struct("<BHHII")  # kind, sender, slots id, region, generation
 HELLO, CREATED, READY, DONE = 1, 2, 3, 4
 
 
@@ -69,7 +73,11 @@ class HostGroup:
     def send(self, kind: int, slots: int, k: int, gen: int, to: list[int]) -> None:
         msg = MSG.pack(kind, self.index, slots, k, gen)
         for m in to:
-            os.write(self.outbox[m], msg)  # one write of under PIPE_BUF bytes: atomic
+            try:
+                os.write(self.outbox[m], msg)  # one write of under PIPE_BUF bytes: atomic
+            except BrokenPipeError as e:  # the FIFO has no reader: member m's process has ended
+                raise PeerLost(f"host collectives: member {m} of {self.prefix} is gone (its process ended); "
+                               "this rank cannot go on without it") from e
 
     def wait(self, kind: int, slots: int, k: int, gen: int) -> None:
         """Until every peer has sent (kind, slots, k) with a generation >= ``gen``."""
@@ -93,19 +101,26 @@ class HostGroup:
         self.send(kind, slots, k, gen, self.peers)
         self.wait(kind, slots, k, gen)
 
-    def slots(self, lengths: list[int], dtype: np.dtype | type = np.float32) -> Slots:
-        """One region per bucket of ``lengths`` elements on every member (a collective call)."""
+    def slots(self, lengths: list[int], dtype: np.dtype | type = np.float32, regions: int = HOST_REGIONS) -> Slots:
+        """``regions`` regions, each the largest bucket of ``lengths`` elements, on every member (a collective
+        call)."""
         self.n_slots += 1
-        return Slots(self, self.n_slots, lengths, np.dtype(dtype))
+        return Slots(self, self.n_slots, lengths, np.dtype(dtype), regions)
 
 
 class Slots:
-    """Every member's regions for one set of buckets: ``post`` this member's bucket, ``view`` the others'."""
+    """Every member's ``regions`` regions for a set of buckets: ``post`` this member's bucket, ``view`` the others'.
 
-    def __init__(self, group: HostGroup, sid: int, lengths: list[int], dtype: np.dtype):
+    Each region holds the largest bucket; the i-th ``post`` goes to region i mod ``regions`` (the same one on every
+    member: the same calls in the same order), and a region's generation counts its posts. Posting over a bucket
+    whose sum this member has not taken yet takes it first (kept until ``sum`` asks for it), so a member may post
+    more buckets than there are regions before it sums any; a bucket whose views are still read must be ``done``
+    first."""
+
+    def __init__(self, group: HostGroup, sid: int, lengths: list[int], dtype: np.dtype, regions: int):
         self.group, self.sid, self.lengths, self.dtype = group, sid, list(lengths), dtype
-        self.starts = np.cumsum([0] + self.lengths).tolist()
-        nbytes = max(1, self.starts[-1]) * dtype.itemsize
+        self.size, self.n = max([1, *self.lengths]), max(1, regions)
+        nbytes = self.size * self.n * dtype.itemsize
         mine = self._file(group.index)
         fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -130,29 +145,44 @@ class Slots:
             os.close(fd)
         group._all(HELLO, sid, 0, 0)  # every member has every file mapped
         os.unlink(mine)
-        self.regions = {m: np.frombuffer(mp, dtype, self.starts[-1]) for m, mp in self.maps.items()}
-        self.gen = [0] * len(self.lengths)
-        self.kept: dict[int, np.ndarray] = {}  # per bucket: this member's kept elements (post's ``keep``)
+        self.regions = {m: np.frombuffer(mp, dtype, self.size * self.n) for m, mp in self.maps.items()}
+        self.posts = 0
+        self.gen = [0] * self.n  # per region: its posts so far
+        self.holder: list[int | None] = [None] * self.n  # per region: the bucket posted there and not yet done
+        self.at: dict[int, int] = {}  # bucket -> the region of its newest post
+        self.viewed: set[int] = set()  # buckets whose views are out and not done
+        self.kept: list[np.ndarray | None] = [None] * self.n  # per region: this member's kept elements (``keep``)
         self.kept_range: dict[int, tuple[int, int] | None] = {}
-        self.sums: dict[int, np.ndarray] = {}
+        self.early: dict[int, tuple[int, np.ndarray]] = {}  # bucket -> (its first element, sum taken at a post)
 
     def _file(self, m: int) -> str:
         return f"{self.group.prefix}-s{self.sid}-m{m}"
 
     def region(self, m: int, k: int) -> np.ndarray:
-        return self.regions[m][self.starts[k]:self.starts[k + 1]]
+        """Member ``m``'s region holding bucket ``k``'s newest post."""
+        r = self.at[k]
+        return self.regions[m][r * self.size:r * self.size + self.lengths[k]]
 
     def post(self, k: int, pieces: list[np.ndarray], keep: tuple[int, int] | None = None) -> None:
         """Write this member's bucket ``k``: ``pieces`` end to end, zeros after them (once every peer is done
-        reading the previous one), and say so. ``keep=(lo, hi)``: elements no peer reads (this member's
+        reading the region's previous post), and say so. ``keep=(lo, hi)``: elements no peer reads (this member's
         chunk of a reduce-scatter) go to a private buffer that ``sum(k, lo, hi)`` reads instead."""
-        g = self.group
-        self.gen[k] += 1
-        if self.gen[k] > 1:
-            g.wait(DONE, self.sid, k, self.gen[k] - 1)
+        g, r = self.group, self.posts % self.n
+        self.posts += 1
+        j = self.holder[r]
+        if j is not None:  # this member has not read the region's previous bucket yet: sum it now
+            if j in self.viewed:
+                raise RuntimeError(f"host collectives: bucket {k} posted over bucket {j}, whose views are still "
+                                   f"read (done() first; {self.n} regions)")
+            lo, hi = self.kept_range[j] or (0, self.lengths[j])
+            self.early[j] = (lo, self._sum(j, lo, hi))
+        self.gen[r] += 1
+        if self.gen[r] > 1:
+            g.wait(DONE, self.sid, r, self.gen[r] - 1)
+        self.at[k], self.holder[r], self.kept_range[k] = r, k, keep
         region = self.region(g.index, k)
         lo, hi = keep or (0, 0)
-        own = self._buffer(self.kept, k, hi - lo)
+        own = self._kept(r, hi - lo)
         at = 0
         for x in pieces:
             x, end = x.reshape(-1), at + x.size
@@ -166,34 +196,49 @@ class Slots:
             at = end
         region[at:] = 0
         if at < hi:
-            own[max(at, lo) - lo:] = 0
-        self.kept_range[k] = keep
-        g.send(READY, self.sid, k, self.gen[k], g.peers)
+            own[max(at, lo) - lo:hi - lo] = 0
+        g.send(READY, self.sid, r, self.gen[r], g.peers)
 
-    def _buffer(self, store: dict[int, np.ndarray], k: int, n: int) -> np.ndarray:
-        """A buffer of ``n`` elements kept for bucket ``k`` across steps (a new large array each step would
-        cost page faults on every touch)."""
-        if k not in store or store[k].size != n:
-            store[k] = np.empty(n, self.dtype)
-        return store[k]
+    def _kept(self, r: int, n: int) -> np.ndarray:
+        """Region ``r``'s private buffer of at least ``n`` elements (made once: a chunk of the largest bucket)."""
+        kept = self.kept[r]
+        if n <= 0:
+            return np.empty(0, self.dtype)
+        if kept is None or kept.size < n:
+            kept = self.kept[r] = np.empty(max(n, -(-self.size // self.group.members)), self.dtype)
+        return kept
 
     def views(self, k: int) -> list[np.ndarray]:
-        """Every member's bucket ``k`` of this generation, in member order (read-only until ``done``)."""
-        self.group.wait(READY, self.sid, k, self.gen[k])
+        """Every member's bucket ``k`` of this post, in member order (read-only until ``done``)."""
+        r = self.at[k]
+        if self.holder[r] != k:
+            raise RuntimeError(f"host collectives: bucket {k}'s region holds bucket {self.holder[r]} now (read a "
+                               f"gather before posting {self.n} more buckets)")
+        self.group.wait(READY, self.sid, r, self.gen[r])
+        self.viewed.add(k)
         return [self.region(m, k) for m in range(self.group.members)]
 
     def done(self, k: int) -> None:
-        """This member has read bucket ``k`` of every member: they may write it again."""
-        self.group.send(DONE, self.sid, k, self.gen[k], self.group.peers)
+        """This member has read bucket ``k`` of every member: they may write its region again."""
+        r = self.at[k]
+        self.viewed.discard(k)
+        self.holder[r] = None
+        self.group.send(DONE, self.sid, r, self.gen[r], self.group.peers)
 
     def sum(self, k: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Elements [lo, hi) of bucket ``k`` summed over the members in member order, in a buffer that the
-        next ``sum`` of bucket ``k`` overwrites."""
+        """Elements [lo, hi) of bucket ``k`` summed over the members in member order, in a new array."""
         hi = self.lengths[k] if hi is None else hi
+        if k in self.early:
+            first, out = self.early.pop(k)
+            return out[lo - first:hi - first]
+        return self._sum(k, lo, hi)
+
+    def _sum(self, k: int, lo: int, hi: int) -> np.ndarray:
         parts = [v[lo:hi] for v in self.views(k)]
-        if self.kept_range.get(k) == (lo, hi):
-            parts[self.group.index] = self.kept[k]
-        out = self._buffer(self.sums, k, hi - lo)
+        kept = self.kept[self.at[k]]
+        if self.kept_range.get(k) == (lo, hi) and kept is not None:
+            parts[self.group.index] = kept[:hi - lo]
+        out = np.empty(hi - lo, self.dtype)
         np.add(parts[0], parts[1], out=out)
         for p in parts[2:]:
             out += p

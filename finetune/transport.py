@@ -25,7 +25,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from finetune.collectives import InFlight, Ready, all_gather_flat, all_reduce_sum, all_reduce_sum_async
+from finetune.collectives import (
+    InFlight,
+    Ready,
+    all_gather_async,
+    all_gather_flat,
+    all_reduce_sum,
+    all_reduce_sum_async,
+)
 from finetune.collectives import reduce_scatter_sum_async as _reduce_scatter
 from finetune.hostcomm import HostGroup, Slots
 from finetune.hostmem import own_array
@@ -56,6 +63,13 @@ class Channel(Protocol):
     def gather(self, k: int, chunk: Any) -> Any:
         """Every member's ``chunk`` of bucket ``k`` end to end, in member order (a flat tensor)."""
 
+    def start_gather(self, k: int, chunk: Any) -> Flight:
+        """``gather(k, chunk)`` started now, ``wait()`` gives it (ZeRO-3's prefetch); done at once where the channel
+        is synchronous."""
+
+    def describe_prefetch(self) -> str:
+        """Whether the gathers ``start_gather`` starts overlap compute (for the log)."""
+
     def gather_into(self, k: int, chunk: Any, targets: list[Target], write: Write) -> None:
         """Concatenate every member's ``chunk`` of bucket ``k`` and copy its ranges into ``targets``; a parameter
         is written (``write``) once its last range has arrived (it may span buckets)."""
@@ -72,9 +86,9 @@ class DPTransport(Protocol):
     size: int  # the DP group's size
     index: int  # this rank's place in it
 
-    def channel(self, lengths: list[int], weights: list | None = None) -> Channel:
+    def channel(self, lengths: list[int], weights: list | None = None, sums: bool = True) -> Channel:
         """A channel of buckets of ``lengths``; ``weights``: the parameters ``gather_into`` writes (a collective
-        call for the shared-memory transport)."""
+        call for the shared-memory transport); ``sums=False``: it only gathers (no sum buffers)."""
 
 
 def ring_bytes(whole: int, size: int, times: int = 1) -> int:
@@ -107,7 +121,7 @@ class Collectives:
     def __init__(self, size: int, index: int, group: str | None):
         self.size, self.index, self.group = size, index, group
 
-    def channel(self, lengths: list[int], weights: list | None = None) -> TensorChannel:
+    def channel(self, lengths: list[int], weights: list | None = None, sums: bool = True) -> TensorChannel:
         return TensorChannel(self, lengths)
 
 
@@ -127,6 +141,10 @@ class Emulated(Collectives):
 
 def _how(native: bool) -> str:
     return "native" if native else "via AllReduce"
+
+
+def _not_overlapped(why: str) -> str:
+    return f"started in the same order, but prefetch is not overlapped on this transport: {why}"
 
 
 class TensorChannel:
@@ -151,6 +169,19 @@ class TensorChannel:
         self.sent += ring_bytes(int(chunk.nbytes) * t.size, t.size)
         return all_gather_flat(chunk, t.size, t.index, t.group, t.native_ag)
 
+    def start_gather(self, k: int, chunk: Any) -> Ready | InFlight:
+        """On ``Native`` (Ascend) ``all_gather_into_tensor`` on HCCL's stream, beside the compute stream; on
+        ``Emulated`` (CPU) MindSpore 2.10 accepts ``async_op`` but runs the collective before the kernels queued
+        after it. The same result and bytes as ``gather``."""
+        t = self.t
+        self.sent += ring_bytes(int(chunk.nbytes) * t.size, t.size)
+        return all_gather_async(chunk, t.size, t.index, t.group, t.native_ag, into=isinstance(t, Native))
+
+    def describe_prefetch(self) -> str:
+        if isinstance(self.t, Native):
+            return "started as asynchronous collectives that overlap the current layer's compute"
+        return _not_overlapped("MindSpore's CPU backend runs a collective before the kernels queued after it")
+
     def gather_into(self, k: int, chunk: Any, targets: list[Target], write: Write) -> None:
         full = self.gather(k, chunk)
         for p, a, b, at in targets:
@@ -165,8 +196,8 @@ class TensorChannel:
 
 
 class HostSum:
-    """One bucket's DP sum through shared memory: ``pieces`` are posted now, the sum is taken at ``wait``, which
-    gives elements [lo, hi) of it as one fp32 tensor on the slots' buffer (valid until the next sum of it)."""
+    """One bucket's DP sum through shared memory: ``pieces`` are posted now, the sum is taken at ``wait`` (or at a
+    later post that needs its region), which gives elements [lo, hi) of it as one fp32 tensor on a new array."""
 
     def __init__(self, slots: Slots, k: int, pieces: list[np.ndarray], lo: int = 0, hi: int | None = None):
         self.slots, self.k, self.lo, self.hi = slots, k, lo, hi
@@ -189,17 +220,17 @@ class SharedMemory:
         self.group, self.fallback = group, fallback
         self.size, self.index = group.members, group.index
 
-    def channel(self, lengths: list[int], weights: list | None = None) -> HostChannel:
-        return HostChannel(self, lengths, weights or [])
+    def channel(self, lengths: list[int], weights: list | None = None, sums: bool = True) -> HostChannel:
+        return HostChannel(self, lengths, weights or [], sums)
 
 
 class HostChannel:
     """A channel through shared memory; its gathers write straight into the parameters' own memory when they
     share one dtype numpy has and every one owns its memory (else through the fallback's collectives)."""
 
-    def __init__(self, t: SharedMemory, lengths: list[int], weights: list):
+    def __init__(self, t: SharedMemory, lengths: list[int], weights: list, sums: bool = True):
         self.t, self.lengths = t, list(lengths)
-        self.sums = t.group.slots(self.lengths)
+        self.sums = t.group.slots(self.lengths) if sums else None  # None: a gather-only channel
         dtypes = {p.dtype for p in weights}
         dtype = HOST_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         own = all(own_array(p) is not None for p in weights)
@@ -211,14 +242,19 @@ class HostChannel:
     def sent(self) -> int:
         return self.own + self.other.sent
 
+    def _sums(self) -> Slots:
+        if self.sums is None:
+            raise RuntimeError("a gather-only channel (sums=False) cannot sum")
+        return self.sums
+
     def sum(self, k: int, parts: list[Part]) -> HostSum:
         self.own += ring_bytes(4 * self.lengths[k], self.t.size, 2)
-        return HostSum(self.sums, k, [host_fp32(x)[a:b] for x, a, b in parts])
+        return HostSum(self._sums(), k, [host_fp32(x)[a:b] for x, a, b in parts])
 
     def reduce_scatter(self, k: int, parts: list[Part]) -> HostSum:
         c, r = self.lengths[k] // self.t.size, self.t.index
         self.own += ring_bytes(4 * self.lengths[k], self.t.size)
-        return HostSum(self.sums, k, [host_fp32(x)[a:b] for x, a, b in parts], r * c, (r + 1) * c)
+        return HostSum(self._sums(), k, [host_fp32(x)[a:b] for x, a, b in parts], r * c, (r + 1) * c)
 
     def gather(self, k: int, chunk: Any) -> Any:
         if self.gathers is None:
@@ -252,6 +288,13 @@ class HostChannel:
                 flat[a:a + n] = views[m][off:off + n]
                 a, at = a + n, at + n
         slots.done(k)
+
+    def start_gather(self, k: int, chunk: Any) -> Ready:
+        """A copy on the calling thread: done when started."""
+        return Ready(self.gather(k, chunk))
+
+    def describe_prefetch(self) -> str:
+        return _not_overlapped("its gathers are synchronous copies through shared memory")
 
     def describe(self) -> str:
         return "reduce-scatter through shared memory, all-gather " + (

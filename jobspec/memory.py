@@ -26,6 +26,9 @@ BUCKET_BYTES = 25 * 2**20  # gradient/optimizer collective bucket (about 25 MB):
 # ZeRO-2/3: reduce-scatters a rank keeps in flight during the backward, each holding its bucket's flat fp32 copy
 # (parallel/overlap.py ShardedAccumulation._launch waits for the oldest first)
 IN_FLIGHT_BUCKETS = 2
+# CPU DP through shared memory: regions per member and set of buckets (finetune/hostcomm.py Slots), each of the
+# largest bucket, reused in turn: 2, so that one bucket is posted while the previous one is read
+HOST_REGIONS = 2
 
 WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers, allocator fragmentation
 # CPU: what a training process holds beyond an empty MindSpore process (same imports, same device setup) and the
@@ -46,11 +49,14 @@ TERMS = {
     "grads": "one micro-batch's gradients in the compute dtype (run/loop.py accumulate: grad_fn's output)",
     "activations": "kept activations (recompute: the layer inputs and one layer's; LoRA dropout inputs)",
     "logits": "the LM head's logits chunk and its gradient (parallel/vocab.py LMHeadCrossEntropy)",
+    "tied": "a trained tied embedding's [vocab, hidden] gradient buffers beyond grads: the LM head's d weight "
+            "(LMHeadCrossEntropy.bprop) and the lookup's dense one before autodiff sums them; on the host, one "
+            "buffer (parallel/vocab.py TiedGradient)",
     "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
-              "(GradReduction.finish)",
+              "(GradReduction.finish; CPU DP: the shared-memory sums, new arrays)",
     "update": "optimizer update temporaries: clipped gradients (optim/update.py StepGate), the kernel's per bucket",
-    "collectives": "DP reduction buffers: a bucket's flat copy in flight (NPU), the shared-memory slots "
-                   "(CPU, parallel/hostcomm.py)",
+    "collectives": "DP reduction buffers: a bucket's flat copy in flight (NPU), the shared-memory regions "
+                   "(CPU, hostcomm.py Slots: host_slot_bytes)",
     "staging": "checkpoint-save host copies (io/checkpoint.py save_checkpoint; host memory: CPU only)",
     "workspace": "framework workspace beyond the tensors (NPU: runtime, HCCL, fragmentation; CPU: measured)",
     "graphs": "the compiled decoder-layer graphs' own buffers (CPU, train.compile_layers: finetune/model/decoder.py)",
@@ -61,8 +67,10 @@ TERMS = {
                   "kept by collectives.InFlight until waited: at most IN_FLIGHT_BUCKETS, ShardedAccumulation._launch)",
     "gathered": "ZeRO-3: the gathered decoder layer's compute-dtype weights, one layer at a time "
                 "(parallel/zero3.py ShardedWeights.use)",
-    "gather_buffer": "ZeRO-3: the all-gather's flat buckets of that layer before they are cut into its weights "
-                     "(ShardedWeights._gather)",
+    "gather_buffer": "ZeRO-3: one layer's all-gather buckets: that layer's until they are copied into its weights, "
+                     "then, while it computes, the next layer's, started early (ShardedWeights._put, the prefetch)",
+    "host_layers": "ZeRO-3: the whole decoder layers' host copies the rank writing a checkpoint or export keeps "
+                   "(parallel/zero3.py ShardedWeights.on_host; host memory: CPU only)",
 }
 # The setting that shrinks each term (the worker's step-1 warning names it with the largest term).
 SHRINKS = {
@@ -73,6 +81,7 @@ SHRINKS = {
     "grads": "a larger parallel.tp, or train.method=lora",
     "activations": "train.recompute=true, or a smaller train.micro_batch_size or data.seq_len",
     "logits": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
+    "tied": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
     "totals": "parallel.shard_optimizer=true",
     "update": "parallel.shard_optimizer=true",
     "collectives": "parallel.host_collectives=false (CPU)",
@@ -83,11 +92,14 @@ SHRINKS = {
     "rs_buckets": "nothing in the recipe (IN_FLIGHT_BUCKETS buckets of about 25 MB)",
     "gathered": "a larger parallel.tp",
     "gather_buffer": "a larger parallel.tp",
+    "host_layers": "a larger parallel.tp",
 }
-# a checkpoint is saved after the update while the loop still holds the step's totals (run/loop.py train_loop)
-PHASES = {"backward": ("accumulator", "grads", "activations", "logits", "grad_shards", "rs_buckets", "gathered",
+# a checkpoint is saved after the update, the step's totals dropped (run/loop.py train_loop); in host memory (CPU)
+# on top of what the step's peak left resident (MemoryEstimate.phases); ZeRO-3 streams the layers to the writing
+# rank's host through one gathered layer at a time
+PHASES = {"backward": ("accumulator", "grads", "activations", "logits", "tied", "grad_shards", "rs_buckets", "gathered",
                       "gather_buffer"), "step": ("totals", "update"),
-          "save": ("totals", "staging")}
+          "save": ("staging", "gathered", "gather_buffer", "host_layers")}
 STATIC = ("weights", "master", "optimizer", "collectives", "workspace", "graphs")
 
 
@@ -103,6 +115,7 @@ class MemoryEstimate:
     workspace: int
     accumulator: int = 0
     logits: int = 0
+    tied: int = 0
     totals: int = 0
     update: int = 0
     collectives: int = 0
@@ -112,10 +125,17 @@ class MemoryEstimate:
     rs_buckets: int = 0
     gathered: int = 0
     gather_buffer: int = 0
+    host_layers: int = 0
 
     def phases(self) -> dict[str, int]:
-        """Bytes of each phase on top of the static terms."""
-        return {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
+        """Bytes of each phase on top of the static terms. A save's host copies (``staging``, CPU only) come on top
+        of what the step's peak left resident: MindSpore's CPU memory pool keeps the blocks it grew to, while the
+        LM head's numpy arrays (the logits, a tied head's d weight: ``parallel/vocab.py``'s host GEMM) are mapped
+        on their own and returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
+        out = {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
+        if self.staging:
+            out["save"] += max(out["backward"] - self.logits - self.tied // 2, out["step"])
+        return out
 
     @property
     def peak_phase(self) -> str:
@@ -190,6 +210,7 @@ class ZeroTerms:
     rs_buckets: int = 0
     gathered: int = 0
     gather_buffer: int = 0
+    host_layers: int = 0
 
 
 def zero_terms(stage: int, *, n: int, adapters: int, grads: int, accumulator: int, trained: int, state: int,
@@ -199,8 +220,14 @@ def zero_terms(stage: int, *, n: int, adapters: int, grads: int, accumulator: in
     grad_accum > 1) and the reduce-scatters in flight hold IN_FLIGHT_BUCKETS flat fp32 buckets (NPU; on CPU
     the shared-memory slots, ``collectives``, hold them). 3: as 2, and the decoder layers' compute-dtype
     weights are this rank's chunks; one layer is gathered at a time (for its forward, again for its recomputed
-    backward): its weights, the gather's flat buckets (the layer and the two buckets it may straddle) and, in
-    the backward, its weight gradients beside the whole embedding's / LM head's (``finetune/parallel/zero3.py``)."""
+    backward): its weights, one layer's gather buckets (the layer and the two buckets it may straddle: its own
+    until they are copied into its weights, then the next layer's, prefetched while it computes: two layers in
+    all) and, in the backward, its weight gradients beside the whole embedding's / LM head's
+    (``finetune/parallel/zero3.py``).
+    With ``lora`` the sharded weights are the fp32 adapters and the frozen base's layers are cut layer by layer
+    (``zero3_lora.FrozenShards``): the gather's flat buffers are one layer's base and the adapters' buckets.
+    A checkpoint save or export streams the layers the same way, the writing rank keeping them on its host (on CPU,
+    where the host is the device, they count)."""
     whole = n * nbytes + adapters * 4
     if stage < 2:
         return ZeroTerms(whole, grads, accumulator)
@@ -210,9 +237,42 @@ def zero_terms(stage: int, *, n: int, adapters: int, grads: int, accumulator: in
         return ZeroTerms(whole, grads, 0, shards, flats)
     in_layers, unit = sum(layers), max(layers)
     other = n - in_layers
-    weights = (shard_elements(in_layers, dp) + other) * nbytes + adapters * 4
+    held = in_layers * nbytes + adapters * 4 if PLATFORMS[device].host_memory else 0
+    if lora:
+        weights = (shard_elements(in_layers, dp) + other) * nbytes + shard_elements(adapters, dp) * 4
+        buffer = unit * nbytes + min(adapters, 2 * BUCKET_BYTES // 4) * 4
+        return ZeroTerms(weights, grads, 0, shards, flats, unit * nbytes, buffer, held)
+    weights = (shard_elements(in_layers, dp) + other) * nbytes
     buffer = min(in_layers, unit + 2 * BUCKET_BYTES // 4) * nbytes
-    return ZeroTerms(weights, grads if lora else (unit + other) * nbytes, 0, shards, flats, unit * nbytes, buffer)
+    return ZeroTerms(weights, (unit + other) * nbytes, 0, shards, flats, unit * nbytes, buffer, held)
+
+
+def host_slot_bytes(bucket: int, dp: int, sharded: bool, nbytes: int) -> int:
+    """CPU DP through shared memory (``finetune/hostcomm.py``): what one rank's RSS holds of the ``Slots``, kept
+    across steps: ``HOST_REGIONS`` regions per member, each of the largest bucket (``bucket`` fp32 elements), reused
+    bucket after bucket. A mapped page counts in the RSS of every member that touches it. Unsharded (a sum): its
+    own regions and every peer's, read whole (dp x 4 B per element). Sharded (a reduce-scatter of chunks ``c`` =
+    bucket / dp): its regions but its chunk, each peer's chunk of theirs ((dp - 1) x c), its kept chunk apart
+    (``Slots.kept``); the weights' all-gather regions: its chunk and every peer's, in the weights' dtype
+    (``nbytes``). The sums are new arrays, the totals the optimizer reads (``totals``)."""
+    if not sharded:
+        return HOST_REGIONS * dp * bucket * 4
+    c = -(-bucket // dp)
+    return HOST_REGIONS * ((c * dp + (dp - 1) * c) * 4 + dp * c * nbytes)
+
+
+def tied_bytes(model_config: dict[str, Any], rows: int, precision: str, in_place: bool) -> int:
+    """A trained tied embedding's gradient buffers beyond ``grads`` (the ``tied`` term; ``rows`` x hidden elements,
+    fp32: a tied embedding stays fp32). ``in_place`` (host memory, the whole vocabulary on the rank:
+    ``parallel/vocab.py`` TiedGradient): the LM head's d weight is the weight's gradient, the lookup's rows added
+    into it, so in fp32 nothing beyond ``grads``. Otherwise (Ascend, vocab-parallel) autodiff sums the head's and
+    the lookup's dense d weights into a third: two fp32 copies more. In bf16/fp16 4 bytes more per element either
+    way: the head's compute-dtype d weight before its fp32 cast, and the fp32 gradient's bytes beyond the compute
+    dtype ``grads`` counts."""
+    if not model_config.get("tie_word_embeddings"):
+        return 0
+    per_element = (0 if in_place else 8) + (0 if precision == "fp32" else 4)
+    return rows * int(model_config["hidden_size"]) * per_element
 
 
 def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
@@ -277,16 +337,18 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     # clipped gradients (one fp32 copy of the totals); on the NPU the kernel's new w, m, v and two temporaries
     # over its largest operand (a tensor, or a bucket's chunk); on CPU it writes in place (optim/host.py)
     kernel = min(state, math.ceil(BUCKET_BYTES // 4 / dp) if sharded else max(sizes)) if not host else 0
-    update = totals + 5 * kernel * 4
+    update = state * 4 + 5 * kernel * 4
     collectives = 0
-    # the shared-memory slots: every bucket, and the all-gather's chunks (sharded)
-    if dp > 1 and not PLATFORMS[device].native_collectives:
-        collectives = trained * 4 + (state * 4 if sharded else 0)
+    if dp > 1 and not PLATFORMS[device].native_collectives:  # the shared-memory regions
+        # the largest bucket: ShardLayout's (sharded), else buckets_by_bytes' (a larger tensor alone)
+        largest = BUCKET_BYTES // 4 if sharded or lora else max(BUCKET_BYTES // 4, max(sizes))
+        collectives = host_slot_bytes(min(trained, largest), dp, sharded, nbytes)
     elif dp > 1:
         collectives = min(trained * 4, BUCKET_BYTES)
     staging = 0
-    if host:  # numpy copies of the trained weights (fp32) and optimizer state, then safetensors' bytes
-        staging = 2 * (trained * 4 + 2 * state * 4 + master)
+    if host:  # numpy copies of the trained weights in fp32 and of the optimizer state (io/checkpoint.py
+        # save_checkpoint: astype's and the optimizer's snapshot copies; safetensors writes from their memory)
+        staging = trained * 4 + 2 * state * 4 + master
     z = zero_terms(zero if sharded else 0, n=n, adapters=adapters, grads=grad_nbytes, accumulator=accumulator,
                    trained=trained, state=state, layers=layer_elements(local), nbytes=nbytes, dp=dp,
                    grad_accum=grad_accum, device=device, lora=lora is not None)
@@ -295,6 +357,9 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           accumulator=z.accumulator, logits=logits, totals=totals, update=update,
                           collectives=collectives, staging=staging, grad_shards=z.grad_shards,
                           rs_buckets=z.rs_buckets, gathered=z.gathered, gather_buffer=z.gather_buffer,
+                          host_layers=z.host_layers,
+                          tied=0 if lora else tied_bytes(model_config, head_rows, precision,
+                                                         in_place=host and not (vocab_parallel and tp > 1)),
                           graphs=graph_bytes(model_config, tokens)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 

@@ -21,7 +21,7 @@ from mindspore.common.initializer import initializer
 from finetune.dist import RankInfo
 from finetune.model import kernels
 from finetune.parallel.layers import ColumnParallelLinear, CopyToTP, RowParallelLinear
-from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, VocabRange
+from finetune.parallel.vocab import Embedding, LMHead, LMHeadCrossEntropy, TiedGradient, VocabRange
 from jobspec.data.template import IGNORE
 from jobspec.family import family_of
 from jobspec.model_layout import Dims, TPSlice, full_shapes, local_kv_heads, tp_layout
@@ -275,6 +275,9 @@ class DecoderLM(nn.Cell):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(self.vocab_rows.size, cfg.hidden_size)
         self.loss_fn = LMHeadCrossEntropy(compute_dtype, rank, self.vocab_rows if split else None,
                                           loss_chunk_tokens)
+        if cfg.tie_word_embeddings and rank.platform.host_memory and not split:  # one d weight buffer, not three
+            self.loss_fn.tied = TiedGradient()
+            self.model.embed_tokens.tie(self.loss_fn.tied)
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
         shapes = self.hf_shapes()
         for name, p in self.hf_state().items():  # for resharding checkpoints (finetune/io/reshard.py) and
@@ -330,7 +333,8 @@ class DecoderLM(nn.Cell):
             return h.sum().astype(ms.float32) * 0.0 + 0.0  # + 0.0 turns -0.0 into 0.0
         idx = Tensor(rows)  # a host-to-device copy: the device is never waited for
         target = labels[:, 1:].reshape(-1).index_select(0, idx).astype(ms.int32)
-        return self.loss_fn(h.index_select(0, idx), self._head_weight(), target)
+        w = self._head_weight()  # tied (TiedGradient): its gradient comes from the lookup's backward only
+        return self.loss_fn(h.index_select(0, idx), w if self.loss_fn.tied is None else ops.stop_gradient(w), target)
 
     def _hidden(self, input_ids, position_ids=None, segment_ids=None):
         b, s = input_ids.shape

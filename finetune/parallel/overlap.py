@@ -156,6 +156,10 @@ class GradReduction:
     def _launch(self, k: int) -> Any:
         return self.opt.launch(k, self.totals)
 
+    def _wait_all(self) -> list:
+        """Every bucket's flight, in bucket order."""
+        return [self.pending[k] for k in range(len(self.pending))]
+
     def finish(self, grads: tuple | list) -> list:
         """The reduced buckets of this step; ``grads``: what the last backward returned (used for
         the parameters whose hook did not run: all of them without overlap; a list is emptied as it is read)."""
@@ -166,7 +170,7 @@ class GradReduction:
             if isinstance(grads, list):
                 grads[i] = None
         t0 = time.perf_counter()
-        out = [self.pending[k].wait() for k in range(len(self.pending))]
+        out = [f.wait() for f in self._wait_all()]
         self.comm_s += time.perf_counter() - t0
         self._start(None, armed=False)
         return out
@@ -181,50 +185,59 @@ class ShardedAccumulation(GradReduction):
     """ZeRO-2 (``layout.shard_gradients``): every micro-batch's gradients are reduce-scattered over DP by the
     sharded optimizer's buckets, launched from its backward hooks when overlapping (armed for every backward,
     not only the last), and each rank adds only its own fp32 chunks: no whole fp32 gradient outlives its
-    micro-batch. ``acc``: the chunk sums of the earlier micro-batches, or None."""
+    micro-batch. ``sums``: the step's chunk sums so far (per bucket, None before its first chunk), each chunk
+    added as soon as it is waited for, so no micro-batch's chunks are alive all at once beside them."""
 
     def __init__(self, params: list, opt: Bucketed, overlap: bool):
         super().__init__(params, opt, overlap)
-        self.chunks: list | None = None
+        self.sums: list = [None] * len(opt.bucket_params)
         self._start(None, armed=overlap)
 
     def _reduce(self, grads: tuple | list) -> list:
-        """This micro-batch's chunks; the hooks armed again for the next backward."""
-        out = super().finish(grads)
+        """This micro-batch's chunks added to the step's sums; the hooks armed again for the next backward."""
+        super().finish(grads)
         self._start(None, armed=self.overlap)
-        return out
+        return self.sums
 
     def add(self, acc: list | None, grads: list) -> list:
-        chunks = self._reduce(grads)
+        self._reduce(grads)
         grads.clear()
-        return self._sum(acc, chunks)
+        return self.sums
 
     def _launch(self, k: int) -> Any:
         """Bucket ``k``'s reduce-scatter, launched once at most ``IN_FLIGHT_BUCKETS`` - 1 others are in flight (the
-        oldest waited for, their chunks copied): each holds its bucket's flat fp32 copy until waited, so without this
-        every bucket's would outlive the backward, a whole fp32 gradient again (``jobspec.memory``: ``rs_buckets``)."""
-        flying = [j for j, f in self.pending.items() if not isinstance(f, Ready)]  # launch order: oldest first
+        oldest waited for and added): each holds its bucket's flat fp32 copy (a shared-memory sum: a region) until
+        waited, so without this every bucket's would outlive the backward, a whole fp32 gradient again
+        (``jobspec.memory``: ``rs_buckets``)."""
+        flying = [j for j, f in self.pending.items() if not isinstance(f, Added)]  # oldest first
         for j in flying[:max(0, len(flying) - IN_FLIGHT_BUCKETS + 1)]:
-            self.pending[j] = Ready(self.pending[j].wait().copy())  # a chunk may be a view of the whole flat
+            self.pending[j] = self._add_chunk(j, self.pending[j])
         return super()._launch(k)
 
-    @staticmethod
-    def _sum(acc: list | None, chunks: list) -> list:
-        """``acc`` plus ``chunks`` in place, or copies of ``chunks`` (a chunk may be a view, or a transport's
-        buffer that the next sum rewrites)."""
-        if acc is None:
-            return [c.copy() for c in chunks]
-        for total, c in zip(acc, chunks):
-            ops.assign_add(total, c)
-        return acc
+    def _add_chunk(self, k: int, flight: Any) -> Added:
+        """Bucket ``k``'s chunk (waited for) added to ``sums[k]`` in place, or copied as it (a chunk may be a view,
+        or a transport's buffer)."""
+        chunk = flight.wait()
+        if self.sums[k] is None:
+            self.sums[k] = chunk.copy()
+        else:
+            ops.assign_add(self.sums[k], chunk)
+        return Added(self.sums[k])
+
+    def _wait_all(self) -> list:
+        return [f if isinstance(f, Added) else self._add_chunk(k, f) for k, f in sorted(self.pending.items())]
 
     def arm(self, acc: list | None) -> None:
-        self.chunks = acc  # the hooks are armed already
-        self.launched_after = []
+        self.launched_after = []  # the hooks are armed already; ``acc`` is ``sums``
 
     def finish(self, grads: tuple | list) -> list:
-        last = self._reduce(grads)
-        return last if self.chunks is None else self._sum(self.chunks, last)
+        out = self._reduce(grads)
+        self.sums = [None] * len(out)
+        return out
+
+
+class Added(Ready):
+    """A bucket's chunk already added to the step's sums (``ShardedAccumulation``)."""
 
 
 def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo) -> GradReduction:

@@ -5,6 +5,7 @@ With vocab-parallel tensor parallelism each TP rank holds a contiguous slice of 
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import mindspore as ms
@@ -30,6 +31,43 @@ class VocabRange(NamedTuple):
         return ops.where(inside, local, ops.zeros_like(local)), inside.astype(ms.float32)
 
 
+class TiedGradient:
+    """A trained tied embedding's gradient built in one ``[vocab, hidden]`` fp32 buffer (host memory, vocabulary
+    whole on the rank): the LM head's backward leaves its d weight in ``head`` (its weight input is under
+    ``stop_gradient``), the lookup's backward (:class:`TiedLookup`) adds its rows into that buffer in place and
+    returns it as the weight's only gradient. Autodiff would hold the head's d weight, the lookup's dense d weight
+    and their sum together (docs/memory.md, ``tied``); the values are the same bit for bit: the lookup's rows are
+    summed per token id in token order from zero, as MindSpore's IndexSelect gradient sums them, then added to the
+    head's rows (tests/finetune/test_tied_grad.py)."""
+
+    def __init__(self) -> None:
+        self.head: Tensor | None = None
+
+
+class TiedLookup(nn.Cell):
+    """``weight[ids]`` whose backward returns the head's d weight (``TiedGradient.head``) with the lookup's rows
+    added in place (a zero buffer when the head left none: a micro-batch without labels)."""
+
+    def __init__(self, tied: TiedGradient):
+        super().__init__()
+        self.tied = tied
+
+    def construct(self, w, ids):
+        return w.index_select(0, ids.reshape(-1)).reshape(*ids.shape, -1)
+
+    def bprop(self, w, ids, out, dout):
+        head, self.tied.head = self.tied.head, None
+        a = None if head is None else own_memory(head)
+        if a is None:
+            a = np.zeros(w.shape, np.float32) if head is None else head.asnumpy().copy()
+            head = ms.from_numpy(a)
+        rows, inverse = np.unique(ids.asnumpy().reshape(-1), return_inverse=True)
+        sums = np.zeros((rows.size, a.shape[1]), np.float32)
+        np.add.at(sums, inverse.reshape(-1), dout.asnumpy().reshape(-1, a.shape[1]).astype(np.float32, copy=False))
+        a[rows] += sums
+        return head, ops.zeros_like(ids)
+
+
 class Embedding(nn.Cell):
     """Token embedding: replicated, or vocab-parallel (each TP rank looks up its rows, then a TP sum)."""
 
@@ -42,8 +80,15 @@ class Embedding(nn.Cell):
         self.dtype = compute_dtype
         self.split = self.rows.size != vocab
         self.reduce = ReduceFromTP(rank) if self.split else None
+        self.lookup: TiedLookup | None = None  # tie(): a trained tied weight's gradient built in place
+
+    def tie(self, tied: TiedGradient) -> None:
+        """Build this weight's gradient in the LM head's d weight (``TiedGradient``) while the weight is trained."""
+        self.lookup = TiedLookup(tied)
 
     def construct(self, ids):
+        if self.lookup is not None and self.weight.requires_grad:
+            return self.lookup(self.weight, ids).astype(self.dtype)
         if not self.split:
             return self.weight.index_select(0, ids.reshape(-1)).reshape(*ids.shape, -1).astype(self.dtype)
         local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed
@@ -99,6 +144,7 @@ class LMHeadCrossEntropy(nn.Cell):
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if self.split else None
         self.kept = None  # a training forward's single-chunk logits, taken by its backward
         self.weight_grad = True  # False: the head's weight is frozen (LoRA), its gradient is zeros, not computed
+        self.tied: TiedGradient | None = None  # set: the d weight goes there, not to autodiff (TiedGradient)
 
     @property
     def host_softmax(self) -> bool:
@@ -156,10 +202,12 @@ class LMHeadCrossEntropy(nn.Cell):
                 dw = dw_c.astype(ms.float32) if dw is None else dw + dw_c.astype(ms.float32)
         return ops.cat(dhs, 0).astype(h.dtype), self._weight_grad(dw, w), ops.zeros_like(target)
 
-    @staticmethod
-    def _weight_grad(dw, w):
+    def _weight_grad(self, dw, w):
         """The head weight's gradient; a frozen head's (``weight_grad`` off, LoRA) is one zero, not a
-        vocab x hidden tensor of zeros per micro-batch (nothing reads it: the weight takes no gradient)."""
+        vocab x hidden tensor of zeros per micro-batch (nothing reads it: the weight takes no gradient), as is a
+        tied one's: its d weight goes to the lookup's backward (``TiedGradient``)."""
+        if dw is not None and self.tied is not None:
+            self.tied.head, dw = dw.astype(ms.float32), None
         return ops.zeros((), dtype=w.dtype) if dw is None else dw.astype(w.dtype)
 
     def _loss(self, h, w, target, logits=None):
@@ -202,17 +250,30 @@ class LMHeadCrossEntropy(nn.Cell):
 
 
 HOST_ROWS = 16  # rows of logits per task of the host softmax (16 x 151936 fp32: 9.7 MB)
+_scratch = threading.local()  # each pool thread's HOST_ROWS x vocab fp32 block, reused call after call
+
+
+def scratch_rows(vocab: int) -> np.ndarray:
+    """This thread's ``[HOST_ROWS, vocab]`` fp32 scratch block, allocated on its first use for this vocabulary.
+    A fresh 9.7 MB temporary per row block was mapped and zeroed afresh by glibc (the launcher's 1 MiB mmap
+    threshold): 21 k page faults per 512-token micro-batch (docs/speed.md)."""
+    buf = getattr(_scratch, "rows", None)
+    if buf is None or buf.shape[1] != vocab:
+        buf = _scratch.rows = np.empty((HOST_ROWS, vocab), np.float32)
+    return buf
 
 
 def host_row_sums(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's (max, sum of exp(logit - max)) of the fp32 logits ``a`` ([tokens, vocab]), row blocks over
-    the cores."""
+    the cores, each in its thread's reused scratch block."""
     top, total = np.empty(a.shape[0], np.float32), np.empty(a.shape[0], np.float32)
 
     def rows(lo: int, hi: int) -> None:
         blk = a[lo:hi]
         top[lo:hi] = blk.max(1)
-        total[lo:hi] = np.exp(blk - top[lo:hi, None]).sum(1)
+        tmp = scratch_rows(a.shape[1])[:hi - lo]
+        np.subtract(blk, top[lo:hi, None], out=tmp)
+        total[lo:hi] = np.exp(tmp, out=tmp).sum(1)
 
     in_blocks(a.shape[0], HOST_ROWS, rows)
     return top, total

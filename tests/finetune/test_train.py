@@ -189,6 +189,8 @@ def test_a_step_reads_the_device_only_at_sync_points(tmp_path, monkeypatch, on_d
     trainer.opt.gate.on_device = on_device
     trainer.model.loss_fn.host_gemm = False  # CPU's head matmuls read host memory, which waits for no device
     trainer.opt.gate.in_place = False  # so does the host AdamW kernel (finetune/optim/host.py)
+    trainer.model.loss_fn.tied = trainer.model.model.embed_tokens.lookup = None  # and the tied gradient's
+    # in-place buffer (parallel/vocab.py TiedGradient: host memory only; Ascend sums autodiff's two d weights)
     reporter = Reporter(trainer)
     reads = []
     for name in ("asnumpy", "_item", "_tolist"):
@@ -254,7 +256,7 @@ def test_eval_loss_is_token_weighted_and_independent_of_the_dp_split(straight):
 
     from finetune.run.progress import evaluate
 
-    t = SimpleNamespace(model=model, rank=RankInfo(), val_loader=BatchLoader(cache, 128, 2, 1, 1, 0, 42,
+    t = SimpleNamespace(model=model, rank=RankInfo(), zero3=None, val_loader=BatchLoader(cache, 128, 2, 1, 1, 0, 42,
                                                                                 index_name=VAL_INDEX))
     model.set_train(True)  # as the trainer leaves it
     got = evaluate(t)

@@ -38,12 +38,34 @@ def test_qwen7b_tp2_dp2_sharded_counts_every_buffer_of_the_backward_peak():
 
 
 def test_the_step_peak_leaves_out_the_checkpoint_save():
-    """tools/bench_memory.py checks step 1 (no save) against static + max(backward, step), the run against total."""
+    """tools/bench_memory.py checks step 1 (no save) against static + max(backward, step), the run against total:
+    in host memory a save's copies come on top of the step's peak (MindSpore's pool keeps its blocks)."""
     from jobspec.memory import MemoryEstimate
 
     est = MemoryEstimate(weights=4, grads=2, master=0, optimizer=8, activations=1, workspace=1, totals=3, update=1,
                          staging=30)
-    assert est.step_peak == 4 + 8 + 1 + max(2 + 1, 3 + 1) and est.total == 4 + 8 + 1 + 3 + 30
+    assert est.step_peak == 4 + 8 + 1 + max(2 + 1, 3 + 1) and est.total == est.step_peak + 30
+    assert MemoryEstimate.from_parts({**est.parts(), "staging": 0}).total == est.step_peak
+
+
+def test_a_trained_tied_embedding_counts_its_gradient_buffers_beyond_grads():
+    """On Ascend and vocab-parallel, the LM head's d weight and the lookup's dense one, [vocab, hidden] fp32 each,
+    in the backward; on the host with the whole vocabulary one buffer, the gradient itself (TiedGradient): nothing
+    in fp32; none untied, none under LoRA (the embedding is frozen); 4 bytes more per element in bf16."""
+    from jobspec.lora_config import LoraConfig
+
+    base = dict(seq_len=256, micro_batch_size=1, precision="fp32", loss_chunk_tokens=1024, device="cpu")
+    rows = 151936 * 64
+    assert estimate_memory(TINY, **base).tied == 0
+    assert estimate_memory(TINY, **{**base, "precision": "bf16"}).tied == rows * 4
+    split = estimate_memory(TINY, **{**base, "tp": 2, "vocab_parallel": True})
+    assert split.tied == rows // 2 * 2 * 4 and split.peak_phase == "backward"
+    phases = split.phases()  # a save keeps the pool's part of the backward: not the numpy logits and head d weight
+    assert phases["save"] == phases["backward"] - split.logits - split.tied // 2 + split.staging
+    assert estimate_memory({**TINY, "tie_word_embeddings": False}, **base).tied == 0
+    assert estimate_memory(TINY, **base, lora=LoraConfig()).tied == 0
+    assert estimate_memory(TINY, **{**base, "precision": "bf16", "device": "npu"}).tied == 3 * rows * 4
+    assert estimate_memory(TINY, **{**base, "device": "npu"}).tied == 2 * rows * 4
 
 
 def test_the_estimate_grows_with_what_grows():
@@ -173,6 +195,28 @@ def test_the_lowest_stage_that_fits_then_the_smallest_tp():
     assert three.gather_buffer == 2 * (layer + 2 * BUCKET_BYTES // 4)
 
 
+def test_a_zero3_save_streams_one_layer_on_the_device_and_every_layer_on_the_writing_ranks_host():
+    """ZeRO-3's checkpoint save and export (parallel/zero3.py ShardedWeights.on_host): the device holds one gathered
+    layer and its gather buckets (72B at TP 2 x DP 16: below the backward, so the plan's
+    total is unchanged: test_plan_zero.py); the writing rank's host copies of every layer count on CPU only, where
+    the host is the device."""
+    from jobspec.memory import PHASES, estimate_memory, layer_elements
+    from jobspec.qwen_sizes import SIZES
+
+    q72 = SIZES["Qwen2.5-72B"]
+    npu = estimate_memory(q72, seq_len=4096, micro_batch_size=1, tp=2, dp=16, grad_accum=8, vocab_parallel=True,
+                          shard_optimizer=True, zero=3)
+    assert PHASES["save"] == ("staging", "gathered", "gather_buffer", "host_layers")  # the loop dropped the totals
+    assert npu.phases()["save"] == npu.gathered + npu.gather_buffer and npu.host_layers == 0
+    assert npu.phases()["save"] < npu.phases()["backward"] and npu.peak_phase == "backward"
+    cpu = estimate_memory(TINY, seq_len=64, micro_batch_size=1, dp=2, precision="fp32", shard_optimizer=True,
+                          zero=3, device="cpu")
+    assert cpu.host_layers == 4 * sum(layer_elements(local_shapes(TINY, 1))) > 0
+    one = estimate_memory(TINY, seq_len=64, micro_batch_size=1, dp=2, precision="fp32", shard_optimizer=True,
+                          zero=1, device="cpu")
+    assert one.host_layers == one.gathered == 0
+
+
 def test_per_step_traffic_of_each_stage():
     from jobspec.layout_choice import dp_link, step_traffic
 
@@ -274,3 +318,26 @@ def test_compiled_layer_graphs_count_on_cpu_only_and_grow_with_layers_tokens_and
     wider = {**TINY, "hidden_size": 128, "num_attention_heads": 2}
     assert graph_bytes(deeper, 256) == 2 * graph_bytes(TINY, 256)
     assert graph_bytes(TINY, 512) > graph_bytes(TINY, 256) and graph_bytes(wider, 256) > graph_bytes(TINY, 256)
+
+
+def test_zero3_with_lora_shards_the_frozen_base_and_the_adapters():
+    """LoRA ZeRO-3 (finetune/parallel/zero3_lora.py): each rank keeps 1/dp of the frozen base's layers (bf16) and
+    of the fp32 adapters, gathers one layer's base and the adapters' buckets at a time; the adapters' gradients only."""
+    from jobspec.lora_config import LoraConfig, trainable_elements
+    from jobspec.memory import BUCKET_BYTES, estimate_memory
+    from jobspec.qwen_sizes import SIZES
+
+    q72, lora = SIZES["Qwen2.5-72B"], LoraConfig()
+
+    def est(zero):
+        return estimate_memory(q72, seq_len=4096, micro_batch_size=1, tp=2, dp=16, grad_accum=8, vocab_parallel=True,
+                               shard_optimizer=True, zero=zero, lora=lora)
+
+    one, three = est(1), est(3)
+    adapters, _ = trainable_elements(q72, lora, 2, True)
+    head = 2 * (152064 // 2) * 8192 + 8192
+    layer = ((one.weights - 4 * adapters) // 2 - head) // 80
+    assert three.weights == pytest.approx(2 * (80 * layer / 16 + head) + 4 * adapters / 16, rel=1e-3)
+    assert three.grads == one.grads and three.gathered == 2 * layer
+    assert three.gather_buffer == 2 * layer + 4 * min(adapters, 2 * BUCKET_BYTES // 4)
+    assert three.total < one.total - 0.8 * 2 * 80 * layer
