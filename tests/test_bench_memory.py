@@ -25,7 +25,7 @@ def test_a_row_reads_both_estimates_the_step_1_peak_and_the_largest_peak_of_the_
     rows = [{"step": 1, "peak_memory_bytes": 100, "memory_peak_rss_bytes": 90}, {"step": 2, "peak_memory_bytes": 300},
             {"step": 3, "peak_memory_bytes": 250}, {"step": 3, "eval_loss": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert bench.read_row(tmp_path) == {"estimate": 4 + 8 + 1 + 30, "phase": "save", "peak_rss": 300,
+    assert bench.read_row(tmp_path) == {"estimate": 4 + 8 + 1 + 1 + 2 + 30, "phase": "save", "peak_rss": 300,
                                         "step_estimate": 4 + 8 + 1 + 1 + 2, "step_rss": 90}
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "peak_memory_bytes": 100}) + "\n")
     with pytest.raises(ValueError, match="no step-1 memory_peak_rss_bytes"):
