@@ -113,16 +113,14 @@ BIG = {"hidden_size": 256, "intermediate_size": 4096, "num_hidden_layers": 12, "
        "num_key_value_heads": 2}
 
 
-@pytest.mark.bench  # not met on the merged tree (83 MB saved, 26 %, 2026-12-06 23:25 UTC; 162-257 MB on branch z3shm
-# before the tied gradient's in-place buffer lowered ZeRO-1's peak more): make test leaves it out, `make
-# bench-zero3-memory` runs it (docs/distributed.md, ZeRO-3)
 def test_zero3_peak_is_below_zero1_by_the_layers_sharded_weights_and_gradients(tmp):
     """Rank 0's peak RSS after 2 steps (metrics.jsonl's ``peak_memory_bytes``) at DP 2: ZeRO-3 holds half the
     decoder layers' weights and fp32 gradient chunks where ZeRO-1 holds them whole, so its peak is lower by at
     least 40 % of the layers' weight + gradient bytes (8 per parameter). The embedding stays whole in both. The
     module's first run (``tmp``) has prepared the data cache: a run preparing it peaks about 180 MB higher.
-    Measured 162, 204 and 257 MB (50-80 %) on branch z3shm, 83 MB (26 %) on the merged tree (ZeRO-1 2.10 GB, ZeRO-3
-    2.02 GB); with a shared-memory region per bucket it was -1 MB (docs/distributed.md, ZeRO-3)."""
+    Measured on this tree 193-208 MB (60-65 %) in six runs (four of this test), alone and in this module's order,
+    idle and loaded; once 83 MB (26 %) in a whole `make test` of the merged tree on 2026-12-06, not reproduced
+    since; with a shared-memory region per bucket it was -1 MB (docs/distributed.md, ZeRO-3)."""
     from jobspec.model_layout import full_shapes
     from jobspec.tiny import ensure_tiny_model, tiny_config
 
