@@ -54,7 +54,8 @@ TERMS = {
             "buffer (parallel/vocab.py TiedGradient)",
     "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
               "(GradReduction.finish; CPU DP: the shared-memory sums, new arrays)",
-    "update": "optimizer update temporaries: clipped gradients (optim/update.py StepGate), the kernel's per bucket",
+    "update": "optimizer update temporaries over the largest tensor or bucket chunk: its clipped gradient and the "
+              "kernel's (optim/update.py StepGate.update)",
     "collectives": "DP reduction buffers: a bucket's flat copy in flight (NPU), the shared-memory regions "
                    "(CPU, hostcomm.py Slots: host_slot_bytes)",
     "staging": "checkpoint-save host copies (io/checkpoint.py save_checkpoint; host memory: CPU only)",
@@ -334,10 +335,12 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
     # the accumulator is dropped bucket by bucket as the reduction launches (GradReduction._arrive)
     totals = state * 4
-    # clipped gradients (one fp32 copy of the totals); on the NPU the kernel's new w, m, v and two temporaries
-    # over its largest operand (a tensor, or a bucket's chunk); on CPU it writes in place (optim/host.py)
+    # over the largest operand (a tensor, or a bucket's chunk), on the NPU: the gradient times the clip factor and
+    # its zeroed-when-skipped copy (optim/update.py StepGate.update: one gradient at a time, never all), the
+    # kernel's new w, m, v and two temporaries; on CPU the kernel writes in place, the factor applied chunk by
+    # chunk (optim/host.py)
     kernel = min(state, math.ceil(BUCKET_BYTES // 4 / dp) if sharded else max(sizes)) if not host else 0
-    update = state * 4 + 5 * kernel * 4
+    update = 7 * kernel * 4
     collectives = 0
     if dp > 1 and not PLATFORMS[device].native_collectives:  # the shared-memory regions
         # the largest bucket: ShardLayout's (sharded), else buckets_by_bytes' (a larger tensor alone)

@@ -84,21 +84,20 @@ class AdamW:
         """Unscale, clip and apply the DP-reduced gradients (``reduce`` or GradReduction.finish);
         returns (grad_norm, applied) as device scalars, read by no one here: a step whose norm is
         not finite changes nothing (see BiasCorrection)."""
-        grads: list | None  # None: a step skipped on the host
         grads = [g for bucket in buckets for g in bucket]
-        norm = global_grad_norm(grads, self.params, self.rank, self.gate.on_host)
-        grads, norm, ok = self.gate.gradients(grads, norm, self.cfg.clip_grad, grad_scale)
-        k = self.corrections.step(lr, ok)
-        if grads is None:  # skipped on the host: nothing to run
-            return norm, ok
+        clip = self.gate.clip(global_grad_norm(grads, self.params, self.rank, self.gate.on_host), self.cfg.clip_grad,
+                              grad_scale)
+        k = self.corrections.step(lr, clip.ok)
+        if clip.skip:  # skipped on the host: nothing to run
+            return clip.norm, clip.ok
         wd_t = {d: k.decay_factor * d for d in set(self.decay)}  # one per distinct decay
         for i, (p, g) in enumerate(zip(self.params, grads)):
             w, self.m[i], self.v[i] = self.gate.update(self.master[i], self.m[i], self.v[i], k, wd_t[self.decay[i]],
-                                                       g, ok)
+                                                       g, clip)
             if self.master[i] is not p:
                 self.master[i] = w
             write_param(p, w)
-        return norm, ok
+        return clip.norm, clip.ok
 
     def masters(self) -> list[ms.Tensor]:
         """The fp32 weights the kernel updates (for UpdateCheck)."""

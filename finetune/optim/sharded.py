@@ -121,27 +121,28 @@ class ShardedAdamW:
         """Unscale, clip and apply this rank's chunks of the DP-reduced gradients (``reduce`` or
         GradReduction.finish), all-gather the new weights; returns (global grad_norm, applied) as
         device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
-        chunks, norm, ok = self.gate.gradients(shards, self._global_norm(shards), self.cfg.clip_grad, grad_scale)
+        clip = self.gate.clip(self._global_norm(shards), self.cfg.clip_grad, grad_scale)
+        ok = clip.ok
         # optim.adamw_update with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
         ks = self.corrections.step(lr, ok)
-        if chunks is None:  # skipped on the host: nothing to run
-            return norm, ok
+        if clip.skip:  # skipped on the host: nothing to run
+            return clip.norm, ok
         no_wd = ms.Tensor(0.0, ms.float32)
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
         keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
-        for k, g in enumerate(chunks):
+        for k, g in enumerate(shards):
             w = self.master[k] if self.keep_master else self.own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
             wd = wd_t if decays == {True} else no_wd
             if len(decays) > 1 and keep != 1.0:  # mixed chunk: decay its ranges first
                 w = self._decayed(w, k, keep_t)
-            w, self.m[k], self.v[k] = self.gate.update(w, self.m[k], self.v[k], ks, wd, g, ok)
+            w, self.m[k], self.v[k] = self.gate.update(w, self.m[k], self.v[k], ks, wd, g, clip)
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w)
-        return norm, ok
+        return clip.norm, ok
 
     def _decayed(self, w: ms.Tensor, k: int, keep: ms.Tensor) -> ms.Tensor:
         """A new chunk ``w`` with the decaying ranges scaled by ``keep`` (padding stays zero)."""

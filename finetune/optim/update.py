@@ -32,18 +32,30 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def unscale_and_clip(grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
-                     ) -> tuple[list, ms.Tensor, ms.Tensor]:
-    """On the device, nothing read: (the gradients unscaled, clipped to ``max_norm`` as torch clips
-    (0: no clipping) and zeroed when their norm is not finite; the unscaled norm; whether it is
-    finite). ``norm`` is the norm of ``grads`` as given, scaled by ``grad_scale`` when that is set."""
+class Clip(NamedTuple):
+    """One step's decision (``StepGate.clip``): the factor each gradient is multiplied by as the update reads it
+    (unscale and clip as torch clips; None: 1), never applied to all gradients at once, so no second copy of
+    the step's totals exists (docs/memory.md, "update")."""
+
+    norm: ms.Tensor  # the gradients' norm, unscaled
+    ok: ms.Tensor  # whether it is finite (a device bool)
+    coef: ms.Tensor | None  # a device scalar
+    host_coef: float | None  # the host gate's read of ``coef``
+    skip: bool  # the host gate's: the norm is not finite and no kernel runs
+
+
+def clip_factor(norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
+                ) -> tuple[ms.Tensor | None, ms.Tensor, ms.Tensor]:
+    """Nothing read: (the factor that unscales by ``grad_scale`` and clips to ``max_norm`` as torch clips (0: no
+    clipping; None: the factor is 1); the unscaled norm; whether it is finite). ``norm`` is the norm of the
+    gradients as given, scaled by ``grad_scale`` when that is set."""
     if grad_scale is not None:
         norm = norm / grad_scale
     ok = ops.isfinite(norm)
     coef = ops.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0) if max_norm > 0 else None
     if grad_scale is not None:
         coef = 1.0 / grad_scale if coef is None else coef / grad_scale
-    return [ops.where(ok, g if coef is None else g * coef, 0.0) for g in grads], norm, ok
+    return coef, norm, ok
 
 
 class KernelScalars(NamedTuple):
@@ -141,38 +153,38 @@ class StepGate:
         ``asnumpy`` would copy every tensor from the device)."""
         return self.in_place and not self.on_device
 
-    def gradients(self, grads: list, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None
-                  ) -> tuple[list | None, ms.Tensor, ms.Tensor]:
-        """(the gradients to apply, or None for a step skipped on the host; the unscaled norm;
-        whether it is finite, a device bool)."""
+    def clip(self, norm: ms.Tensor, max_norm: float, grad_scale: ms.Tensor | None) -> Clip:
+        """The step's :class:`Clip` for gradients of norm ``norm`` (scaled by ``grad_scale`` when set). On the
+        host gate the norm and the factor are read (the step's one host read) and a non-finite norm skips the
+        step."""
+        coef, norm, ok = clip_factor(norm, max_norm, grad_scale)
         if self.on_device:
-            return unscale_and_clip(grads, norm, max_norm, grad_scale)
-        if grad_scale is not None:
-            norm = norm / grad_scale
-        ok = ops.isfinite(norm)
-        value = float(norm.asnumpy())  # the step's one host read
+            return Clip(norm, ok, coef, None, False)
+        one = ms.Tensor(1.0, ms.float32)
+        value, factor = (float(x) for x in ops.stack([norm, one if coef is None else coef]).asnumpy())
         if not math.isfinite(value):
-            return None, norm, ok
-        coef = max_norm / (norm + 1e-6) if 0 < max_norm < value else None  # as unscale_and_clip computes it
-        if grad_scale is not None:
-            coef = 1.0 / grad_scale if coef is None else coef / grad_scale
-        return (grads if coef is None else [g * coef for g in grads]), norm, ok
+            return Clip(norm, ok, None, None, True)
+        return Clip(norm, ok, None, None, False) if factor == 1.0 else Clip(norm, ok, coef, factor, False)
 
-    def update(self, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, ok: ms.Tensor
+    def update(self, w, m, v, k: KernelScalars, wd: ms.Tensor, g: ms.Tensor, clip: Clip
                ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
-        """One ``adamw_update`` of ``w``: the (w, m, v) to keep (on the device gate the old moments
-        when the step is skipped; ``w`` is then unchanged: lr' 0, zeroed gradients). On the host gate,
-        where w, m and v own their memory, the same step written into them (the same tensors returned)."""
+        """One ``adamw_update`` of ``w`` with the gradient ``g`` times ``clip``'s factor: the (w, m, v) to keep
+        (on the device gate the old moments when the step is skipped; ``w`` is then unchanged: lr' 0, the
+        gradient zeroed). On the host gate, where w, m and v own their memory, the same step written into
+        them (the same tensors returned), the factor applied chunk by chunk as the kernel reads ``g``."""
         if self.on_host:
             wh, mh, vh = (own_memory(t) for t in (w, m, v))
             if wh is not None and mh is not None and vh is not None:  # the host kernel, in place (optim/host.py)
-                host = self._host_scalars(k, wd)
-                adamw_update_host(wh.reshape(-1), mh.reshape(-1), vh.reshape(-1), g.asnumpy().reshape(-1), *host)
+                lr, beta1, beta2, eps, decay = self._host_scalars(k, wd)
+                adamw_update_host(wh.reshape(-1), mh.reshape(-1), vh.reshape(-1), g.asnumpy().reshape(-1), lr, beta1,
+                                  beta2, eps, decay, clip.host_coef)
                 return w, m, v
-        w_new, m_new, v_new = adamw_update(w, m, v, g, k, wd)
-        if self.on_device:
-            return w_new, ops.where(ok, m_new, m), ops.where(ok, v_new, v)
-        return w_new, m_new, v_new
+        if clip.coef is not None:
+            g = g * clip.coef
+        if not self.on_device:
+            return adamw_update(w, m, v, g, k, wd)
+        w_new, m_new, v_new = adamw_update(w, m, v, ops.where(clip.ok, g, 0.0), k, wd)
+        return w_new, ops.where(clip.ok, m_new, m), ops.where(clip.ok, v_new, v)
 
     def _host_scalars(self, k: KernelScalars, wd: ms.Tensor) -> tuple[float, ...]:
         """(lr', beta1, beta2, eps', wd) on the host, read once per step (``k``: a new one each step) and per

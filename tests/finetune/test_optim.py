@@ -172,10 +172,10 @@ def _kernel_args(n: int, seed: int = 0) -> tuple[list[np.ndarray], tuple[float, 
     return [w, m, v, g], (1e-3, 0.9, 0.95, 1e-8)
 
 
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd):
+@pytest.mark.parametrize("wd, coef", [(0.0, None), (0.1, None), (0.1, 0.3712)])
+def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd, coef):
     """CPU's AdamW kernel (optim/host.py) writes adamw_update's step into w, m, v where they are, bit for bit
-    (over several of its chunks and a ragged end)."""
+    (over several of its chunks and a ragged end); with a clip factor, that of the gradient times it."""
     from mindspore import ops
 
     from finetune import hostmem
@@ -184,15 +184,60 @@ def test_the_host_kernel_gives_the_composed_kernels_bits_in_place(wd):
 
     arrays, scalars = _kernel_args(3 * host.CHUNK + 5)
     f32 = [ms.Tensor(np.float32(s)) for s in scalars]
-    want = adamw_update(*(ms.Tensor(a) for a in arrays), KernelScalars(*f32, ms.Tensor(np.float32(1.0))),
-                        ms.Tensor(np.float32(wd)))
+    w, m, v, g = (ms.Tensor(a) for a in arrays)
+    want = adamw_update(w, m, v, g if coef is None else g * ms.Tensor(np.float32(coef)),
+                        KernelScalars(*f32, ms.Tensor(np.float32(1.0))), ms.Tensor(np.float32(wd)))
     w, m, v, g = (ops.add(ms.Tensor(a), 0.0) for a in arrays)  # tensors on their own memory
     addresses = [t.data_ptr() for t in (w, m, v)]
     own = [hostmem.own_memory(t) for t in (w, m, v)]
-    host.adamw_update_host(*own, g.asnumpy(), *scalars, wd)
+    host.adamw_update_host(*own, g.asnumpy(), *scalars, wd, coef)
     assert [t.data_ptr() for t in (w, m, v)] == addresses
     for got, expect in zip((w, m, v), want):
         np.testing.assert_array_equal(got.asnumpy(), expect.asnumpy())
+
+
+@pytest.mark.parametrize("on_device, in_place", [(False, True), (False, False), (True, False)])
+def test_clipping_copies_no_more_than_one_gradient_at_a_time(on_device, in_place, monkeypatch):
+    """Issue 30: the clip factor is applied as the update reads each gradient (StepGate.clip), not to every
+    gradient before the first update, which held a second fp32 copy of the step's totals at its peak. The host
+    kernel applies it chunk by chunk (no copy); the composed kernel to one gradient at a time. The weights are
+    those of every gradient clipped first."""
+    import weakref
+
+    rng = np.random.default_rng(0)
+    shapes = [(64, 32), (32,), (128, 16), (8, 8)]
+    grads = tuple(ms.Tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes)
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    alive: list = []
+    most = 0
+    original = ms.Tensor.__mul__
+
+    def mul(self, other):
+        nonlocal most
+        out = original(self, other)
+        if any(self is g for g in grads):
+            alive.append(weakref.ref(out))
+            most = max(most, sum(r() is not None for r in alive))
+        return out
+
+    finals = []
+    for count in (True, False):
+        params = [ms.Parameter(ms.Tensor(x), name=f"p{i}") for i, x in enumerate(init)]
+        opt = AdamW(params, TrainConfig(lr=1e-2, clip_grad=0.01), RankInfo())  # the norm is about 60: clipped
+        opt.gate.on_device, opt.gate.in_place = on_device, in_place
+        if count:
+            monkeypatch.setattr(ms.Tensor, "__mul__", mul)
+            opt.step(grads, 1e-2)
+            monkeypatch.undo()
+        else:  # the reference: every gradient clipped before the step, no clip factor left to apply
+            coef = np.float32(0.01) / (np.float32(np.sqrt(sum(float((g.asnumpy().astype(np.float64) ** 2).sum())
+                                                              for g in grads))) + np.float32(1e-6))
+            opt.cfg = TrainConfig(lr=1e-2, clip_grad=0.0)
+            opt.step(tuple(ms.Tensor(g.asnumpy() * coef) for g in grads), 1e-2)
+        finals.append([p.asnumpy().copy() for p in params])
+    assert most == (0 if in_place else 1), most
+    for a, b in zip(*finals):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_own_memory_is_refused_for_a_view_whose_array_would_be_a_copy():

@@ -221,7 +221,7 @@ def test_a_run_whose_optimizer_changes_no_weight_fails_at_the_first_sync_point(t
     recipe = _recipe(tmp_path, **{"train.max_steps": "4", "train.log_every": "2", "train.save_every": "0",
                                   "data.val_size": "0"})
     trainer = setup(recipe.resolved(1, "cpu"), init_distributed(Layout()), ms.float32, RunDir(tmp_path))
-    monkeypatch.setattr(update, "adamw_update_host", lambda *a: None)  # CPU's kernel: steps in place
+    monkeypatch.setattr(update, "adamw_update_host", lambda *a, **k: None)  # CPU's kernel: steps in place
     with pytest.raises(RuntimeError, match=r"applied 2 step\(s\) up to step 2 but no master weight changed"):
         train_loop(trainer, Reporter(trainer), StopFlag())
 
