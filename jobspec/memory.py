@@ -52,6 +52,9 @@ TERMS = {
     "tied": "a trained tied embedding's [vocab, hidden] gradient buffers beyond grads: the LM head's d weight "
             "(LMHeadCrossEntropy.bprop) and the lookup's dense one before autodiff sums them; on the host, one "
             "buffer (parallel/vocab.py TiedGradient)",
+    "tied_host": "not a term of its own: one [vocab, hidden] fp32 buffer, a trained tied embedding's gradient in "
+                 "grads, the accumulator and the totals held in numpy on the host (TiedGradient), returned when "
+                 "freed: no part of what the save's copies come on top of (MemoryEstimate.phases)",
     "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
               "(GradReduction.finish; CPU DP: the shared-memory sums, new arrays)",
     "update": "optimizer update temporaries over the largest tensor or bucket chunk: its clipped gradient and the "
@@ -83,6 +86,7 @@ SHRINKS = {
     "activations": "train.recompute=true, or a smaller train.micro_batch_size or data.seq_len",
     "logits": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
     "tied": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
+    "tied_host": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
     "totals": "parallel.shard_optimizer=true",
     "update": "parallel.shard_optimizer=true",
     "collectives": "parallel.host_collectives=false (CPU)",
@@ -117,6 +121,7 @@ class MemoryEstimate:
     accumulator: int = 0
     logits: int = 0
     tied: int = 0
+    tied_host: int = 0  # counted in grads and the accumulator, not again (TERMS)
     totals: int = 0
     update: int = 0
     collectives: int = 0
@@ -131,11 +136,13 @@ class MemoryEstimate:
     def phases(self) -> dict[str, int]:
         """Bytes of each phase on top of the static terms. A save's host copies (``staging``, CPU only) come on top
         of what the step's peak left resident: MindSpore's CPU memory pool keeps the blocks it grew to, while the
-        LM head's numpy arrays (the logits, a tied head's d weight: ``parallel/vocab.py``'s host GEMM) are mapped
-        on their own and returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
+        LM head's numpy arrays (the logits, a tied head's d weight: ``parallel/vocab.py``'s host GEMM, which is the
+        trained tied embedding's gradient in grads and the accumulator, ``tied_host``) are mapped on their own and
+        returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
         out = {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
         if self.staging:
-            out["save"] += max(out["backward"] - self.logits - self.tied // 2, out["step"])
+            held = self.tied_host * (2 if self.accumulator else 1)  # the micro-batch's and the accumulator's
+            out["save"] += max(out["backward"] - self.logits - self.tied // 2 - held, out["step"] - self.tied_host)
         return out
 
     @property
@@ -348,6 +355,7 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
         collectives = host_slot_bytes(min(trained, largest), dp, sharded, nbytes)
     elif dp > 1:
         collectives = min(trained * 4, BUCKET_BYTES)
+    in_place = host and not (vocab_parallel and tp > 1)  # TiedGradient: the head's d weight in a numpy buffer
     staging = 0
     if host:  # numpy copies of the trained weights in fp32 and of the optimizer state (io/checkpoint.py
         # save_checkpoint: astype's and the optimizer's snapshot copies; safetensors writes from their memory)
@@ -361,8 +369,9 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           collectives=collectives, staging=staging, grad_shards=z.grad_shards,
                           rs_buckets=z.rs_buckets, gathered=z.gathered, gather_buffer=z.gather_buffer,
                           host_layers=z.host_layers,
-                          tied=0 if lora else tied_bytes(model_config, head_rows, precision,
-                                                         in_place=host and not (vocab_parallel and tp > 1)),
+                          tied=0 if lora else tied_bytes(model_config, head_rows, precision, in_place=in_place),
+                          tied_host=0 if lora or not in_place or not model_config.get("tie_word_embeddings")
+                          else head_rows * h * 4,
                           graphs=graph_bytes(model_config, tokens)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 

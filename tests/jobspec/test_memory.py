@@ -64,6 +64,15 @@ def test_a_trained_tied_embedding_counts_its_gradient_buffers_beyond_grads():
     assert phases["save"] == phases["backward"] - split.logits - split.tied // 2 + split.staging
     assert estimate_memory({**TINY, "tie_word_embeddings": False}, **base).tied == 0
     assert estimate_memory(TINY, **base, lora=LoraConfig()).tied == 0
+    # the host's one buffer is the gradient in grads, the accumulator (grad_accum > 1) and the totals, in numpy:
+    # a save's copies come on top of the pool's part only (measured: make bench-memory's h1024 rows, docs/memory.md)
+    assert split.tied_host == 0 and estimate_memory(TINY, **{**base, "device": "npu"}).tied_host == 0
+    for grad_accum, buffers in ((1, 1), (4, 2)):
+        whole = estimate_memory(TINY, **base, grad_accum=grad_accum)
+        assert whole.tied_host == rows * 4 and whole.tied == 0
+        phases = whole.phases()
+        assert phases["save"] == whole.staging + max(phases["backward"] - whole.logits - buffers * rows * 4,
+                                                     phases["step"] - rows * 4)
     assert estimate_memory(TINY, **{**base, "precision": "bf16", "device": "npu"}).tied == 3 * rows * 4
     assert estimate_memory(TINY, **{**base, "device": "npu"}).tied == 2 * rows * 4
 
