@@ -2,9 +2,11 @@
 
 Fast: ``accumulate`` over micro-batches gives the out-of-place fp32 sum bit for bit, in the first micro-batch's
 own gradient tensors (no new sum per micro-batch), on the DP reduction's path. Slow: through the launcher, the
-peak RSS of grad_accum 4 exceeds grad_accum 1's (same micro batch) by less than one fp32 copy of the parameters
-(the accumulator is the only buffer grad_accum adds; before, the previous sum, the micro-batch's gradients, their
-fp32 copy and the new sum were alive together: about 8 bytes per parameter, measured on this model).
+peak RSS of grad_accum 4 exceeds grad_accum 1's (same micro batch) by the accumulator, one fp32 copy of the
+parameters, and less than 2 bytes per parameter more (the accumulator is the only buffer grad_accum adds; before,
+the previous sum, the micro-batch's gradients, their fp32 copy and the new sum were alive together: 8.2 bytes per
+parameter more, measured on this model). Until 7ee3ddc the bound was one fp32 copy in all: grad_accum 1's step
+then held a clipped copy of its gradients as well (4 bytes per parameter, docs/memory.md); 4.55 measured since.
 """
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def _peak(tmp, model, grad_accum: int) -> int:
 
 
 @pytest.mark.slow  # two short runs of a 79 M-parameter model through the launcher
-def test_grad_accum_4_costs_less_than_one_fp32_copy_of_the_parameters(tmp_path):
+def test_grad_accum_4_costs_the_accumulator_and_no_second_copy(tmp_path):
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from bench_memory import shape_of, trained_params
     from bench_train import write_model
@@ -96,4 +98,4 @@ def test_grad_accum_4_costs_less_than_one_fp32_copy_of_the_parameters(tmp_path):
     for f in (REPO_ROOT / "assets" / "tokenizer").iterdir():
         shutil.copy(f, model / f.name)
     per_param = (_peak(tmp_path, model, 4) - _peak(tmp_path, model, 1)) / trained_params(256, 2)
-    assert per_param < 4, f"grad_accum 4 costs {per_param:.2f} bytes per parameter more than grad_accum 1"
+    assert per_param < 4 + 2, f"grad_accum 4 costs {per_param:.2f} bytes per parameter more than grad_accum 1"
