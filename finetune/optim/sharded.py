@@ -122,16 +122,15 @@ class ShardedAdamW:
         GradReduction.finish), all-gather the new weights; returns (global grad_norm, applied) as
         device scalars (a step whose norm is not finite changes nothing, see optim.BiasCorrection)."""
         clip = self.gate.clip(self._global_norm(shards), self.cfg.clip_grad, grad_scale)
-        ok = clip.ok
         # optim.adamw_update with torch's bias correction folded in (optim.BiasCorrection);
         # a chunk mixing decaying and non-decaying ranges gets p *= 1 - lr*wd on its decaying ranges first.
-        ks = self.corrections.step(lr, ok)
+        ks = self.corrections.step(lr, clip.ok)
         if clip.skip:  # skipped on the host: nothing to run
-            return clip.norm, ok
+            return clip.norm, clip.ok
         no_wd = ms.Tensor(0.0, ms.float32)
         wd_t = ks.decay_factor * self.cfg.weight_decay  # chunks that decay throughout
         keep = 1.0 - lr * self.cfg.weight_decay
-        keep_t = ops.where(ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
+        keep_t = ops.where(clip.ok, ms.Tensor(keep, ms.float32), 1.0)  # a skipped step decays nothing
         for k, g in enumerate(shards):
             w = self.master[k] if self.keep_master else self.own_chunk(k)
             decays = {decay for _, _, decay, _, _ in self.segs[k]}
@@ -142,7 +141,7 @@ class ShardedAdamW:
             if self.keep_master:
                 self.master[k] = w
             self._write_back(k, w)
-        return clip.norm, ok
+        return clip.norm, clip.ok
 
     def _decayed(self, w: ms.Tensor, k: int, keep: ms.Tensor) -> ms.Tensor:
         """A new chunk ``w`` with the decaying ranges scaled by ``keep`` (padding stays zero)."""

@@ -160,8 +160,8 @@ class StepGate:
         coef, norm, ok = clip_factor(norm, max_norm, grad_scale)
         if self.on_device:
             return Clip(norm, ok, coef, None, False)
-        one = ms.Tensor(1.0, ms.float32)
-        value, factor = (float(x) for x in ops.stack([norm, one if coef is None else coef]).asnumpy())
+        read = (norm if coef is None else ops.stack([norm, coef])).asnumpy().reshape(-1)  # one host read
+        value, factor = float(read[0]), (1.0 if coef is None else float(read[1]))
         if not math.isfinite(value):
             return Clip(norm, ok, None, None, True)
         return Clip(norm, ok, None, None, False) if factor == 1.0 else Clip(norm, ok, coef, factor, False)
