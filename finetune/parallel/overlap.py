@@ -127,17 +127,26 @@ class GradReduction:
         def hook(grad: ms.Tensor) -> ms.Tensor:
             """Returns the gradient unchanged (the ``Tensor.register_hook`` contract of MindSpore 2.10)."""
             if self.armed:
-                self._arrive(i, grad)
+                self._arrive(i, grad, in_backward=True)
             return grad
         return hook
 
-    def _arrive(self, i: int, grad: ms.Tensor) -> None:
+    def _arrive(self, i: int, grad: ms.Tensor, in_backward: bool = False) -> None:
+        """Gradient ``i`` of the last micro-batch is final: added to the accumulator and counted for its buckets.
+        From a hook (``in_backward``) the sum is a new tensor: MindSpore 2.10 fails a compiled layer's backward
+        ("Failure info [Size not match]", pynative_jit_grad.cc FilterGradOutput) when a hook writes a tensor in
+        place; the accumulator's tensor is dropped as the sum replaces it."""
         if self.arrived[i]:
             raise RuntimeError(f"the backward hook of {self.names[i]} ran twice in one backward: this MindSpore "
                                "version's hooks do not give one final gradient per parameter; set "
                                "OVERRIDES='parallel.overlap_grad_reduce=false' (reduce after the backward)")
         self.arrived[i] = True
-        self.totals[i] = fp32(grad) if self.acc is None else self._add(self.acc, i, grad)
+        if self.acc is None:
+            self.totals[i] = fp32(grad)
+        elif in_backward:
+            self.totals[i], self.acc[i] = self.acc[i] + fp32(grad), None
+        else:
+            self.totals[i] = self._add(self.acc, i, grad)
         for k in self.users[i]:
             self.missing[k] -= 1
         t0 = time.perf_counter()
