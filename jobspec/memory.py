@@ -45,7 +45,8 @@ TERMS = {
     "weights": "the model's parameters in the compute dtype, LoRA adapters in fp32 (finetune/model/decoder.py)",
     "master": "fp32 master weights (optim/adamw.py AdamW.master, optim/sharded.py master chunks)",
     "optimizer": "Adam moments m and v in fp32 (optim/adamw.py, optim/sharded.py: this rank's shard)",
-    "accumulator": "fp32 gradient accumulator over micro-batches (parallel/overlap.py GradReduction.add)",
+    "accumulator": "fp32 gradient accumulator over micro-batches (parallel/overlap.py GradReduction.add), and the "
+                   "largest tensor's fp32 temporaries while it is added (GradReduction._add, _arrive)",
     "grads": "one micro-batch's gradients in the compute dtype (run/loop.py accumulate: grad_fn's output)",
     "activations": "kept activations (recompute: the layer inputs and one layer's; LoRA dropout inputs)",
     "logits": "the LM head's logits chunk and its gradient (parallel/vocab.py LMHeadCrossEntropy)",
@@ -338,8 +339,13 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     head_rows = vocab // tp if vocab_parallel else vocab
     logits = head_tokens * head_rows * (4 if host_softmax else 3 * 4 + nbytes)
     grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes
-    # fp32 totals: the micro-batch's own gradients in fp32 with one micro-batch; else the accumulator
+    # fp32 totals: the micro-batch's own gradients in fp32 with one micro-batch; else the accumulator and, while a
+    # gradient is added into it, fp32 temporaries of the largest tensor: its fp32 cast (compute dtype not fp32), and
+    # with DP and compiled layers the sum the overlap's hooks make out of place before they drop the old one
+    # (parallel/overlap.py GradReduction._add, ._arrive: MindSpore refuses an in-place write from a hook there)
     accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
+    if grad_accum > 1 and lora is None:
+        accumulator += max(sizes) * 4 * ((precision != "fp32") + (dp > 1 and compile_layers))
     # the accumulator is dropped bucket by bucket as the reduction launches (GradReduction._arrive)
     totals = state * 4
     # over the largest operand (a tensor, or a bucket's chunk), on the NPU: the gradient times the clip factor and

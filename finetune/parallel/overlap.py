@@ -56,11 +56,12 @@ class GradReduction:
     micro-batches' gradients or None, ``add``); ``finish(grads)`` after it, with the gradients it returned:
     the reduced buckets, as ``reduce_now`` gives them. A
     bucket reads the accumulator itself, and drops it once launched. ``comm_s``: host seconds spent launching and
-    waiting for the collectives (``take_comm_s``).
+    waiting for the collectives (``take_comm_s``). ``compiled``: the decoder layers run as graphs
+    (train.compile_layers), so a hook must not write in place (``_arrive``).
     """
 
-    def __init__(self, params: list, opt: Bucketed, overlap: bool):
-        self.opt, self.overlap = opt, overlap
+    def __init__(self, params: list, opt: Bucketed, overlap: bool, compiled: bool = False):
+        self.opt, self.overlap, self.compiled = opt, overlap, compiled
         self.names = [p.name for p in params]
         self.users: list[list[int]] = [[] for _ in params]  # the buckets reading each parameter
         for k, idx in enumerate(opt.bucket_params):
@@ -133,9 +134,10 @@ class GradReduction:
 
     def _arrive(self, i: int, grad: ms.Tensor, in_backward: bool = False) -> None:
         """Gradient ``i`` of the last micro-batch is final: added to the accumulator and counted for its buckets.
-        From a hook (``in_backward``) the sum is a new tensor: MindSpore 2.10 fails a compiled layer's backward
-        ("Failure info [Size not match]", pynative_jit_grad.cc FilterGradOutput) when a hook writes a tensor in
-        place; the accumulator's tensor is dropped as the sum replaces it."""
+        From a hook (``in_backward``) with compiled layers the sum is a new tensor: MindSpore 2.10 fails a compiled
+        layer's backward ("Failure info [Size not match]", pynative_jit_grad.cc FilterGradOutput) when a hook writes
+        any tensor in place (op by op, recompute included, it does not); the accumulator's tensor is dropped as the
+        sum replaces it."""
         if self.arrived[i]:
             raise RuntimeError(f"the backward hook of {self.names[i]} ran twice in one backward: this MindSpore "
                                "version's hooks do not give one final gradient per parameter; set "
@@ -143,7 +145,7 @@ class GradReduction:
         self.arrived[i] = True
         if self.acc is None:
             self.totals[i] = fp32(grad)
-        elif in_backward:
+        elif in_backward and self.compiled:
             self.totals[i], self.acc[i] = self.acc[i] + fp32(grad), None
         else:
             self.totals[i] = self._add(self.acc, i, grad)
@@ -249,11 +251,11 @@ class Added(Ready):
     """A bucket's chunk already added to the step's sums (``ShardedAccumulation``)."""
 
 
-def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo) -> GradReduction:
+def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo, compiled: bool) -> GradReduction:
     """The step's gradient reduction for the plan's ``layout``: ZeRO-2's per-micro-batch one when it shards
     the gradients (ZeRO-3's is ``zero3.Zero3Reduction``)."""
     if not layout.shard_gradients:
-        return GradReduction(params, opt, layout.overlap_grad_reduce)
+        return GradReduction(params, opt, layout.overlap_grad_reduce, compiled)
     rank.log("[train] ZeRO-2: each micro-batch's gradients reduce-scattered over DP, each rank accumulating its "
              "own fp32 chunks")
     return ShardedAccumulation(params, opt, layout.overlap_grad_reduce)

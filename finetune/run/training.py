@@ -188,7 +188,7 @@ def setup(recipe: Recipe, rank: RankInfo, dtype, run: RunDir, model_hash: str = 
             shard_frozen_base(model, zero3, rank)
         reduction = Zero3Reduction(params, opt, zero3)
     trainer = Training(recipe, run, rank, model, model_dir, params, opt,
-                      reduction or reduction_for(params, opt, layout, rank),
+                      reduction or reduction_for(params, opt, layout, rank, bool(tc.compile_layers)),
                       LossScaler(tc.loss_scale, enabled=dtype == ms.float16), loader, val_loader, total_steps,
                       zero3=zero3)
     if rank.dp > 1:

@@ -54,7 +54,7 @@ def test_an_explicit_tp_gets_the_lowest_stage_that_fits_there(atlas, capsys):
     rc, p, out, _ = plan(atlas, "qwen-full", "Qwen2.5-32B", 16, capsys, TP="8")
     assert rc == 0 and p["sources"]["parallel.zero"].startswith("auto -> ZeRO-2 (TP 8 x DP 2, ZeRO-2; the lowest "
                                                                 "stage that fits, ZeRO-3 only where nothing else "
-                                                                "does: TP 8 ZeRO-2: TP 8 ZeRO-1 needs 57.9 GiB")
+                                                                "does: TP 8 ZeRO-2: TP 8 ZeRO-1 needs 58.3 GiB")
     rc, p, out, err = plan(atlas, "qwen-full", "Qwen2.5-32B", 16, capsys, TP="4")
     assert rc == 0 and p["sources"]["parallel.zero"].startswith("auto -> ZeRO-3 (TP 4 x DP 4, ZeRO-3; "), err
 

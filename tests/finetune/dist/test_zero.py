@@ -96,7 +96,7 @@ def test_zero2_accumulates_the_chunks_of_each_micro_batch_as_zero1_the_whole_gra
     zero1 = run(GradReduction(params, opt, overlap=False))
     zero2 = run(ShardedAccumulation(params, opt, overlap=False))
     layout = Layout(dp=2, shard_optimizer=True, shard_gradients=True)
-    assert isinstance(reduction_for(params, opt, layout, RankInfo()), ShardedAccumulation)
+    assert isinstance(reduction_for(params, opt, layout, RankInfo(), False), ShardedAccumulation)
     assert len(zero2) == len(opt.buckets) and layout.zero == 2
     for a, b in zip(zero2, zero1):
         np.testing.assert_array_equal(a, b)
