@@ -342,7 +342,8 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     # fp32 totals: the micro-batch's own gradients in fp32 with one micro-batch; else the accumulator and, while a
     # gradient is added into it, fp32 temporaries of the largest tensor: its fp32 cast (compute dtype not fp32), and
     # with DP and compiled layers the sum the overlap's hooks make out of place before they drop the old one
-    # (parallel/overlap.py GradReduction._add, ._arrive: MindSpore refuses an in-place write from a hook there)
+    # (parallel/overlap.py GradReduction._add, ._arrive: MindSpore refuses a hook's in-place write into the
+    # adopted gradients there)
     accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
     if grad_accum > 1 and lora is None:
         accumulator += max(sizes) * 4 * ((precision != "fp32") + (dp > 1 and compile_layers))

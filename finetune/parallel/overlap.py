@@ -57,7 +57,7 @@ class GradReduction:
     the reduced buckets, as ``reduce_now`` gives them. A
     bucket reads the accumulator itself, and drops it once launched. ``comm_s``: host seconds spent launching and
     waiting for the collectives (``take_comm_s``). ``compiled``: the decoder layers run as graphs
-    (train.compile_layers), so a hook must not write in place (``_arrive``).
+    (train.compile_layers), so a hook must not write the accumulator in place (``_arrive``).
     """
 
     def __init__(self, params: list, opt: Bucketed, overlap: bool, compiled: bool = False):
@@ -136,7 +136,8 @@ class GradReduction:
         """Gradient ``i`` of the last micro-batch is final: added to the accumulator and counted for its buckets.
         From a hook (``in_backward``) with compiled layers the sum is a new tensor: MindSpore 2.10 fails a compiled
         layer's backward ("Failure info [Size not match]", pynative_jit_grad.cc FilterGradOutput) when a hook writes
-        any tensor in place (op by op, recompute included, it does not); the accumulator's tensor is dropped as the
+        in place into the accumulator, whose tensors are the first micro-batch's gradients, adopted (a copy of them
+        it may write; op by op, recompute included, it fails neither); the accumulator's tensor is dropped as the
         sum replaces it."""
         if self.arrived[i]:
             raise RuntimeError(f"the backward hook of {self.names[i]} ran twice in one backward: this MindSpore "
