@@ -105,6 +105,12 @@ bench-zero3-memory: $(STAMP)
 bench-memory: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_memory.py $(BENCH_ARGS)
 
+## What a compiled decoder layer holds beyond op by op on CPU, per layer, and the fit behind the estimate's
+## `graphs` term (docs/memory.md); BENCH_ARGS e.g. "--json graphs.json".
+.PHONY: bench-graphs
+bench-graphs: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/bench_graphs.py $(BENCH_ARGS)
+
 ## Per-phase and per-op times of one step, ours against torch at the bench shape (docs/speed.md).
 profile-step: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/profile_step.py --torch-python "$(TORCH_PYTHON)" $(PROFILE_ARGS)

@@ -35,10 +35,12 @@ WORKSPACE_BYTES = 1_500_000_000  # NPU: the framework's workspace, HCCL buffers,
 # tensors counted: the token cache, the tokenizer, thread pools, and freed heap that glibc keeps (the launcher's
 # malloc settings) but a later buffer does not fit in; measured by tools/bench_memory.py (docs/memory.md)
 CPU_WORKSPACE_BYTES = 200 * 2**20
-# CPU, train.compile_layers: what each decoder layer's graph (finetune/model/decoder.py compile_layers) holds
-# beyond op by op, fitted to step-1 peaks with and without graphs (docs/memory.md): per graph, per fp32 byte of
-# the layer's weights, per token x hidden of the micro-batch
-GRAPH_BYTES, GRAPH_PER_WEIGHT_BYTE, GRAPH_PER_TOKEN_HIDDEN = 45 * 2**20, 5, 109
+# CPU, train.compile_layers: what each compiled decoder layer (finetune/model/decoder.py compile_layers) holds
+# beyond op by op, measured per layer by tools/bench_graphs.py (compiled - op by op, 2 and 4 layers, the steady
+# pass) and fitted over 8 full fine-tune shapes (hidden 256-1024, 256-1024 tokens, sequence 256-512), each within
+# 4 %, LoRA's 3 within 10 % (docs/memory.md): per layer, per fp32 byte of its weights (not under LoRA: the frozen
+# base has no weight gradient), per token x hidden of the micro-batch, per token x head x position (the scores)
+GRAPH_BYTES, GRAPH_PER_WEIGHT_BYTE, GRAPH_PER_TOKEN_HIDDEN, GRAPH_PER_SCORE = 20_400_000, 1.53, 471, 44
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Which code allocates each term (the plan prints the terms; docs/memory.md measures them).
 TERMS = {
@@ -293,11 +295,19 @@ def _layer_activation_elems(cfg: dict[str, Any], tp: int) -> int:
     return replicated + split
 
 
-def graph_bytes(model_config: dict[str, Any], tokens: int) -> int:
-    """The compiled layer graphs' buffers on CPU (train.compile_layers) at ``tokens`` per micro-batch (fp32)."""
-    layers, h = int(model_config["num_hidden_layers"]), int(model_config["hidden_size"])
-    per_layer = sum(math.prod(s) for n, s in local_shapes(model_config, 1).items() if ".layers.0." in n)
-    return layers * (GRAPH_BYTES + GRAPH_PER_WEIGHT_BYTE * 4 * per_layer + GRAPH_PER_TOKEN_HIDDEN * tokens * h)
+def layer_weight_elements(model_config: dict[str, Any]) -> int:
+    """Elements of one decoder layer's weights (the whole layer, tp 1)."""
+    return sum(math.prod(s) for n, s in local_shapes(model_config, 1).items() if ".layers.0." in n)
+
+
+def graph_bytes(model_config: dict[str, Any], tokens: int, seq_len: int, lora: bool = False) -> int:
+    """The compiled layer graphs' buffers on CPU (train.compile_layers) at ``tokens`` per micro-batch of
+    ``seq_len``-token rows (fp32); ``lora``: the frozen base's weights count nothing."""
+    d = Dims.of(model_config)
+    weights = 0 if lora else GRAPH_PER_WEIGHT_BYTE * 4 * layer_weight_elements(model_config)
+    per_layer = GRAPH_BYTES + weights + GRAPH_PER_TOKEN_HIDDEN * tokens * d.hidden + GRAPH_PER_SCORE * tokens * \
+        d.heads * seq_len
+    return d.layers * math.ceil(per_layer)
 
 
 def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_size: int, tp: int = 1, dp: int = 1,
@@ -379,7 +389,7 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           tied=0 if lora else tied_bytes(model_config, head_rows, precision, in_place=in_place),
                           tied_host=0 if lora or not in_place or not model_config.get("tie_word_embeddings")
                           else head_rows * h * 4,
-                          graphs=graph_bytes(model_config, tokens)
+                          graphs=graph_bytes(model_config, tokens, seq_len, lora is not None)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 
 

@@ -316,21 +316,27 @@ def test_auto_tp_estimates_the_recipe_as_it_will_be_resolved(recipe, over):
         assert shape.estimate(cfg, tp, world // tp, 4096) == memory_estimate(resolved, cfg), (tp, world)
 
 
-def test_compiled_layer_graphs_count_on_cpu_only_and_grow_with_layers_tokens_and_width():
+def test_compiled_layer_graphs_count_on_cpu_only_and_grow_with_layers_tokens_width_and_sequence():
     """train.compile_layers: each decoder layer's graph holds buffers beyond op by op (measured, docs/memory.md);
-    a CPU term (the layers run op by op on Ascend), growing with the layers, the micro-batch's tokens, the width."""
+    a CPU term (the layers run op by op on Ascend), growing with the layers, the micro-batch's tokens, the width,
+    the rows' length (the attention scores); under LoRA the frozen base's weights count nothing."""
+    from jobspec.lora_config import LoraConfig
     from jobspec.memory import GRAPH_BYTES, graph_bytes
 
     base = dict(seq_len=256, micro_batch_size=1, precision="fp32", recompute=False, device="cpu")
     off, on = estimate_memory(TINY, **base), estimate_memory(TINY, **base, compile_layers=True)
-    assert off.graphs == 0 and on.graphs == graph_bytes(TINY, 256) > 2 * GRAPH_BYTES
+    assert off.graphs == 0 and on.graphs == graph_bytes(TINY, 256, 256) > 2 * GRAPH_BYTES
     assert on.step_peak - off.step_peak == on.total - off.total == on.graphs and "graphs" in on.summary()
     assert "graphs" not in off.summary()
     assert estimate_memory(TINY, **{**base, "device": "npu"}, compile_layers=True).graphs == 0
     deeper = {**TINY, "num_hidden_layers": 4}
     wider = {**TINY, "hidden_size": 128, "num_attention_heads": 2}
-    assert graph_bytes(deeper, 256) == 2 * graph_bytes(TINY, 256)
-    assert graph_bytes(TINY, 512) > graph_bytes(TINY, 256) and graph_bytes(wider, 256) > graph_bytes(TINY, 256)
+    assert graph_bytes(deeper, 256, 256) == 2 * graph_bytes(TINY, 256, 256)
+    assert graph_bytes(TINY, 512, 256) > graph_bytes(TINY, 256, 256)
+    assert graph_bytes(wider, 256, 256) > graph_bytes(TINY, 256, 256)
+    assert graph_bytes(TINY, 512, 512) > graph_bytes(TINY, 512, 256)  # the same tokens in longer rows
+    lora = estimate_memory(TINY, **base, compile_layers=True, lora=LoraConfig())
+    assert lora.graphs == graph_bytes(TINY, 256, 256, lora=True) < on.graphs
 
 
 def test_zero3_with_lora_shards_the_frozen_base_and_the_adapters():
