@@ -16,24 +16,26 @@ def load_bench():
     return bench_memory
 
 
-def test_a_row_reads_both_estimates_the_step_1_peak_and_the_largest_peak_of_the_steps(tmp_path):
+def test_a_row_reads_both_estimates_the_peak_before_the_first_save_and_the_largest_peak_of_the_steps(tmp_path):
     bench = load_bench()
     from jobspec.memory import MemoryEstimate
 
     est = MemoryEstimate(weights=4, grads=2, master=0, optimizer=8, activations=1, workspace=1, staging=30)
     (tmp_path / "plan.json").write_text(json.dumps({"memory": {**est.parts(), "total": est.total}}))
-    rows = [{"step": 1, "peak_memory_bytes": 100, "memory_peak_rss_bytes": 90}, {"step": 2, "peak_memory_bytes": 300},
-            {"step": 3, "peak_memory_bytes": 250}, {"step": 3, "eval_loss": 1.0}]
+    # step 2's record is written before its checkpoint is saved; step 3's peak holds that save
+    rows = [{"step": 1, "peak_memory_bytes": 100, "memory_peak_rss_bytes": 100}, {"step": 2, "peak_memory_bytes": 200},
+            {"step": 3, "peak_memory_bytes": 300}, {"step": 3, "eval_loss": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.SAVE_EVERY == 2 and f"train.save_every={bench.SAVE_EVERY}" in bench.overrides(1, 1, "")
     assert bench.read_row(tmp_path) == {"estimate": 4 + 8 + 1 + 1 + 2 + 30, "phase": "save", "peak_rss": 300,
-                                        "step_estimate": 4 + 8 + 1 + 1 + 2, "step_rss": 90}
+                                        "step_estimate": 4 + 8 + 1 + 1 + 2, "step_rss": 200}
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "peak_memory_bytes": 100}) + "\n")
-    with pytest.raises(ValueError, match="no step-1 memory_peak_rss_bytes"):
+    with pytest.raises(ValueError, match="no peak_memory_bytes of step 2"):
         bench.read_row(tmp_path)
 
 
 @pytest.mark.parametrize("step_rss, run_rss, ok", [(110, 130, True), (130, 130, False), (110, 150, False)])
-def test_a_row_is_ok_only_when_the_step_1_peak_and_the_run_peak_each_meet_the_goal(step_rss, run_rss, ok):
+def test_a_row_is_ok_only_when_the_steps_peak_and_the_run_peak_each_meet_the_goal(step_rss, run_rss, ok):
     got = {"estimate": 120, "phase": "save", "peak_rss": run_rss, "step_estimate": 100, "step_rss": step_rss}
     r = load_bench().row(got, 10)
     assert (r["step_measured"], r["measured"]) == (step_rss - 10, run_rss - 10)

@@ -11,7 +11,12 @@ Alpaca samples, seq_len 256, a checkpoint at step 2, fp32), and reads:
   checkpoint staging, the CPU workspace);
 * the measured peak: rank 0's peak RSS after the last step (metrics.jsonl's ``peak_memory_bytes``: every step
   and the step-2 checkpoint included, not the final save or the export), less the peak RSS of an empty MindSpore
-  process with the same imports, device setup and malloc settings (``EMPTY``).
+  process with the same imports, device setup and malloc settings (``EMPTY``);
+* the steps' peak, judged against the estimate without the save's staging: the peak RSS through step 2, before
+  its checkpoint (the step-2 record is written before the save). Not step 1 alone: on CPU the first
+  micro-batch's logits (numpy's, outside MindSpore's pool) are freed before the layers' backward grows the pool
+  to its high-water mark, and every later micro-batch's come on top of it (docs/memory.md), so step 1 of a
+  grad_accum 1 run is below the steady step by up to the logits' size.
 
 Ratio = measured / estimate. Goal (issue 30): every row within +-15 %, none above the estimate by more than
 5 %; and the peak with grad_accum 4 less the peak with grad_accum 1 (same shape and micro batch) at most
@@ -42,6 +47,7 @@ from bench_train import SHAPE, write_model
 from jobspec.config import REPO_ROOT
 
 WITHIN, ABOVE, GA_BYTES = 0.15, 0.05, 1.5  # the goals above
+SAVE_EVERY = 2  # the checkpoint step: the steps' peak is read through it, before its save
 EMPTY = """import mindspore as ms
 import numpy as np
 import finetune.run.loop  # noqa: F401  (every module a worker imports)
@@ -83,7 +89,7 @@ GA_PAIRS = [("h256-ga1", "h256-ga4"), ("h256-mb4-ga1", "h256-mb4-ga4"), ("h512-g
 def overrides(micro_batch: int, grad_accum: int, extra: str) -> str:
     """A row's OVERRIDES: 3 steps, a checkpoint at step 2, nothing else that a measurement does not need."""
     return " ".join([f"train.micro_batch_size={micro_batch}", f"train.grad_accum={grad_accum}", "train.max_steps=3",
-                     "train.save_every=2", "data.seq_len=256", "data.max_samples=200", "data.val_size=0",
+                     f"train.save_every={SAVE_EVERY}", "data.seq_len=256", "data.max_samples=200", "data.val_size=0",
                      "train.warmup_steps=0", "train.log_every=1", "train.tensorboard=false", "export.enabled=false",
                      "train.precision=fp32", *extra.split()])
 
@@ -98,18 +104,19 @@ def empty_peak(env: dict[str, str]) -> int:
 def read_row(out: Path) -> dict[str, Any]:
     """A finished run's estimates and rank 0's peaks: ``estimate`` (plan.json's total), ``phase`` (its peak phase),
     ``peak_rss`` (after the last step), ``step_estimate`` (static + max(backward, step)) and ``step_rss`` (the
-    peak after step 1, before any checkpoint save: the step-1 record's ``memory_peak_rss_bytes``)."""
+    peak through step :data:`SAVE_EVERY`, before its checkpoint save: the largest ``peak_memory_bytes`` of the
+    records up to that step)."""
     plan = json.loads((out / "plan.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     peaks = [r["peak_memory_bytes"] for r in records if "peak_memory_bytes" in r]
-    step1 = [r["memory_peak_rss_bytes"] for r in records if r.get("step") == 1 and "memory_peak_rss_bytes" in r]
-    if not peaks or not step1:
-        raise ValueError(f"{out}/metrics.jsonl: no peak_memory_bytes or no step-1 memory_peak_rss_bytes")
+    steps = [r["peak_memory_bytes"] for r in records if r.get("step", 0) <= SAVE_EVERY and "peak_memory_bytes" in r]
+    if not peaks or SAVE_EVERY not in {r.get("step") for r in records if "peak_memory_bytes" in r}:
+        raise ValueError(f"{out}/metrics.jsonl: no peak_memory_bytes of step {SAVE_EVERY}")
     from jobspec.memory import MemoryEstimate
 
     est = MemoryEstimate.from_parts(plan["memory"])
     return {"estimate": est.total, "phase": est.peak_phase, "peak_rss": max(peaks), "step_estimate": est.step_peak,
-            "step_rss": step1[0]}
+            "step_rss": max(steps)}
 
 
 def judge(estimate: int, measured: int) -> tuple[float, bool]:
@@ -148,7 +155,7 @@ def ga_growth(rows: dict[str, dict]) -> list[dict]:
 def markdown(rows: dict[str, dict], growth: list[dict], empty: int) -> str:
     """The table of docs/memory.md."""
     lines = [f"Empty MindSpore process: {empty / 2**20:.0f} MiB peak RSS (subtracted).", "",
-             "| row | hidden x layers | micro batch | grad_accum | DP | other | step-1 estimate GiB | step-1 measured "
+             "| row | hidden x layers | micro batch | grad_accum | DP | other | step estimate GiB | steps 1-2 measured "
              "GiB | ratio | goal | run estimate GiB (peak phase) | run measured GiB | ratio | goal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows[name] = row(got, empty)
             r = rows[name]
-            print(f"{name}: step 1 {r['step_measured'] / 2**30:.2f} / {r['step_estimate'] / 2**30:.2f} GiB "
+            print(f"{name}: steps 1-2 {r['step_measured'] / 2**30:.2f} / {r['step_estimate'] / 2**30:.2f} GiB "
                   f"({r['step_ratio']:.2f}), run {r['measured'] / 2**30:.2f} / {r['estimate'] / 2**30:.2f} GiB "
                   f"({r['phase']}, {r['ratio']:.2f}) {'ok' if r['ok'] else 'MISSED'} ({time.time() - t0:.0f} s)",
                   flush=True)
