@@ -21,6 +21,7 @@ from jobspec import native as nativelib
 from jobspec.config import Recipe, creates_tiny_model, resolved_model_dir
 from jobspec.family import family_of
 from jobspec.layout_choice import choose_layout
+from jobspec.lora_config import trainable_elements
 from jobspec.memory import MemoryEstimate, TrainShape, estimate_memory, memory_estimate
 from jobspec.platform import platform_of
 from jobspec.tiny import tiny_config
@@ -154,12 +155,16 @@ def check_disk(c: Context) -> list[Check]:
         return [Check("disk", "ok", f"{free / GIB:.1f} GiB free at {probe} (model size unknown yet)")]
     n, keep = param_count(cfg), c.recipe.train.keep_checkpoints
     ckpts = keep + 1 if keep > 0 else 2  # the one being written while `keep` older ones still exist
-    export = n * (4 if c.recipe.export.dtype == "fp32" else 2)
+    lora = c.recipe.train.method == "lora"  # a checkpoint holds the adapters (and modules_to_save) only
+    trained = sum(trainable_elements(cfg, c.recipe.lora)) if lora and n else n
+    merged = not lora or c.recipe.export.merge  # LoRA: adapter/ always, the merged hf/ unless export.merge=false
+    export = (n if merged else 0) * (4 if c.recipe.export.dtype == "fp32" else 2) + (trained * 4 if lora else 0)
     # a tiny model still to be created under OUTPUT_DIR
     base = n * 4 if c.recipe.model.init is not None \
         and not (Path(resolved_model_dir(c.recipe)) / "config.json").exists() else 0
-    need = n * 16 * ckpts + export + base  # checkpoint: fp32 weights + AdamW m, v and fp32 masters
-    detail = f"need ~{need / GIB:.1f} GiB ({n / 1e9:.2f} B params x 16 B x {ckpts} checkpoints (keep_checkpoints " \
+    need = trained * 16 * ckpts + export + base  # checkpoint: fp32 weights + AdamW m, v and fp32 masters
+    what = f"{trained / 1e6:.1f} M trained (LoRA) params" if lora else f"{n / 1e9:.2f} B params"
+    detail = f"need ~{need / GIB:.1f} GiB ({what} x 16 B x {ckpts} checkpoints (keep_checkpoints " \
              f"{keep} + the one being written) + export{' + base model' if base else ''}), " \
              f"{free / GIB:.1f} GiB free at {probe}"
     if free < need:

@@ -138,6 +138,23 @@ def test_disk_counts_the_checkpoint_being_written_and_the_export(tmp_path, monke
     assert not fails(ctx(tmp_path, npu=False, **{"train.keep_checkpoints": "2", "export.dtype": "bf16"}), "disk")
 
 
+def test_a_lora_run_needs_disk_for_its_adapters_checkpoints_and_the_merged_export_only(tmp_path, monkeypatch):
+    """LoRA checkpoints hold the adapters (finetune/io/checkpoint.py saves the trained parameters): Qwen2.5-7B at
+    r 8 trains 20.2 M parameters, so 3 checkpoints are about 1 GiB and the merged bf16 hf/ 14.2 GiB, not the
+    full fine-tune's 355 GiB, which a 100 GiB volume was refused for."""
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 100 * 2**30))
+    lora = {"train.method": "lora", "train.keep_checkpoints": "2", "export.dtype": "bf16"}
+    assert fails(ctx(tmp_path, npu=False, **{**lora, "train.method": "full"}), "disk")
+    (r,) = rows(ctx(tmp_path, npu=False, **lora), "disk")
+    assert r.status == "ok" and "20.2 M trained (LoRA) params x 16 B x 3 checkpoints" in r.detail
+    assert "need ~15.2 GiB" in r.detail
+    (r,) = rows(ctx(tmp_path, npu=False, **lora, **{"export.merge": "false"}), "disk")
+    assert "need ~1.0 GiB" in r.detail  # adapter/ alone: no merged hf/
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: (0, 0, 10 * 2**30))
+    (r,) = fails(ctx(tmp_path, npu=False, **lora), "disk")
+    assert "OUTPUT_DIR" in r.fix
+
+
 def test_param_count_qwen7b():
     assert 7.5e9 < preflight.param_count(QWEN7B) < 7.7e9
 
