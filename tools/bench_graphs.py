@@ -27,6 +27,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # started as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_memory import shape_of
 
 from jobspec.config import REPO_ROOT
 
@@ -40,10 +43,8 @@ MIB = 2**20
 
 
 def model_config(hidden: int, layers: int) -> dict:
-    """The bench's shape (tools/bench_memory.py shape_of) with a 256-token vocabulary and untied head."""
-    return {"vocab_size": 256, "hidden_size": hidden, "intermediate_size": hidden * 11 // 4,
-            "num_hidden_layers": layers, "num_attention_heads": hidden // 64, "num_key_value_heads": 2,
-            "tie_word_embeddings": False}
+    """The bench's shape (tools/bench_memory.py ``shape_of``) with a 256-token vocabulary and an untied head."""
+    return {**shape_of(hidden, layers), "vocab_size": 256, "tie_word_embeddings": False}
 
 
 def probe(layers: int, hidden: int, micro_batch: int, seq: int, compiled: bool, lora: bool, passes: int = 3) -> None:
