@@ -58,6 +58,9 @@ TERMS = {
     "tied_host": "not a term of its own: one [vocab, hidden] fp32 buffer, a trained tied embedding's gradient in "
                  "grads, the accumulator and the totals held in numpy on the host (TiedGradient), returned when "
                  "freed: no part of what the save's copies come on top of (MemoryEstimate.phases)",
+    "logits_host": "not a term of its own: the logits' bytes held in numpy on the host (LMHeadCrossEntropy's host "
+                   "GEMM: CPU, fp32), returned when freed: no part of what the save's copies come on top of "
+                   "(MemoryEstimate.phases); in fp16/bf16 they are MindSpore's, kept by its pool",
     "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
               "(GradReduction.finish; CPU DP: the shared-memory sums, new arrays)",
     "update": "optimizer update temporaries over the largest tensor or bucket chunk: its clipped gradient and the "
@@ -90,6 +93,7 @@ SHRINKS = {
     "logits": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
     "tied": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
     "tied_host": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
+    "logits_host": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
     "totals": "parallel.shard_optimizer=true",
     "update": "parallel.shard_optimizer=true",
     "collectives": "parallel.host_collectives=false (CPU)",
@@ -125,6 +129,7 @@ class MemoryEstimate:
     logits: int = 0
     tied: int = 0
     tied_host: int = 0  # counted in grads and the accumulator, not again (TERMS)
+    logits_host: int = 0  # counted in logits, not again (TERMS)
     totals: int = 0
     update: int = 0
     collectives: int = 0
@@ -139,13 +144,13 @@ class MemoryEstimate:
     def phases(self) -> dict[str, int]:
         """Bytes of each phase on top of the static terms. A save's host copies (``staging``, CPU only) come on top
         of what the step's peak left resident: MindSpore's CPU memory pool keeps the blocks it grew to, while the
-        LM head's numpy arrays (the logits, a tied head's d weight: ``parallel/vocab.py``'s host GEMM, which is the
-        trained tied embedding's gradient in grads and the accumulator, ``tied_host``) are mapped on their own and
-        returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
+        LM head's numpy arrays (the logits in fp32, ``logits_host``; a tied head's d weight: ``parallel/vocab.py``'s
+        host GEMM, which is the trained tied embedding's gradient in grads and the accumulator, ``tied_host``) are
+        mapped on their own and returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
         out = {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
         if self.staging:
             held = self.tied_host * (2 if self.accumulator else 1)  # the micro-batch's and the accumulator's
-            out["save"] += max(out["backward"] - self.logits - self.tied // 2 - held, out["step"] - self.tied_host)
+            out["save"] += max(out["backward"] - self.logits_host - self.tied // 2 - held, out["step"] - self.tied_host)
         return out
 
     @property
@@ -387,6 +392,7 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           rs_buckets=z.rs_buckets, gathered=z.gathered, gather_buffer=z.gather_buffer,
                           host_layers=z.host_layers,
                           tied=0 if lora else tied_bytes(model_config, head_rows, precision, in_place=in_place),
+                          logits_host=logits if host and precision == "fp32" else 0,  # host_gemm: numpy's
                           tied_host=0 if lora or not in_place or not model_config.get("tie_word_embeddings")
                           else head_rows * h * 4,
                           graphs=graph_bytes(model_config, tokens, seq_len, lora is not None)

@@ -50,6 +50,19 @@ def test_the_step_peak_leaves_out_the_checkpoint_save():
     assert MemoryEstimate.from_parts({**est.parts(), "staging": 0}).total == est.step_peak
 
 
+def test_a_cpu_save_comes_on_top_of_the_pools_part_of_the_backward_with_the_logits_only_where_mindspore_holds_them():
+    """In fp32 the host GEMM's logits are numpy's, returned when freed; in fp16 they are MindSpore's, kept by its
+    pool, so a save's copies come on top of them (measured: make bench-memory's h256-fp16-ga4, docs/memory.md)."""
+    base = dict(seq_len=256, micro_batch_size=1, loss_chunk_tokens=1024, device="cpu", grad_accum=4)
+    cfg = {**TINY, "tie_word_embeddings": False}
+    fp32, fp16 = (estimate_memory(cfg, **base, precision=p) for p in ("fp32", "fp16"))
+    assert fp32.logits_host == fp32.logits > 0 and fp16.logits_host == 0 < fp16.logits
+    for est in (fp32, fp16):
+        phases = est.phases()
+        assert phases["save"] == est.staging + max(phases["backward"] - est.logits_host, phases["step"])
+    assert estimate_memory(cfg, **{**base, "device": "npu"}, precision="fp32").logits_host == 0
+
+
 def test_a_trained_tied_embedding_counts_its_gradient_buffers_beyond_grads():
     """On Ascend and vocab-parallel, the LM head's d weight and the lookup's dense one, [vocab, hidden] fp32 each,
     in the backward; on the host with the whole vocabulary one buffer, the gradient itself (TiedGradient): nothing
