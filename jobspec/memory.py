@@ -38,7 +38,7 @@ CPU_WORKSPACE_BYTES = 200 * 2**20
 # CPU, train.compile_layers: what each compiled decoder layer (finetune/model/decoder.py compile_layers) holds
 # beyond op by op, measured per layer by tools/bench_graphs.py (compiled - op by op, 2 and 4 layers, the steady
 # pass) and fitted over 8 full fine-tune shapes (hidden 256-1024, 256-1024 tokens, sequence 256-512), each within
-# 4 %, LoRA's 3 within 10 % (docs/memory.md): per layer, per fp32 byte of its weights (not under LoRA: the frozen
+# 5 %, LoRA's 3 within 10 % (docs/memory.md): per layer, per fp32 byte of its weights (not under LoRA: the frozen
 # base has no weight gradient), per token x hidden of the micro-batch, per token x head x position (the scores)
 GRAPH_BYTES, GRAPH_PER_WEIGHT_BYTE, GRAPH_PER_TOKEN_HIDDEN, GRAPH_PER_SCORE = 20_400_000, 1.53, 471, 44
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -9,7 +9,7 @@ Each point is a fresh process (``--probe``) that builds the bench's model shape 
 ahead as the loop draws them). It prints its peak RSS (``VmHWM``) above its RSS once the model is built, after each
 pass. For one shape (hidden, micro batch, sequence, full or LoRA) the sweep runs 2 and 4 layers, compiled
 (``DecoderModel.compile_layers``) and op by op: per layer = (4 layers - 2 layers) / 2, and what the graphs hold
-beyond op by op = compiled - op by op at the third pass (the steady state: the first is 3-10 % lower).
+beyond op by op = compiled - op by op at the third pass (the steady state: the first is 3-15 % lower).
 
 Fit (least squares over the full fine-tune shapes): per layer = a + b x the layer's fp32 weight bytes + c x the
 micro-batch's tokens x hidden + d x its tokens x heads x sequence (the attention scores' elements), the constants
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +31,8 @@ if __package__ in (None, ""):  # started as a script
 from bench_memory import shape_of
 
 from jobspec.config import REPO_ROOT
+from launcher.settings import CPU_MALLOC_DEFAULTS  # the malloc settings the launcher gives CPU workers
 
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_MMAP_MAX_": "65536"}  # the launcher's CPU worker settings
 LAYERS = (2, 4)
 # (hidden, micro batch, sequence, lora)
 SHAPES = [(256, 1, 256, False), (256, 4, 256, False), (512, 1, 256, False), (512, 2, 256, False),
@@ -54,7 +53,7 @@ def probe(layers: int, hidden: int, micro_batch: int, seq: int, compiled: bool, 
 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     from finetune.model.decoder import DecoderLM, ModelConfig
-    from finetune.run.perf import peak_rss_bytes
+    from finetune.run.perf import peak_rss_bytes, rss_bytes
 
     model = DecoderLM(ModelConfig.from_dict(model_config(hidden, layers)))
     if compiled:
@@ -84,17 +83,11 @@ def probe(layers: int, hidden: int, micro_batch: int, seq: int, compiled: bool, 
     print(json.dumps({"peaks": peaks}))
 
 
-def rss_bytes() -> int:
-    """This process's resident set now (``VmRSS``)."""
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
-
-
 def run_probe(layers: int, hidden: int, micro_batch: int, seq: int, compiled: bool, lora: bool) -> list[int]:
     """One probe in a fresh process (the launcher's malloc settings): its peaks after each pass."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", str(layers), str(hidden), str(micro_batch),
            str(seq), str(int(compiled)), str(int(lora))]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, **MALLOC}, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, **CPU_MALLOC_DEFAULTS}, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"probe {cmd[3:]} failed (rc {out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["peaks"]

@@ -100,9 +100,18 @@ def peak_rss_bytes() -> int:
     Not ``getrusage``'s ``ru_maxrss``: exec records the parent's high-water mark there (the address space a
     fork or vfork shared), so a worker started by a large process (pytest after a thousand tests) reports
     at least its parent's peak."""
-    match = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    return _status_bytes("VmHWM")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (``VmRSS``)."""
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     if match is None:
-        raise RuntimeError("/proc/self/status has no VmHWM line: peak memory on CPU is measured on Linux only")
+        raise RuntimeError(f"/proc/self/status has no {field} line: memory on CPU is measured on Linux only")
     return int(match[1]) * 1024
 
 
