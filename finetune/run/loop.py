@@ -66,11 +66,12 @@ def accumulate(grad_fn, micro_batches: list[dict[str, np.ndarray]], scale: ms.Te
         if last:
             reduction.arm(acc)
         loss, g = grad_fn(*batch_tensors(mb), scale)
+        grads = list(g)
+        del g  # the list alone holds them: the reduction drops each gradient once read
         loss_sum = loss if loss_sum is None else loss_sum + loss
         if last:
-            return reduction.finish(list(g)), loss_sum
-        acc = reduction.add(acc, list(g))
-        del g
+            return reduction.finish(grads), loss_sum
+        acc = reduction.add(acc, grads)
     raise ValueError("a step needs at least one micro-batch")
 
 

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 
 import mindspore as ms
 import numpy as np
@@ -74,6 +75,41 @@ def test_accumulation_is_the_fp32_sum_bit_for_bit_in_the_first_micro_batchs_tens
         assert (g.data_ptr() != first[i]) if overlap and compiled else (g.data_ptr() == first[i]), f"p{i}"
     assert float(loss.asnumpy()) == pytest.approx(sum(float(grad_fn(*train.batch_tensors(mb), scale)[0].asnumpy())
                                                       for mb in batches), rel=1e-6)
+
+
+class _Dropping(GradReduction):
+    """Records, per gradient it reads, whether dropping it from the list frees it (nothing else holds it)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.freed: list[bool] = []
+
+    def _drop(self, grads: list) -> None:
+        for i in range(len(grads)):
+            ref, grads[i] = weakref.ref(grads[i]), None
+            self.freed.append(ref() is None)
+
+    def add(self, acc, grads):
+        self._drop(grads)
+        return acc
+
+    def finish(self, grads):
+        self._drop(grads)
+        return []
+
+
+def test_accumulate_leaves_each_gradient_to_the_reductions_list_alone(monkeypatch):
+    """The reduction drops each gradient as it reads it (``GradReduction.add``, ``finish``): nothing else may
+    hold it (before, grad_fn's tuple kept every one of the micro-batch's gradients alive until the reduction
+    returned, beside their fp32 casts in bf16/fp16)."""
+    import finetune.run.loop as train
+
+    monkeypatch.setattr(train, "batch_tensors", lambda mb: [ms.Tensor(mb[k]) for k in
+                                                            ("input_ids", "labels", "position_ids", "segment_ids")])
+    params, grad_fn = _toy()
+    reduction = _Dropping(params, AdamW(params, TrainConfig(), RankInfo()), False)
+    accumulate(grad_fn, _micro_batches(2), ms.Tensor(0.5, ms.float32), reduction)
+    assert reduction.freed == [True] * 2 * len(params)
 
 
 def _peak(tmp, model, grad_accum: int) -> int:
