@@ -18,6 +18,7 @@ from typing import Any
 
 from jobspec.config import Recipe, TrainConfig
 from jobspec.lora_config import LoraConfig, trainable_elements
+from jobspec.memory_terms import TERMS
 from jobspec.model_layout import Dims, local_kv_heads, local_shapes
 from jobspec.platform import PLATFORMS
 from jobspec.shard_layout import ShardLayout
@@ -42,70 +43,6 @@ CPU_WORKSPACE_BYTES = 200 * 2**20
 # base has no weight gradient), per token x hidden of the micro-batch, per token x head x position (the scores)
 GRAPH_BYTES, GRAPH_PER_WEIGHT_BYTE, GRAPH_PER_TOKEN_HIDDEN, GRAPH_PER_SCORE = 20_400_000, 1.53, 471, 44
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Which code allocates each term (the plan prints the terms; docs/memory.md measures them).
-TERMS = {
-    "weights": "the model's parameters in the compute dtype, LoRA adapters in fp32 (finetune/model/decoder.py)",
-    "master": "fp32 master weights (optim/adamw.py AdamW.master, optim/sharded.py master chunks)",
-    "optimizer": "Adam moments m and v in fp32 (optim/adamw.py, optim/sharded.py: this rank's shard)",
-    "accumulator": "fp32 gradient accumulator over micro-batches (parallel/overlap.py GradReduction.add), and the "
-                   "largest tensor's fp32 temporaries while it is added (GradReduction._add, _arrive)",
-    "grads": "one micro-batch's gradients in the compute dtype (run/loop.py accumulate: grad_fn's output)",
-    "activations": "kept activations (recompute: the layer inputs and one layer's; LoRA dropout inputs)",
-    "logits": "the LM head's logits chunk and its gradient (parallel/vocab.py LMHeadCrossEntropy)",
-    "tied": "a trained tied embedding's [vocab, hidden] gradient buffers beyond grads: the LM head's d weight "
-            "(LMHeadCrossEntropy.bprop) and the lookup's dense one before autodiff sums them; on the host, one "
-            "buffer (parallel/vocab.py TiedGradient)",
-    "tied_host": "not a term of its own: one [vocab, hidden] fp32 buffer, a trained tied embedding's gradient in "
-                 "grads, the accumulator and the totals held in numpy on the host (TiedGradient), returned when "
-                 "freed: no part of what the save's copies come on top of (MemoryEstimate.phases)",
-    "logits_host": "not a term of its own: the logits' bytes held in numpy on the host (LMHeadCrossEntropy's host "
-                   "GEMM: CPU, fp32), returned when freed: no part of what the save's copies come on top of "
-                   "(MemoryEstimate.phases); in fp16/bf16 they are MindSpore's, kept by its pool",
-    "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
-              "(GradReduction.finish; CPU DP: the shared-memory sums, new arrays)",
-    "update": "optimizer update temporaries over the largest tensor or bucket chunk: its clipped gradient and the "
-              "kernel's (optim/update.py StepGate.update)",
-    "collectives": "DP reduction buffers: a bucket's flat copy in flight (NPU), the shared-memory regions "
-                   "(CPU, hostcomm.py Slots: host_slot_bytes)",
-    "staging": "checkpoint-save host copies (io/checkpoint.py save_checkpoint; host memory: CPU only)",
-    "workspace": "framework workspace beyond the tensors (NPU: runtime, HCCL, fragmentation; CPU: measured)",
-    "graphs": "the compiled decoder-layer graphs' own buffers (CPU, train.compile_layers: finetune/model/decoder.py)",
-    # ZeRO-2 and 3 (parallel.zero; docs/distributed.md "ZeRO stages")
-    "grad_shards": "ZeRO-2/3: this rank's fp32 chunk sums of the earlier micro-batches' gradients "
-                   "(parallel/overlap.py ShardedAccumulation.add)",
-    "rs_buckets": "ZeRO-2/3: reduce-scatter inputs in flight, each bucket's flat fp32 copy (transport.py _flat, "
-                  "kept by collectives.InFlight until waited: at most IN_FLIGHT_BUCKETS, ShardedAccumulation._launch)",
-    "gathered": "ZeRO-3: the gathered decoder layer's compute-dtype weights, one layer at a time "
-                "(parallel/zero3.py ShardedWeights.use)",
-    "gather_buffer": "ZeRO-3: one layer's all-gather buckets: that layer's until they are copied into its weights, "
-                     "then, while it computes, the next layer's, started early (ShardedWeights._put, the prefetch)",
-    "host_layers": "ZeRO-3: the whole decoder layers' host copies the rank writing a checkpoint or export keeps "
-                   "(parallel/zero3.py ShardedWeights.on_host; host memory: CPU only)",
-}
-# The setting that shrinks each term (the worker's step-1 warning names it with the largest term).
-SHRINKS = {
-    "weights": "a larger parallel.tp, or train.method=lora",
-    "master": "parallel.shard_optimizer=true over more DP ranks, or a larger parallel.tp",
-    "optimizer": "parallel.shard_optimizer=true over more DP ranks, or a larger parallel.tp",
-    "accumulator": "a larger parallel.tp (or train.grad_accum=1 with a larger train.micro_batch_size)",
-    "grads": "a larger parallel.tp, or train.method=lora",
-    "activations": "train.recompute=true, or a smaller train.micro_batch_size or data.seq_len",
-    "logits": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
-    "tied": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
-    "tied_host": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
-    "logits_host": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
-    "totals": "parallel.shard_optimizer=true",
-    "update": "parallel.shard_optimizer=true",
-    "collectives": "parallel.host_collectives=false (CPU)",
-    "staging": "parallel.shard_optimizer=true (each rank stages its shard)",
-    "workspace": "nothing in the recipe (the framework's)",
-    "graphs": "train.compile_layers=false (op by op, slower)",
-    "grad_shards": "more DP ranks, or a larger parallel.tp",
-    "rs_buckets": "nothing in the recipe (IN_FLIGHT_BUCKETS buckets of about 25 MB)",
-    "gathered": "a larger parallel.tp",
-    "gather_buffer": "a larger parallel.tp",
-    "host_layers": "a larger parallel.tp",
-}
 # a checkpoint is saved after the update, the step's totals dropped (run/loop.py train_loop); in host memory (CPU)
 # on top of what the step's peak left resident (MemoryEstimate.phases); ZeRO-3 streams the layers to the writing
 # rank's host through one gathered layer at a time
@@ -128,8 +65,8 @@ class MemoryEstimate:
     accumulator: int = 0
     logits: int = 0
     tied: int = 0
-    tied_host: int = 0  # counted in grads and the accumulator, not again (TERMS)
-    logits_host: int = 0  # counted in logits, not again (TERMS)
+    host_backward: int = 0  # counted in the backward's terms, not again (TERMS)
+    host_step: int = 0  # counted in totals, not again (TERMS)
     totals: int = 0
     update: int = 0
     collectives: int = 0
@@ -144,13 +81,12 @@ class MemoryEstimate:
     def phases(self) -> dict[str, int]:
         """Bytes of each phase on top of the static terms. A save's host copies (``staging``, CPU only) come on top
         of what the step's peak left resident: MindSpore's CPU memory pool keeps the blocks it grew to, while the
-        LM head's numpy arrays (the logits in fp32, ``logits_host``; a tied head's d weight: ``parallel/vocab.py``'s
-        host GEMM, which is the trained tied embedding's gradient in grads and the accumulator, ``tied_host``) are
-        mapped on their own and returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
+        numpy arrays of the backward and the step (``host_backward``, ``host_step``: the LM head's fp32 logits, the
+        embedding's gradient where it is built on the host, ``parallel/vocab.py``) are mapped on their own and
+        returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
         out = {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
         if self.staging:
-            held = self.tied_host * (2 if self.accumulator else 1)  # the micro-batch's and the accumulator's
-            out["save"] += max(out["backward"] - self.logits_host - self.tied // 2 - held, out["step"] - self.tied_host)
+            out["save"] += max(out["backward"] - self.host_backward - self.tied // 2, out["step"] - self.host_step)
         return out
 
     @property
@@ -362,6 +298,15 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
     if grad_accum > 1 and lora is None:
         accumulator += max(sizes) * 4 * ((precision != "fp32") + (dp > 1 and compile_layers))
+    # on the host an untied fp32 embedding's gradient is summed as its rows until the step's last micro-batch
+    # returns it whole, in numpy (parallel/vocab.py RowGradient): the step's rows and, while a micro-batch's are
+    # merged, their union and the micro-batch's, in place of its [vocab, hidden] accumulator
+    in_place = host and not (vocab_parallel and tp > 1)  # TiedGradient, RowGradient: the whole vocabulary
+    tied = bool(model_config.get("tie_word_embeddings"))
+    plain = lora is None and not (sharded and zero >= 2)  # ZeRO-2/3 reduce each micro-batch's dense gradients
+    by_rows = vocab * h * 4 if in_place and not tied and precision == "fp32" and plain else 0
+    if by_rows and grad_accum > 1:
+        accumulator += 2 * min(vocab, grad_accum * tokens) * h * 4 - by_rows
     # the accumulator is dropped bucket by bucket as the reduction launches (GradReduction._arrive)
     totals = state * 4
     # over the largest operand (a tensor, or a bucket's chunk), on the NPU: the gradient times the clip factor and
@@ -377,11 +322,11 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
         collectives = host_slot_bytes(min(trained, largest), dp, sharded, nbytes)
     elif dp > 1:
         collectives = min(trained * 4, BUCKET_BYTES)
-    in_place = host and not (vocab_parallel and tp > 1)  # TiedGradient: the head's d weight in a numpy buffer
     staging = 0
     if host:  # numpy copies of the trained weights in fp32 and of the optimizer state (io/checkpoint.py
         # save_checkpoint: astype's and the optimizer's snapshot copies; safetensors writes from their memory)
         staging = trained * 4 + 2 * state * 4 + master
+    tied_host = head_rows * h * 4 if in_place and tied and lora is None else 0  # TiedGradient's one buffer
     z = zero_terms(zero if sharded else 0, n=n, adapters=adapters, grads=grad_nbytes, accumulator=accumulator,
                    trained=trained, state=state, layers=layer_elements(local), nbytes=nbytes, dp=dp,
                    grad_accum=grad_accum, device=device, lora=lora is not None)
@@ -392,9 +337,9 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           rs_buckets=z.rs_buckets, gathered=z.gathered, gather_buffer=z.gather_buffer,
                           host_layers=z.host_layers,
                           tied=0 if lora else tied_bytes(model_config, head_rows, precision, in_place=in_place),
-                          logits_host=logits if host and precision == "fp32" else 0,  # host_gemm: numpy's
-                          tied_host=0 if lora or not in_place or not model_config.get("tie_word_embeddings")
-                          else head_rows * h * 4,
+                          host_backward=(logits if host and precision == "fp32" else 0)  # host_gemm: numpy's
+                          + tied_host * (2 if z.accumulator else 1) + by_rows,  # the micro-batch's and the acc's
+                          host_step=tied_host + by_rows,
                           graphs=graph_bytes(model_config, tokens, seq_len, lora is not None)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 

@@ -69,11 +69,20 @@ class GradReduction:
                 self.users[i].append(k)
         self.comm_s = 0.0
         self.views: set[int] = set()  # parameters whose gradient comes as a view (``_add``)
+        # an untied embedding's gradient summed over the micro-batches as rows (parallel/vocab.py RowGradient):
+        # the step's last backward returns the whole sum, the earlier ones a view of one zero
+        self.by_rows = {i: p.row_grad for i, p in enumerate(params) if self.sums_rows and hasattr(p, "row_grad")}
         self.launched_after: list[int] = []  # per launch, in order: how many gradients had arrived
         self._start(None, armed=False)
         if overlap:
             for i in self.hooked(params):
                 params[i].register_hook(self._hook(i))
+
+    sums_rows = True  # ZeRO-2/3 reduce every micro-batch's whole gradients: not for them
+
+    def _rows(self, mode: str) -> None:
+        for grad in self.by_rows.values():
+            grad.mode = mode
 
     def hooked(self, params: list) -> list[int]:
         """The parameters whose backward hooks report their gradients (overlap): all."""
@@ -88,11 +97,13 @@ class GradReduction:
         added in place, or ``grads`` in fp32 adopted as it when there is none yet; ``grads`` is emptied as it
         is read, so each gradient is dropped once added."""
         if acc is None:
-            acc = [fp32(g).copy() if i in self.views else fp32(g) for i, g in enumerate(grads)]
+            acc = [None if i in self.by_rows else fp32(g).copy() if i in self.views else fp32(g)
+                   for i, g in enumerate(grads)]
             grads.clear()
             return acc
         for i, g in enumerate(grads):
-            self._add(acc, i, g)
+            if i not in self.by_rows:
+                self._add(acc, i, g)
             grads[i] = None
         return acc
 
@@ -113,6 +124,7 @@ class GradReduction:
 
     def _start(self, acc: list | None, armed: bool) -> None:
         self.acc, self.armed = acc, armed
+        self._rows("rows")
         self.totals: dict[int, ms.Tensor] = {}  # gradients arrived and not yet copied into a launched bucket
         self.arrived = [False] * len(self.users)
         self.missing = [len(idx) for idx in self.opt.bucket_params]
@@ -122,6 +134,7 @@ class GradReduction:
     def arm(self, acc: list | None) -> None:
         """The next backward is the step's last: launch buckets from its hooks (when overlapping)."""
         self._start(acc, armed=self.overlap)
+        self._rows("dense")
         self.launched_after = []
 
     def _hook(self, i: int):
@@ -144,7 +157,7 @@ class GradReduction:
                                "version's hooks do not give one final gradient per parameter; set "
                                "OVERRIDES='parallel.overlap_grad_reduce=false' (reduce after the backward)")
         self.arrived[i] = True
-        if self.acc is None:
+        if self.acc is None or i in self.by_rows:
             self.totals[i] = fp32(grad)
         elif in_backward and self.compiled:
             self.totals[i], self.acc[i] = self.acc[i] + fp32(grad), None
@@ -199,6 +212,8 @@ class ShardedAccumulation(GradReduction):
     not only the last), and each rank adds only its own fp32 chunks: no whole fp32 gradient outlives its
     micro-batch. ``sums``: the step's chunk sums so far (per bucket, None before its first chunk), each chunk
     added as soon as it is waited for, so no micro-batch's chunks are alive all at once beside them."""
+
+    sums_rows = False
 
     def __init__(self, params: list, opt: Bucketed, overlap: bool):
         super().__init__(params, opt, overlap)
@@ -256,7 +271,12 @@ def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo, c
     """The step's gradient reduction for the plan's ``layout``: ZeRO-2's per-micro-batch one when it shards
     the gradients (ZeRO-3's is ``zero3.Zero3Reduction``)."""
     if not layout.shard_gradients:
-        return GradReduction(params, opt, layout.overlap_grad_reduce, compiled)
+        reduction = GradReduction(params, opt, layout.overlap_grad_reduce, compiled)
+        if reduction.by_rows:
+            rank.log("[train] the embedding's gradient is summed as the rows each micro-batch looks up, whole in "
+                     "numpy at the step's last backward (no [vocab, hidden] accumulator: host memory, untied, fp32; "
+                     "parallel/vocab.py RowGradient)")
+        return reduction
     rank.log("[train] ZeRO-2: each micro-batch's gradients reduce-scattered over DP, each rank accumulating its "
              "own fp32 chunks")
     return ShardedAccumulation(params, opt, layout.overlap_grad_reduce)

@@ -44,7 +44,14 @@ class TiedGradient:
         self.head: Tensor | None = None
 
 
-class TiedLookup(nn.Cell):
+class HostLookup(nn.Cell):
+    """``weight[ids]``, for a subclass to give a backward of its own on the host (:func:`lookup_rows`)."""
+
+    def construct(self, w, ids):
+        return w.index_select(0, ids.reshape(-1)).reshape(*ids.shape, -1)
+
+
+class TiedLookup(HostLookup):
     """``weight[ids]`` whose backward returns the head's d weight (``TiedGradient.head``) with the lookup's rows
     added in place (a zero buffer when the head left none: a micro-batch without labels)."""
 
@@ -52,20 +59,75 @@ class TiedLookup(nn.Cell):
         super().__init__()
         self.tied = tied
 
-    def construct(self, w, ids):
-        return w.index_select(0, ids.reshape(-1)).reshape(*ids.shape, -1)
-
     def bprop(self, w, ids, out, dout):
         head, self.tied.head = self.tied.head, None
         a = None if head is None else own_memory(head)
         if a is None:
             a = np.zeros(w.shape, np.float32) if head is None else head.asnumpy().copy()
             head = ms.from_numpy(a)
-        rows, inverse = np.unique(ids.asnumpy().reshape(-1), return_inverse=True)
-        sums = np.zeros((rows.size, a.shape[1]), np.float32)
-        np.add.at(sums, inverse.reshape(-1), dout.asnumpy().reshape(-1, a.shape[1]).astype(np.float32, copy=False))
+        rows, sums = lookup_rows(ids, dout, a.shape[1])
         a[rows] += sums
         return head, ops.zeros_like(ids)
+
+
+def lookup_rows(ids, dout, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """A lookup's gradient as (the sorted distinct token ids, their rows of ``dout`` summed in fp32): each id's rows
+    summed in token order from zero, as MindSpore's IndexSelect gradient sums them into its dense ``[vocab, hidden]``
+    gradient (bit for bit in fp32: tests/finetune/test_tied_grad.py, test_row_grad.py)."""
+    rows, inverse = np.unique(ids.asnumpy().reshape(-1), return_inverse=True)
+    sums = np.zeros((rows.size, hidden), np.float32)
+    np.add.at(sums, inverse.reshape(-1), dout.asnumpy().reshape(-1, hidden).astype(np.float32, copy=False))
+    return rows, sums
+
+
+class RowGradient:
+    """An untied embedding's gradient over one step's micro-batches kept as its rows (host memory, the whole
+    vocabulary on the rank, fp32 weights): the ids the step looked up and their summed rows, not a
+    ``[vocab, hidden]`` fp32 accumulator alive through every later micro-batch's forward and LM head
+    (docs/memory.md, ``accumulator``). The gradient reduction sets ``mode`` (``parallel/overlap.py``
+    GradReduction): "off", autodiff's own dense gradient (no reduction took it: ZeRO-2/3); "rows", the
+    micro-batch's rows added to the step's and a zero returned (a view of one element); "dense", the step's last
+    (or only) micro-batch: its rows added, the step's whole gradient returned as one fp32 numpy buffer (returned to
+    the system when freed, where MindSpore's pool keeps its blocks) and the rows dropped. Each element is the same
+    fp32 sum in the same order as the dense accumulator's (an absent row adds zero, exactly)."""
+
+    def __init__(self) -> None:
+        self.mode = "off"
+        self.rows = np.zeros(0, np.int64)
+        self.sums: np.ndarray | None = None
+
+    def add(self, rows: np.ndarray, sums: np.ndarray) -> None:
+        """One micro-batch's distinct ids and summed rows added to the step's."""
+        if self.sums is None:
+            self.rows, self.sums = rows, sums
+            return
+        union = np.union1d(self.rows, rows)
+        out = np.zeros((union.size, sums.shape[1]), np.float32)
+        out[np.searchsorted(union, self.rows)] = self.sums
+        out[np.searchsorted(union, rows)] += sums
+        self.rows, self.sums = union, out
+
+    def take(self, shape: tuple[int, int]) -> np.ndarray:
+        """The step's gradient as one dense fp32 array; the rows dropped."""
+        dense = np.zeros(shape, np.float32)
+        if self.sums is not None:
+            dense[self.rows] = self.sums
+        self.rows, self.sums = np.zeros(0, np.int64), None
+        return dense
+
+
+class RowLookup(HostLookup):
+    """``weight[ids]`` whose backward adds the rows to the step's :class:`RowGradient` (modes there)."""
+
+    def __init__(self, grad: RowGradient):
+        super().__init__()
+        self.grad = grad
+
+    def bprop(self, w, ids, out, dout):
+        self.grad.add(*lookup_rows(ids, dout, w.shape[1]))
+        if self.grad.mode == "dense":
+            return ms.from_numpy(self.grad.take(w.shape)), ops.zeros_like(ids)
+        return ops.zeros((1, 1), dtype=w.dtype).broadcast_to(w.shape), ops.zeros_like(ids)  # a view of one zero
 
 
 class Embedding(nn.Cell):
@@ -81,14 +143,23 @@ class Embedding(nn.Cell):
         self.split = self.rows.size != vocab
         self.reduce = ReduceFromTP(rank) if self.split else None
         self.lookup: TiedLookup | None = None  # tie(): a trained tied weight's gradient built in place
+        self.row_lookup: RowLookup | None = None  # by_rows(): an untied weight's gradient kept as rows
 
     def tie(self, tied: TiedGradient) -> None:
         """Build this weight's gradient in the LM head's d weight (``TiedGradient``) while the weight is trained."""
         self.lookup = TiedLookup(tied)
 
+    def by_rows(self) -> None:
+        """Accumulate this (untied, whole, fp32) weight's gradient over micro-batches as rows (:class:`RowGradient`,
+        ``weight.row_grad``: the gradient reduction sets its mode)."""
+        self.weight.row_grad = RowGradient()
+        self.row_lookup = RowLookup(self.weight.row_grad)
+
     def construct(self, ids):
         if self.lookup is not None and self.weight.requires_grad:
             return self.lookup(self.weight, ids).astype(self.dtype)
+        if self.row_lookup is not None and self.weight.row_grad.mode != "off" and self.weight.requires_grad:
+            return self.row_lookup(self.weight, ids).astype(self.dtype)
         if not self.split:
             return self.weight.index_select(0, ids.reshape(-1)).reshape(*ids.shape, -1).astype(self.dtype)
         local, inside = self.rows.local(ids)  # ids held elsewhere read row 0 and are zeroed

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.run.perf import peak_rss_bytes
-from jobspec.memory import SHRINKS, MemoryEstimate, memory_estimate
+from jobspec.memory import MemoryEstimate, memory_estimate
+from jobspec.memory_terms import SHRINKS
 
 ABOVE = 0.05  # warn when the device peak exceeds the estimate by more than this
 

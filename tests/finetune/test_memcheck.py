@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from finetune.run.memcheck import measured, memory_record, plan_estimate
-from jobspec.memory import SHRINKS, MemoryEstimate
+from jobspec.memory import MemoryEstimate
+from jobspec.memory_terms import SHRINKS
 
 EST = MemoryEstimate(weights=10 * 2**30, grads=2 * 2**30, master=0, optimizer=20 * 2**30, activations=2**30,
                      workspace=2**30, accumulator=4 * 2**30)

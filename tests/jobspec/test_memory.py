@@ -56,11 +56,14 @@ def test_a_cpu_save_comes_on_top_of_the_pools_part_of_the_backward_with_the_logi
     base = dict(seq_len=256, micro_batch_size=1, loss_chunk_tokens=1024, device="cpu", grad_accum=4)
     cfg = {**TINY, "tie_word_embeddings": False}
     fp32, fp16 = (estimate_memory(cfg, **base, precision=p) for p in ("fp32", "fp16"))
-    assert fp32.logits_host == fp32.logits > 0 and fp16.logits_host == 0 < fp16.logits
+    rows = 151936 * 64 * 4  # the untied embedding's gradient, whole in numpy at the step's last micro-batch (fp32)
+    assert fp32.host_backward == fp32.logits + rows and fp16.host_backward == 0 < fp16.logits
+    assert fp32.host_step == rows and fp16.host_step == 0
     for est in (fp32, fp16):
         phases = est.phases()
-        assert phases["save"] == est.staging + max(phases["backward"] - est.logits_host, phases["step"])
-    assert estimate_memory(cfg, **{**base, "device": "npu"}, precision="fp32").logits_host == 0
+        host = max(phases["backward"] - est.host_backward, phases["step"] - est.host_step)
+        assert phases["save"] == est.staging + host
+    assert estimate_memory(cfg, **{**base, "device": "npu"}, precision="fp32").host_backward == 0
 
 
 def test_a_trained_tied_embedding_counts_its_gradient_buffers_beyond_grads():
@@ -81,15 +84,40 @@ def test_a_trained_tied_embedding_counts_its_gradient_buffers_beyond_grads():
     assert estimate_memory(TINY, **base, lora=LoraConfig()).tied == 0
     # the host's one buffer is the gradient in grads, the accumulator (grad_accum > 1) and the totals, in numpy:
     # a save's copies come on top of the pool's part only (measured: make bench-memory's h1024 rows, docs/memory.md)
-    assert split.tied_host == 0 and estimate_memory(TINY, **{**base, "device": "npu"}).tied_host == 0
+    assert split.host_step == 0 and estimate_memory(TINY, **{**base, "device": "npu"}).host_step == 0
     for grad_accum, buffers in ((1, 1), (4, 2)):
         whole = estimate_memory(TINY, **base, grad_accum=grad_accum)
-        assert whole.tied_host == rows * 4 and whole.tied == 0
+        assert whole.host_backward == whole.logits + buffers * rows * 4 and whole.tied == 0
+        assert whole.host_step == rows * 4
         phases = whole.phases()
         assert phases["save"] == whole.staging + max(phases["backward"] - whole.logits - buffers * rows * 4,
                                                      phases["step"] - rows * 4)
     assert estimate_memory(TINY, **{**base, "precision": "bf16", "device": "npu"}).tied == 3 * rows * 4
     assert estimate_memory(TINY, **{**base, "device": "npu"}).tied == 2 * rows * 4
+
+
+def test_an_untied_embeddings_gradient_accumulates_as_its_rows_on_the_host():
+    """CPU, fp32, the whole vocabulary, untied (parallel/vocab.py RowGradient): with grad_accum > 1 the accumulator
+    holds the step's looked-up rows (and a merge's two more) in place of the embedding's [vocab, hidden] fp32
+    buffer; its whole gradient is numpy's in the last (or only) micro-batch's grads and the totals (host_backward,
+    host_step). Not in fp16 (the weight is cast), tied, vocab-parallel, under ZeRO-2 or on the NPU."""
+    cfg = {**TINY, "tie_word_embeddings": False}
+    base = dict(seq_len=256, micro_batch_size=2, precision="fp32", loss_chunk_tokens=1024, device="cpu",
+                recompute=False)
+    emb, rows = 151936 * 64 * 4, 2 * 4 * 512 * 64 * 4  # grad_accum 4 x 512 tokens, the union and the new rows
+    four = estimate_memory(cfg, **base, grad_accum=4)
+    assert four.accumulator == 4 * _count(cfg) - emb + rows
+    assert four.host_backward == four.logits + emb and four.host_step == emb
+    one = estimate_memory(cfg, **base)
+    assert one.accumulator == 0 and one.host_backward == one.logits + emb and one.host_step == emb
+    for other in ({"precision": "fp16"}, {"device": "npu"}, {"tp": 2, "vocab_parallel": True},
+                  {"dp": 2, "shard_optimizer": True, "zero": 2}):
+        est = estimate_memory(cfg, **{**base, **other}, grad_accum=4)
+        assert est.host_step == 0, other
+        if "zero" not in other:
+            assert est.accumulator >= 4 * _count(cfg, **({"tp": 2, "vocab_parallel": True} if "tp" in other else {}))
+    tied = estimate_memory(TINY, **base, grad_accum=4)
+    assert tied.accumulator == 4 * _count(TINY)
 
 
 def test_the_estimate_grows_with_what_grows():

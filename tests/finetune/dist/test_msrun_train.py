@@ -154,6 +154,24 @@ def test_dp2_accumulating_with_compiled_layers_equals_the_op_by_op_one_process(t
         _assert_same_run(got, ref)
 
 
+def test_an_untied_embeddings_rows_under_dp2_accumulating_equal_one_process(tmp):
+    """An untied embedding's gradient summed as its rows (parallel/vocab.py RowGradient; the tiny model ties its
+    embedding): DP 2 x grad_accum 2, sharded or not, through the overlap's hooks and the shared-memory sums, equals
+    one process (micro batch 2 x grad_accum 2: rows as well)."""
+    from jobspec.tiny import ensure_tiny_model
+
+    model = tmp / "untied-model"
+    ensure_tiny_model(model, {**load_recipe("tiny-cpu").model.init, "tie_word_embeddings": False}, 0)
+    ref = tmp / "untied-one"
+    if not (ref / "hf").is_dir():
+        harness.python(WORKER, ["--config", str(_plan(tmp, "untied-one", 1, 1, **{"model.dir": str(model)}))], ref)
+    for name, shard in (("untied-dp2-ga2", "true"), ("untied-dp2-ga2-full", "false")):
+        got = _run_once(tmp, name, 1, 2, 2, **{"model.dir": str(model), "parallel.shard_optimizer": shard,
+                                               "train.micro_batch_size": "1", "train.grad_accum": "2"})
+        assert "summed as the rows" in _rank0_log(got)
+        _assert_same_run(got, ref)
+
+
 def test_dp2_reduction_after_the_backward_equals_the_overlapped_one_bit_for_bit(tmp):
     """parallel.overlap_grad_reduce (on by default) starts each bucket's reduction from the backward's
     hooks; off, the same buckets are reduced after it: the same sums, so the same run."""
