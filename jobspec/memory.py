@@ -290,12 +290,14 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     head_rows = vocab // tp if vocab_parallel else vocab
     logits = head_tokens * head_rows * (4 if host_softmax else 3 * 4 + nbytes)
     grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes
-    # fp32 totals: the micro-batch's own gradients in fp32 with one micro-batch; else the accumulator and, while a
-    # gradient is added into it, fp32 temporaries of the largest tensor: its fp32 cast (compute dtype not fp32), and
-    # with DP and compiled layers the sum the overlap's hooks make out of place before they drop the old one
-    # (parallel/overlap.py GradReduction._add, ._arrive: MindSpore refuses a hook's in-place write into the
-    # adopted gradients there)
-    accumulator = trained * 4 if grad_accum > 1 or precision != "fp32" else 0
+    # fp32 totals: with one micro-batch the micro-batch's own gradients in fp32: in fp32 they are the totals; in
+    # bf16/fp16 one DP rank casts them after the backward, each dropped as it is cast (GradReduction.finish), into
+    # what the logits and activations freed (the step's totals), while DP's overlapped hooks cast them in the
+    # backward. With grad_accum > 1 the accumulator and, while a gradient is added into it, fp32 temporaries of the
+    # largest tensor: its fp32 cast (compute dtype not fp32), and with DP and compiled layers the sum the overlap's
+    # hooks make out of place before they drop the old one (parallel/overlap.py GradReduction._add, ._arrive:
+    # MindSpore refuses a hook's in-place write into the adopted gradients there)
+    accumulator = trained * 4 if grad_accum > 1 or (precision != "fp32" and dp > 1) else 0
     if grad_accum > 1 and lora is None:
         accumulator += max(sizes) * 4 * ((precision != "fp32") + (dp > 1 and compile_layers))
     # on the host an untied fp32 embedding's gradient is summed as its rows until the step's last micro-batch

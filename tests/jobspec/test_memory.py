@@ -120,6 +120,18 @@ def test_an_untied_embeddings_gradient_accumulates_as_its_rows_on_the_host():
     assert tied.accumulator == 4 * _count(TINY)
 
 
+def test_one_micro_batch_in_low_precision_casts_its_fp32_totals_in_the_backward_only_under_dp():
+    """One DP rank casts the compute-dtype gradients to the fp32 totals after the backward (GradReduction.finish,
+    each dropped as it is cast): the step's totals, not an accumulator on top of the logits (measured: make
+    bench-memory's h256-fp16-ga1, docs/memory.md); DP's overlapped hooks cast them in the backward."""
+    cfg = {**TINY, "tie_word_embeddings": False}
+    base = dict(seq_len=256, micro_batch_size=1, precision="fp16", loss_chunk_tokens=1024, device="cpu")
+    one = estimate_memory(cfg, **base)
+    assert one.accumulator == 0 and one.totals == 4 * _count(cfg)
+    assert estimate_memory(cfg, **base, dp=2).accumulator == 4 * _count(cfg)
+    assert estimate_memory(cfg, **base, grad_accum=4).accumulator > 4 * _count(cfg)
+
+
 def test_the_estimate_grows_with_what_grows():
     base = dict(seq_len=1024, micro_batch_size=1, tp=1, dp=1, precision="fp32", loss_chunk_tokens=1024,
                 device="cpu", recompute=False)
