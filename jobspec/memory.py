@@ -67,6 +67,7 @@ class MemoryEstimate:
     tied: int = 0
     host_backward: int = 0  # counted in the backward's terms, not again (TERMS)
     host_step: int = 0  # counted in totals, not again (TERMS)
+    host_apart: int = 0  # of host_backward: never alive together, counted once less (TERMS)
     totals: int = 0
     update: int = 0
     collectives: int = 0
@@ -83,10 +84,13 @@ class MemoryEstimate:
         of what the step's peak left resident: MindSpore's CPU memory pool keeps the blocks it grew to, while the
         numpy arrays of the backward and the step (``host_backward``, ``host_step``: the LM head's fp32 logits, the
         embedding's gradient where it is built on the host, ``parallel/vocab.py``) are mapped on their own and
-        returned when freed (the launcher's malloc settings, docs/memory.md "glibc")."""
+        returned when freed (the launcher's malloc settings, docs/memory.md "glibc"); so the backward's numpy logits
+        and the embedding's numpy gradient, never alive together, hold the same pages in turn (``host_apart``)."""
         out = {k: sum(getattr(self, t) for t in terms) for k, terms in PHASES.items()}
+        out["backward"] -= self.host_apart
         if self.staging:
-            out["save"] += max(out["backward"] - self.host_backward - self.tied // 2, out["step"] - self.host_step)
+            pool = out["backward"] - (self.host_backward - self.host_apart) - self.tied // 2
+            out["save"] += max(pool, out["step"] - self.host_step)
         return out
 
     @property
@@ -342,6 +346,7 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           host_backward=(logits if host and precision == "fp32" else 0)  # host_gemm: numpy's
                           + tied_host * (2 if z.accumulator else 1) + by_rows,  # the micro-batch's and the acc's
                           host_step=tied_host + by_rows,
+                          host_apart=min(logits if host and precision == "fp32" else 0, by_rows),
                           graphs=graph_bytes(model_config, tokens, seq_len, lora is not None)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 

@@ -20,6 +20,9 @@ TERMS = {
                      "head's fp32 logits (LMHeadCrossEntropy's host GEMM; in fp16/bf16 they are MindSpore's, kept by "
                      "its pool), a trained tied embedding's gradient in grads and the accumulator (TiedGradient), an "
                      "untied one's whole gradient in the step's last micro-batch's grads (RowGradient)",
+    "host_apart": "not a term of its own: of host_backward, the bytes never alive together, so counted once less in "
+                  "the backward: the LM head's fp32 logits (freed by its backward) and an untied embedding's whole "
+                  "gradient (made by the backward's last op, the lookup's: RowGradient); the smaller of the two",
     "host_step": "not a term of its own: the step phase's totals held in numpy on the host (the tied or untied "
                  "embedding's gradient above)",
     "totals": "the DP-reduced fp32 gradients the optimizer reads, this rank's chunks when sharded "
@@ -55,6 +58,7 @@ SHRINKS = {
     "tied": "parallel.vocab_parallel=true with a larger parallel.tp (or train.method=lora)",
     "host_backward": "a smaller train.loss_chunk_tokens, or parallel.vocab_parallel=true with TP",
     "host_step": "parallel.vocab_parallel=true with a larger parallel.tp",
+    "host_apart": "nothing (it lowers the estimate)",
     "totals": "parallel.shard_optimizer=true",
     "update": "parallel.shard_optimizer=true",
     "collectives": "parallel.host_collectives=false (CPU)",
