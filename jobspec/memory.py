@@ -333,6 +333,8 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
         # save_checkpoint: astype's and the optimizer's snapshot copies; safetensors writes from their memory)
         staging = trained * 4 + 2 * state * 4 + master
     tied_host = head_rows * h * 4 if in_place and tied and lora is None else 0  # TiedGradient's one buffer
+    # (in the micro-batch's grads and, with one, the accumulator's)
+    host_logits = logits if host and precision == "fp32" else 0  # LMHeadCrossEntropy.host_gemm: numpy's
     z = zero_terms(zero if sharded else 0, n=n, adapters=adapters, grads=grad_nbytes, accumulator=accumulator,
                    trained=trained, state=state, layers=layer_elements(local), nbytes=nbytes, dp=dp,
                    grad_accum=grad_accum, device=device, lora=lora is not None)
@@ -343,10 +345,8 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
                           rs_buckets=z.rs_buckets, gathered=z.gathered, gather_buffer=z.gather_buffer,
                           host_layers=z.host_layers,
                           tied=0 if lora else tied_bytes(model_config, head_rows, precision, in_place=in_place),
-                          host_backward=(logits if host and precision == "fp32" else 0)  # host_gemm: numpy's
-                          + tied_host * (2 if z.accumulator else 1) + by_rows,  # the micro-batch's and the acc's
-                          host_step=tied_host + by_rows,
-                          host_apart=min(logits if host and precision == "fp32" else 0, by_rows),
+                          host_backward=host_logits + tied_host * (2 if z.accumulator else 1) + by_rows,
+                          host_step=tied_host + by_rows, host_apart=min(host_logits, by_rows),
                           graphs=graph_bytes(model_config, tokens, seq_len, lora is not None)
                           if compile_layers and not PLATFORMS[device].fused_kernels else 0)
 
