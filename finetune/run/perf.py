@@ -69,8 +69,9 @@ def device_peak_flops(rank: RankInfo) -> tuple[float | None, str]:
     return rate, f"measured fp32 matmul rate of this CPU, {rate / 1e9:.1f} GFLOPS"
 
 
-def cpu_matmul_flops(n: int = 512, repeats: int = 5) -> float:
-    """The best of ``repeats`` timed ``n x n`` fp32 MindSpore matmuls, in FLOP/s."""
+def cpu_matmul_flops(n: int = 1024, repeats: int = 8) -> float:
+    """The best of ``repeats`` timed ``n x n`` fp32 MindSpore matmuls, in FLOP/s (512 x 512 under-measured
+    a fresh worker by half or more, so the tiny model read MFU > 1)."""
     import mindspore as ms
     import numpy as np
     from mindspore import ops
