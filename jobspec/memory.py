@@ -293,26 +293,32 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     host_softmax = host and precision == "fp32" and not (vocab_parallel and tp > 1)
     head_rows = vocab // tp if vocab_parallel else vocab
     logits = head_tokens * head_rows * (4 if host_softmax else 3 * 4 + nbytes)
-    grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes
     # fp32 totals: with one micro-batch the micro-batch's own gradients in fp32: in fp32 they are the totals; in
     # bf16/fp16 one DP rank casts them after the backward, each dropped as it is cast (GradReduction.finish), into
     # what the logits and activations freed (the step's totals), while DP's overlapped hooks cast them in the
     # backward. With grad_accum > 1 the accumulator and, while a gradient is added into it, fp32 temporaries of the
     # largest tensor: its fp32 cast (compute dtype not fp32), and with DP and compiled layers the sum the overlap's
     # hooks make out of place before they drop the old one (parallel/overlap.py GradReduction._add, ._arrive:
-    # MindSpore refuses a hook's in-place write into the adopted gradients there)
+    # MindSpore refuses a hook's in-place write into the adopted gradients there). One DP rank adds after each
+    # backward, its logits freed: there the cast counts only where it is larger than they are (measured on CPU:
+    # make bench-memory's h256-fp16-ga4, docs/memory.md)
     accumulator = trained * 4 if grad_accum > 1 or (precision != "fp32" and dp > 1) else 0
     if grad_accum > 1 and lora is None:
-        accumulator += max(sizes) * 4 * ((precision != "fp32") + (dp > 1 and compile_layers))
-    # on the host an untied fp32 embedding's gradient is summed as its rows until the step's last micro-batch
+        cast = max(sizes) * 4 * (precision != "fp32")
+        accumulator += (cast if dp > 1 else max(0, cast - logits)) + max(sizes) * 4 * (dp > 1 and compile_layers)
+    # on the host an untied fp32/fp16 embedding's gradient is summed as its rows until the step's last micro-batch
     # returns it whole, in numpy (parallel/vocab.py RowGradient): the step's rows and, while a micro-batch's are
     # merged, their union and the micro-batch's, in place of its [vocab, hidden] accumulator
     in_place = host and not (vocab_parallel and tp > 1)  # TiedGradient, RowGradient: the whole vocabulary
     tied = bool(model_config.get("tie_word_embeddings"))
     plain = lora is None and not (sharded and zero >= 2)  # ZeRO-2/3 reduce each micro-batch's dense gradients
-    by_rows = vocab * h * 4 if in_place and not tied and precision == "fp32" and plain else 0
+    by_rows = vocab * h * 4 if in_place and not tied and precision != "bf16" and plain else 0
     if by_rows and grad_accum > 1:
         accumulator += 2 * min(vocab, grad_accum * tokens) * h * 4 - by_rows
+    elif by_rows and accumulator:  # one micro-batch cast in DP's hooks: the lookup's fp32 gradient is its own total
+        accumulator -= by_rows
+    # the micro-batch's gradients in the compute dtype; the embedding's, from its rows, in fp32 (RowLookup)
+    grad_nbytes = (adapters * 4 + saved * nbytes) if lora else trained * nbytes + (by_rows // 4) * (4 - nbytes)
     # the accumulator is dropped bucket by bucket as the reduction launches (GradReduction._arrive)
     totals = state * 4
     # over the largest operand (a tensor, or a bucket's chunk), on the NPU: the gradient times the clip factor and

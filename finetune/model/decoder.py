@@ -278,7 +278,8 @@ class DecoderLM(nn.Cell):
         if cfg.tie_word_embeddings and rank.platform.host_memory and not split:  # one d weight buffer, not three
             self.loss_fn.tied = TiedGradient()
             self.model.embed_tokens.tie(self.loss_fn.tied)
-        elif rank.platform.host_memory and not split and compute_dtype == ms.float32:  # no dense accumulator
+        elif rank.platform.host_memory and not split and compute_dtype in (ms.float32, ms.float16):
+            # no dense accumulator: the rows (summed in the compute dtype, as autodiff sums them; numpy has no bf16)
             self.model.embed_tokens.by_rows()
         self.tp_sum = ops.AllReduce(ops.ReduceOp.SUM, rank.tp_group) if split else None
         shapes = self.hf_shapes()

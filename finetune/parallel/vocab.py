@@ -71,18 +71,20 @@ class TiedLookup(HostLookup):
 
 
 def lookup_rows(ids, dout, hidden: int) -> tuple[np.ndarray, np.ndarray]:
-    """A lookup's gradient as (the sorted distinct token ids, their rows of ``dout`` summed in fp32): each id's rows
-    summed in token order from zero, as MindSpore's IndexSelect gradient sums them into its dense ``[vocab, hidden]``
-    gradient (bit for bit in fp32: tests/finetune/test_tied_grad.py, test_row_grad.py)."""
+    """A lookup's gradient as (the sorted distinct token ids, their rows of ``dout`` summed, in fp32): each id's rows
+    summed in token order from zero in ``dout``'s dtype (fp32 or fp16), as MindSpore's IndexSelect gradient sums
+    them into its dense ``[vocab, hidden]`` gradient, then cast as the accumulator casts that gradient (bit for bit:
+    tests/finetune/test_tied_grad.py, test_row_grad.py)."""
     rows, inverse = np.unique(ids.asnumpy().reshape(-1), return_inverse=True)
-    sums = np.zeros((rows.size, hidden), np.float32)
-    np.add.at(sums, inverse.reshape(-1), dout.asnumpy().reshape(-1, hidden).astype(np.float32, copy=False))
-    return rows, sums
+    d = dout.asnumpy().reshape(-1, hidden)
+    sums = np.zeros((rows.size, hidden), d.dtype)
+    np.add.at(sums, inverse.reshape(-1), d)
+    return rows, sums.astype(np.float32, copy=False)
 
 
 class RowGradient:
     """An untied embedding's gradient over one step's micro-batches kept as its rows (host memory, the whole
-    vocabulary on the rank, fp32 weights): the ids the step looked up and their summed rows, not a
+    vocabulary on the rank, fp32 or fp16 weights): the ids the step looked up and their summed rows, not a
     ``[vocab, hidden]`` fp32 accumulator alive through every later micro-batch's forward and LM head
     (docs/memory.md, ``accumulator``). The gradient reduction sets ``mode`` (``parallel/overlap.py``
     GradReduction): "off", autodiff's own dense gradient (no reduction took it: ZeRO-2/3); "rows", the
@@ -127,7 +129,9 @@ class RowLookup(HostLookup):
         self.grad.add(*lookup_rows(ids, dout, w.shape[1]))
         if self.grad.mode == "dense":
             return ms.from_numpy(self.grad.take(w.shape)), ops.zeros_like(ids)
-        return ops.zeros((1, 1), dtype=w.dtype).broadcast_to(w.shape), ops.zeros_like(ids)  # a view of one zero
+        # a view of one zero, fp32 whatever the weight's dtype: MindSpore 2.10 casts an fp16 one to a whole
+        # [vocab, hidden] fp32 tensor (measured on CPU), as it leaves the dense mode's fp32 gradient of fp16 weights
+        return ops.zeros((1, 1), dtype=ms.float32).broadcast_to(w.shape), ops.zeros_like(ids)
 
 
 class Embedding(nn.Cell):
@@ -150,8 +154,8 @@ class Embedding(nn.Cell):
         self.lookup = TiedLookup(tied)
 
     def by_rows(self) -> None:
-        """Accumulate this (untied, whole, fp32) weight's gradient over micro-batches as rows (:class:`RowGradient`,
-        ``weight.row_grad``: the gradient reduction sets its mode)."""
+        """Accumulate this (untied, whole, fp32 or fp16) weight's gradient over micro-batches as rows
+        (:class:`RowGradient`, ``weight.row_grad``: the gradient reduction sets its mode)."""
         self.weight.row_grad = RowGradient()
         self.row_lookup = RowLookup(self.weight.row_grad)
 

@@ -42,15 +42,19 @@ def _micro_batches(n: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("grad_accum,overlap", [(3, False), (3, True), (1, True)])
-def test_the_embeddings_rows_give_the_dense_accumulators_bits(ms_cpu, monkeypatch, grad_accum, overlap):
+@pytest.mark.parametrize("grad_accum,overlap,dtype", [(3, False, "float32"), (3, True, "float32"),
+                                                      (1, True, "float32"), (3, True, "float16"),
+                                                      (1, False, "float16")])
+def test_the_embeddings_rows_give_the_dense_accumulators_bits(ms_cpu, monkeypatch, grad_accum, overlap, dtype):
     """``accumulate`` with the rows (the step's last backward returns their dense sum, the earlier ones a view of
-    one zero) against autodiff's dense gradients summed in fp32 in micro-batch order: equal bit for bit, every
-    parameter; with one micro-batch the lookup's own gradient."""
+    one zero) against autodiff's dense gradients cast to fp32 and summed in micro-batch order: equal bit for bit,
+    every parameter; with one micro-batch the lookup's own gradient in fp32. In fp16 the weights are fp16 and each
+    micro-batch's rows are summed in fp16, as autodiff's IndexSelect gradient sums them."""
     ms = ms_cpu
     import finetune.run.loop as loop
 
-    model = _build(ms, GOLDEN / "untied")
+    model = _build(ms, GOLDEN / "untied", compute_dtype=getattr(ms, dtype))
+    model.cast_params(getattr(ms, dtype))
     emb = model.model.embed_tokens
     assert emb.row_lookup is not None and emb.weight.row_grad.mode == "off"
     params = model.trainable_params()
@@ -62,7 +66,7 @@ def test_the_embeddings_rows_give_the_dense_accumulators_bits(ms_cpu, monkeypatc
     batches, scale = _micro_batches(grad_accum), ms.Tensor(0.25, ms.float32)
     ref = None
     for mb in batches:  # the lookup's own dense gradient ("off"), summed as the dense accumulator does
-        parts = [g.asnumpy().copy() for g in grad_fn(*loop.batch_tensors(mb), scale)[1]]
+        parts = [g.asnumpy().astype(np.float32) for g in grad_fn(*loop.batch_tensors(mb), scale)[1]]
         ref = parts if ref is None else [r + p for r, p in zip(ref, parts)]
     shapes: list[tuple] = []
 
