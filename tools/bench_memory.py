@@ -83,9 +83,11 @@ GRID: dict[str, tuple[int, int, int, int, int, str]] = {
     "h512-lora-ga4": (512, 4, 2, 4, 1, "train.method=lora"),
     "h256-fp16-ga1": (256, 2, 1, 1, 1, "train.precision=fp16"),
     "h256-fp16-ga4": (256, 2, 1, 4, 1, "train.precision=fp16"),
+    "h256-fp16-dp2-ga1": (256, 2, 1, 1, 2, "train.precision=fp16 parallel.shard_optimizer=true"),
+    "h256-fp16-dp2-ga4": (256, 2, 1, 4, 2, "train.precision=fp16 parallel.shard_optimizer=true"),
 }
 GA_PAIRS = [("h256-ga1", "h256-ga4"), ("h256-mb4-ga1", "h256-mb4-ga4"), ("h512-ga1", "h512-ga4"),
-            ("h1024-ga1", "h1024-ga4"), ("h256-fp16-ga1", "h256-fp16-ga4")]
+            ("h1024-ga1", "h1024-ga4"), ("h256-fp16-ga1", "h256-fp16-ga4"), ("h256-fp16-dp2-ga1", "h256-fp16-dp2-ga4")]
 
 
 def overrides(micro_batch: int, grad_accum: int, extra: str) -> str:
