@@ -274,8 +274,8 @@ def reduction_for(params: list, opt: Bucketed, layout: Layout, rank: RankInfo, c
         reduction = GradReduction(params, opt, layout.overlap_grad_reduce, compiled)
         if reduction.by_rows:
             rank.log("[train] the embedding's gradient is summed as the rows each micro-batch looks up, whole in "
-                     "numpy at the step's last backward (no [vocab, hidden] accumulator: host memory, untied, fp32; "
-                     "parallel/vocab.py RowGradient)")
+                     "numpy at the step's last backward (no [vocab, hidden] accumulator: host memory, untied, fp32 or "
+                     "fp16; parallel/vocab.py RowGradient)")
         return reduction
     rank.log("[train] ZeRO-2: each micro-batch's gradients reduce-scattered over DP, each rank accumulating its "
              "own fp32 chunks")
