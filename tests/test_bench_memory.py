@@ -52,16 +52,34 @@ def test_grad_accum_growth_is_per_trained_parameter_and_judged_against_1_5_bytes
     bench = load_bench()
     n = bench.trained_params(256, 2)
     assert n == 79_268_096  # 2 x 151,936 x 256 untied + two layers: the worker logs 79.27 M
-    rows = {"h256-ga1": {"measured": 1000}, "h256-ga4": {"measured": 1000 + int(1.4 * n)},
-            "h512-ga1": {"measured": 0}, "h512-ga4": {"measured": 2 * bench.trained_params(512, 4)}}
+    m = bench.trained_params(512, 4)
+    zero = {"measured": 0, "step_measured": 0, "step_estimate": 0}
+    rows = {"h256-ga1": {"measured": 1000, "step_measured": 10, "step_estimate": 20},
+            "h256-ga4": {"measured": 1000 + int(1.4 * n), "step_measured": 10 + 3 * n, "step_estimate": 20 + 2 * n},
+            "h512-ga1": zero, "h512-ga4": {"measured": 2 * m, "step_measured": m, "step_estimate": 4 * m}}
     growth = bench.ga_growth(rows)
-    assert [g["ok"] for g in growth] == [True, False]
+    assert [g["ok"] for g in growth] == [True, False]  # judged on the run's peaks only
     assert growth[0]["bytes_per_param"] == pytest.approx(1.4, abs=1e-6) and growth[1]["bytes_per_param"] == 2.0
+    assert [(g["steps_bytes_per_param"], g["steps_estimate_bytes_per_param"]) for g in growth] == [(3, 2), (1, 4)]
     got = {"estimate": 2**30, "phase": "step", "peak_rss": 2**30, "step_estimate": 2**30, "step_rss": 2**31}
     table = bench.markdown({"h256-ga1": bench.row(got, 0)}, growth, 500 * 2**20)
     row = "| h256-ga1 | 256 x 2 | 1 | 1 | 1 | - | 1.00 | 2.00 | 2.00 | MISSED | 1.00 (step) | 1.00 | 1.00 | ok |"
     assert row in table
-    assert "500 MiB" in table and "MISSED" in table
+    assert "| h256-ga4 - h256-ga1 | 1.40 | ok | 3.00 | 2.00 |" in table
+    assert "| h512-ga4 - h512-ga1 | 2.00 | MISSED | 1.00 | 4.00 |" in table
+    assert "500 MiB" in table
+
+
+def test_render_prints_the_table_of_a_saved_run_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    bench = load_bench()
+    monkeypatch.setattr(bench, "run_row", lambda *a: pytest.fail("--render ran a row"))
+    got = {"estimate": 2**30, "phase": "save", "peak_rss": 2**30, "step_estimate": 2**29, "step_rss": 2**29}
+    one, four = bench.row(got, 0), bench.row({**got, "peak_rss": 2**30 + 79_268_096, "step_rss": 2**29}, 0)
+    saved = tmp_path / "grid.json"
+    saved.write_text(json.dumps({"empty": 2**29, "rows": {"h256-ga1": one, "h256-ga4": four}, "growth": []}))
+    assert bench.main(["--render", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "Empty MindSpore process: 512 MiB" in out and "| h256-ga4 - h256-ga1 | 1.00 | ok | 0.00 | 0.00 |" in out
 
 
 def test_the_grid_covers_what_issue_30_asks():
