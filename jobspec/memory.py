@@ -304,8 +304,9 @@ def estimate_memory(model_config: dict[str, Any], *, seq_len: int, micro_batch_s
     # make bench-memory's h256-fp16-ga4, docs/memory.md)
     accumulator = trained * 4 if grad_accum > 1 or (precision != "fp32" and dp > 1) else 0
     if grad_accum > 1 and lora is None:
-        cast = max(sizes) * 4 * (precision != "fp32")
-        accumulator += (cast if dp > 1 else max(0, cast - logits)) + max(sizes) * 4 * (dp > 1 and compile_layers)
+        largest = max(sizes) * 4
+        cast = largest * (precision != "fp32")
+        accumulator += (cast if dp > 1 else max(0, cast - logits)) + largest * (dp > 1 and compile_layers)
     # on the host an untied fp32/fp16 embedding's gradient is summed as its rows until the step's last micro-batch
     # returns it whole, in numpy (parallel/vocab.py RowGradient): the step's rows and, while a micro-batch's are
     # merged, their union and the micro-batch's, in place of its [vocab, hidden] accumulator
