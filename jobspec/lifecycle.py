@@ -33,6 +33,11 @@ class PeerLost(RuntimeError):
     launcher only knows when it noticed that death, often after this rank has recorded its own exit."""
 
 
+class DeviceOutOfMemory(RuntimeError):
+    """A device allocation failed (finetune/run/memcheck.py names where, the plan's estimate and what shrinks it).
+    The launcher does not restart the job after it: the same layout and recipe run out again."""
+
+
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent dies; False where unsupported."""
     try:

@@ -23,6 +23,7 @@ from finetune.dist import all_reduce_sum, barrier, dp_totals, init_distributed, 
 from finetune.model.decoder import compute_dtype
 from finetune.optim import SkippedSteps, UpdateCheck, lr_at
 from finetune.parallel.overlap import GradReduction
+from finetune.run.memcheck import naming_out_of_memory
 from finetune.run.perf import StepProfiler
 from finetune.run.progress import Reporter, evaluate
 from finetune.run.training import Training, batch_tensors, setup
@@ -92,9 +93,11 @@ def run(recipe: Recipe, run_dir: RunDir | None = None, model_hash: str = "") -> 
     head = ("vocab-parallel" if layout.vocab_parallel else "replicated") if rank.tp > 1 else "whole"
     rank.log(f"[train] device {layout.device_target}, world {rank.world_size} (tp {rank.tp} x dp {rank.dp}, "
              f"embedding/LM head {head}), compute dtype {dtype}, output {recipe.output_dir}")
-    trainer = setup(recipe, rank, dtype, run_dir, model_hash)
+    with naming_out_of_memory(run_dir.plan, lambda: "while loading the model and the optimizer state"):
+        trainer = setup(recipe, rank, dtype, run_dir, model_hash)
     reporter = Reporter(trainer)
-    code = train_loop(trainer, reporter, StopFlag())
+    with naming_out_of_memory(run_dir.plan, lambda: f"after {trainer.step} of {trainer.total_steps} steps"):
+        code = train_loop(trainer, reporter, StopFlag())
     if code:
         return code
     return finish(trainer, reporter)

@@ -5,19 +5,31 @@ test's) estimates it here. The measurement is MindSpore's device statistics (``m
 allocated and reserved bytes) where they are non-zero (Ascend); on CPU, where MindSpore 2.10 reports 0, the
 process's peak RSS instead (framework included, so no warning there: tools/bench_memory.py subtracts an empty
 process's). A device peak above the estimate by more than :data:`ABOVE` prints a warning naming the largest
-term and the setting that shrinks it.
+term and the setting that shrinks it. A device allocation that fails (MindSpore's out-of-memory errors) ends the rank
+with :class:`DeviceOutOfMemory`: where it ran out, the plan's estimate and its largest term with that setting.
 """
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from finetune.run.perf import peak_rss_bytes
+from jobspec.lifecycle import DeviceOutOfMemory
 from jobspec.memory import MemoryEstimate, memory_estimate
 from jobspec.memory_terms import SHRINKS
 
 ABOVE = 0.05  # warn when the device peak exceeds the estimate by more than this
+# MindSpore 2.10's failed device allocations (strings of its libraries: the PyNative op runner's "Allocate memory
+# failed", measured on CPU; the Ascend memory manager's "Out of Memory!!! Request memory size"; the memory pool's
+# "Memory not enough"; the kernel launch's "memory isn't enough"), not a host pin-memory failure
+OUT_OF_MEMORY = re.compile(r"Out of Memory!!!|memory isn't enough|Memory not enough|The device memory is not enough|"
+                           r"(?<!pin_memory )Allocate (?:device |output |workspace |dynamic workspace )?memory failed|"
+                           r"Malloc device memory failed", re.IGNORECASE)
+
 
 
 def plan_estimate(plan: Path, recipe, model_config: dict[str, Any]) -> MemoryEstimate:
@@ -60,3 +72,44 @@ def memory_record(est: MemoryEstimate, peak: dict[str, int | str]) -> tuple[dict
     return fields, (f"[train] warning: {line}: more than {ABOVE:.0%} above; the largest term is {big} "
                     f"({getattr(est, big) / 2**30:.2f} GiB), shrunk by {SHRINKS[big]}; report it with the recipe "
                     "so the estimate can be fixed")
+
+
+def out_of_memory(exc: BaseException, plan: Path, where: str) -> DeviceOutOfMemory | None:
+    """``exc`` named as :class:`DeviceOutOfMemory` when it is MindSpore's failed device allocation (else None):
+    ``where`` it ran out, plan.json's estimate with its largest term and the setting that shrinks it, the device's
+    peak allocated so far (where MindSpore reports one) and MindSpore's own first line."""
+    text = str(exc)
+    if not OUT_OF_MEMORY.search(text):
+        return None
+    first = next((line.strip() for line in text.splitlines() if OUT_OF_MEMORY.search(line)), "")
+    parts = [f"device memory ran out {where}"]
+    try:
+        mem = json.loads(plan.read_text()).get("memory", {})
+    except (OSError, ValueError, AttributeError):
+        mem = {}
+    if "total" in mem:
+        est = MemoryEstimate.from_parts(mem)
+        big = est.largest()
+        parts.append(f"the plan estimated {est.total / 2**30:.1f} GiB per device; its largest term is {big} "
+                     f"({getattr(est, big) / 2**30:.1f} GiB), shrunk by {SHRINKS[big]}")
+    else:
+        parts.append(f"no estimate in {plan} (python -m launcher plan prints one, term by term)")
+    import mindspore as ms
+
+    peak = int(ms.runtime.max_memory_allocated())
+    if peak:
+        parts.append(f"peak allocated before it {peak / 2**30:.1f} GiB")
+    return DeviceOutOfMemory("; ".join([*parts, f"MindSpore: {first[:200]}"]))
+
+
+@contextmanager
+def naming_out_of_memory(plan: Path, where: Callable[[], str]) -> Iterator[None]:
+    """Re-raise MindSpore's failed device allocation inside the block as :func:`out_of_memory`'s
+    :class:`DeviceOutOfMemory` (the original chained, in the rank's traceback file); other errors unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        named = out_of_memory(e, plan, where())
+        if named is None:
+            raise
+        raise named from e
