@@ -223,7 +223,8 @@ class LaunchConfig:
     hostfile: str = key("", path="input", example="hostfiles/two-nodes.txt", env="HOSTFILE", env_help=HOSTFILE_HELP)
     numa_bind: Literal["auto", "numactl", "affinity", "off"] = key("auto", env="NUMA_BIND", env_help=NUMA_HELP)
     max_restarts: int = key(0, ge=0, example="0", env="MAX_RESTARTS",
-                            env_help="relaunches after a failure; each resumes from the newest checkpoint")
+                            env_help="relaunches after a failure; each resumes from the newest checkpoint (not "
+                                     "after a device out of memory: it would run out again)")
     cluster_time_out: int = key(600, ge=1, example="1")
     # how long the launcher retries resolving MASTER_ADDR's name
     master_resolve_timeout_s: int = key(600, ge=1, example="1")

@@ -267,6 +267,10 @@ def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restar
                 if max_restarts:
                     log(f"giving up after {max_restarts} restart(s)")
                 return rc
+            if failure is not None and failure.why.startswith(f"{lifecycle.DeviceOutOfMemory.__name__}:"):
+                log("not restarted: the same layout and recipe run out of device memory again; change what the "
+                    "error names")
+                return rc
             attempt_no += 1
             log(f"restart {attempt_no}/{max_restarts}: resuming from the newest checkpoint")
             time.sleep(restart_delay_s)

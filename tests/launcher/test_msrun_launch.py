@@ -186,6 +186,21 @@ def test_restart_after_a_failing_worker(tmp_path):
     assert "first failing: rank 0: ValueError: boom" in text and "restart 1/1" in text
 
 
+def test_a_device_out_of_memory_is_not_restarted(tmp_path):
+    """A restart would load the model again and run out again (finetune/run/memcheck.py names the failure)."""
+    lines: list[str] = []
+    (tmp_path / "stub.py").write_text(STUB.replace('raise ValueError("boom")', 'from jobspec.lifecycle import '
+                                                   'DeviceOutOfMemory; raise DeviceOutOfMemory("device memory ran out '
+                                                   'after 0 of 5 steps")'))
+    argv = [sys.executable, str(tmp_path / "stub.py"), str(tmp_path / "state"), str(tmp_path / "logs")]
+    rc = launch.supervise(argv, dict(os.environ), tmp_path / "logs", max_restarts=2, log=lines.append,
+                          restart_delay_s=0)
+    assert rc == 1 and (tmp_path / "state").read_text() == "1"
+    text = "\n".join(lines)
+    assert "first failing: rank 0: DeviceOutOfMemory: device memory ran out after 0 of 5 steps" in text
+    assert "not restarted" in text and "restart 1/2" not in text
+
+
 def test_no_restarts_left_returns_the_job_exit_code(tmp_path):
     lines: list[str] = []
     rc = launch.supervise(stub(tmp_path), dict(os.environ), tmp_path / "logs", max_restarts=0, log=lines.append)
