@@ -31,7 +31,6 @@ OUT_OF_MEMORY = re.compile(r"Out of Memory!!!|memory isn't enough|Memory not eno
                            r"Malloc device memory failed", re.IGNORECASE)
 
 
-
 def plan_estimate(plan: Path, recipe, model_config: dict[str, Any]) -> MemoryEstimate:
     """plan.json's estimate, or the recipe's own where there is no plan (or it has none)."""
     try:
