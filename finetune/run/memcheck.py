@@ -31,13 +31,24 @@ OUT_OF_MEMORY = re.compile(r"Out of Memory!!!|memory isn't enough|Memory not eno
                            r"Malloc device memory failed", re.IGNORECASE)
 
 
-def plan_estimate(plan: Path, recipe, model_config: dict[str, Any]) -> MemoryEstimate:
-    """plan.json's estimate, or the recipe's own where there is no plan (or it has none)."""
+def planned(plan: Path) -> MemoryEstimate | None:
+    """plan.json's estimate; None where there is no plan or it has none."""
     try:
         mem = json.loads(plan.read_text()).get("memory", {})
     except (OSError, ValueError, AttributeError):
-        mem = {}
-    return MemoryEstimate.from_parts(mem) if "total" in mem else memory_estimate(recipe, model_config)
+        return None
+    return MemoryEstimate.from_parts(mem) if "total" in mem else None
+
+
+def plan_estimate(plan: Path, recipe, model_config: dict[str, Any]) -> MemoryEstimate:
+    """plan.json's estimate, or the recipe's own where there is no plan (or it has none)."""
+    return planned(plan) or memory_estimate(recipe, model_config)
+
+
+def largest_term(est: MemoryEstimate) -> str:
+    """The estimate's largest term, its size and the setting that shrinks it."""
+    big = est.largest()
+    return f"the largest term is {big} ({getattr(est, big) / 2**30:.2f} GiB), shrunk by {SHRINKS[big]}"
 
 
 def measured() -> dict[str, int | str]:
@@ -67,10 +78,8 @@ def memory_record(est: MemoryEstimate, peak: dict[str, int | str]) -> tuple[dict
             f"{est.total / 2**30:.2f} GiB ({off:+.0%})")
     if off <= ABOVE:
         return fields, f"[train] {line}"
-    big = est.largest()
-    return fields, (f"[train] warning: {line}: more than {ABOVE:.0%} above; the largest term is {big} "
-                    f"({getattr(est, big) / 2**30:.2f} GiB), shrunk by {SHRINKS[big]}; report it with the recipe "
-                    "so the estimate can be fixed")
+    return fields, (f"[train] warning: {line}: more than {ABOVE:.0%} above; {largest_term(est)}; report it with the "
+                    "recipe so the estimate can be fixed")
 
 
 def out_of_memory(exc: BaseException, plan: Path, where: str) -> DeviceOutOfMemory | None:
@@ -81,23 +90,15 @@ def out_of_memory(exc: BaseException, plan: Path, where: str) -> DeviceOutOfMemo
     if not OUT_OF_MEMORY.search(text):
         return None
     first = next((line.strip() for line in text.splitlines() if OUT_OF_MEMORY.search(line)), "")
-    parts = [f"device memory ran out {where}"]
-    try:
-        mem = json.loads(plan.read_text()).get("memory", {})
-    except (OSError, ValueError, AttributeError):
-        mem = {}
-    if "total" in mem:
-        est = MemoryEstimate.from_parts(mem)
-        big = est.largest()
-        parts.append(f"the plan estimated {est.total / 2**30:.1f} GiB per device; its largest term is {big} "
-                     f"({getattr(est, big) / 2**30:.1f} GiB), shrunk by {SHRINKS[big]}")
-    else:
-        parts.append(f"no estimate in {plan} (python -m launcher plan prints one, term by term)")
+    est = planned(plan)
+    parts = [f"device memory ran out {where}",
+             f"the plan estimated {est.total / 2**30:.2f} GiB per device; {largest_term(est)}" if est else
+             f"no estimate in {plan} (python -m launcher plan prints one, term by term)"]
     import mindspore as ms
 
     peak = int(ms.runtime.max_memory_allocated())
     if peak:
-        parts.append(f"peak allocated before it {peak / 2**30:.1f} GiB")
+        parts.append(f"peak allocated before it {peak / 2**30:.2f} GiB")
     return DeviceOutOfMemory("; ".join([*parts, f"MindSpore: {first[:200]}"]))
 
 

@@ -86,8 +86,8 @@ def test_a_failed_device_allocation_is_named_with_the_plans_estimate_and_what_sh
                                                                           "33100113920B, Memory Statistic:")):
         named = out_of_memory(RuntimeError(text), _plan(tmp_path), "after 0 of 10 steps")
         assert named is not None and "\n" not in str(named)
-        assert str(named).startswith("device memory ran out after 0 of 10 steps; the plan estimated 38.0 GiB per "
-                                     "device; its largest term is optimizer (20.0 GiB), shrunk by "
+        assert str(named).startswith("device memory ran out after 0 of 10 steps; the plan estimated 38.00 GiB per "
+                                     "device; the largest term is optimizer (20.00 GiB), shrunk by "
                                      f"{SHRINKS['optimizer']}")
         assert str(named).endswith(f"MindSpore: {first}")
     named = out_of_memory(RuntimeError(CPU_OOM), tmp_path / "none.json", "while loading the model")
@@ -116,7 +116,7 @@ def test_a_training_run_that_runs_out_of_device_memory_ends_with_one_line_naming
     assert "Traceback" not in err and "C++ Call Stack" not in err
     lines = [line for line in err.splitlines() if "error" in line]
     assert len(lines) == 1 and lines[0].startswith("[rank 3] error: DeviceOutOfMemory: device memory ran out after 0 "
-                                                   "of 5 steps; the plan estimated 38.0 GiB per device")
+                                                   "of 5 steps; the plan estimated 38.00 GiB per device")
     status = json.loads(next((tmp_path / "logs").rglob("*.json")).read_text())
     assert "MallocForOutputs" in status["error"]["traceback"]  # MindSpore's own, chained
     monkeypatch.setattr(loop, "accumulate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("HCCL timeout")))
