@@ -109,12 +109,14 @@ class _Output:
 
 @dataclass
 class Failure:
-    """The first process of the job that failed: who, its exit code, why, and its log."""
+    """The first process of the job that failed: who, its exit code, why, its log and the type of the error it
+    recorded (jobspec/lifecycle.py; "" where none)."""
 
     who: str
     code: int
     why: str
     log: Path | None = None
+    error: str = ""
 
 
 class _Attempt:
@@ -160,7 +162,8 @@ class _Attempt:
                     err = s.get("error")
                     why = f"{err['type']}: {err['message']}" if err else f"exit code {s['exit_code']}"
                     consequence = err is not None and err["type"] == lifecycle.PeerLost.__name__
-                    bad.append(((consequence, s["ended_at"]), Failure(f"rank {rank}", s["exit_code"], why, wlog)))
+                    bad.append(((consequence, s["ended_at"]), Failure(f"rank {rank}", s["exit_code"], why, wlog,
+                                                                      err["type"] if err else "")))
             elif not procs.alive(s["pid"]):
                 code = self._exit_code(s["pid"])
                 if code == 0 or (stopping and code is not None and procs.signal_name(code) in ("SIGTERM", "SIGINT")):
@@ -207,7 +210,7 @@ class _Attempt:
         err = s.get("error")
         why = f"{err['type']}: {err['message']}" if err else \
             procs.why_killed(self.proc.pid, rc, self.oom_base) if rc < 0 else f"exit code {rc}"
-        return Failure("rank 0", rc, why, self.tee_to)
+        return Failure("rank 0", rc, why, self.tee_to, err["type"] if err else "")
 
     def kill(self) -> None:
         procs.kill_tree(self.proc.pid, [p for p in self.known if procs.alive(p)])
@@ -267,7 +270,7 @@ def supervise(argv: list[str], env: Mapping[str, str], log_dir: Path, max_restar
                 if max_restarts:
                     log(f"giving up after {max_restarts} restart(s)")
                 return rc
-            if failure is not None and failure.why.startswith(f"{lifecycle.DeviceOutOfMemory.__name__}:"):
+            if failure is not None and failure.error == lifecycle.DeviceOutOfMemory.__name__:
                 log("not restarted: the same layout and recipe run out of device memory again; change what the "
                     "error names")
                 return rc
