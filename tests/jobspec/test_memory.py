@@ -346,16 +346,33 @@ def test_qwen3_estimate_counts_its_own_shapes():
                                                                           micro_batch_size=1).total
 
 
-def test_the_readme_size_table_is_the_estimators():
+def test_the_sizes_page_table_is_the_estimators():
     from jobspec.qwen_sizes import size_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "sizes.md").read_text()
+    table = page.split("<!-- size-table:begin -->\n", 1)[1].split("\n<!-- size-table:end -->", 1)[0]
     assert table == size_table()
     assert "| Qwen2.5-72B | full | 72.71 B | TP 2 x DP 16, ZeRO-3 | 32 | 4 |" in table
     assert "| Qwen2.5-32B | full | 32.76 B | TP 8 x DP 2, ZeRO-2 | 16 | 2 |" in table
     assert "| Qwen2.5-7B | full | 7.62 B | TP 4 x DP 1 | 4 | 1 |" in table
     assert "| Qwen2.5-72B | LoRA | 72.71 B | TP 4 x DP 1 | 4 | 1 |" in table
+
+
+def test_the_readme_headline_sizes_are_the_estimators():
+    """README.md's short size table: Qwen2.5-7B on one 8-NPU node as choose_layout plans it, then rows of
+    docs/sizes.md's table without their `why` column; the README links that page."""
+    from jobspec.layout_choice import choose_layout
+    from jobspec.qwen_sizes import SIZES, TABLE_SEQ_LEN, size_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| Qwen")]
+    one_node = choose_layout(SIZES["Qwen2.5-7B"], 8, seq_len=TABLE_SEQ_LEN)
+    assert one_node.estimate is not None
+    gib = one_node.estimate.total / 2**30
+    assert rows[0] == f"| Qwen2.5-7B | full | 7.62 B | {one_node.label} | 8 | 1 | {gib:.1f} |"
+    full = size_table().splitlines()
+    assert len(rows) == 3 and all(any(f.startswith(row + " ") for f in full) for row in rows[1:]), rows
+    assert "(docs/sizes.md)" in readme
 
 
 def test_the_table_is_what_plan_estimates_for_the_chosen_layout():

@@ -1,4 +1,4 @@
-"""issue 22 §2: one RunDir; the README's output table is generated from it."""
+"""issue 22 §2: one RunDir; docs/training.md's output table is generated from it."""
 import json
 from pathlib import Path
 
@@ -12,8 +12,9 @@ from jobspec.recipe_load import load_recipe
 from jobspec.rundir import ENTRIES, RunDir, is_complete, readme_table, run_dir_of
 
 
-def test_the_readme_table_is_the_rundirs():
-    assert readme_table() in (REPO_ROOT / "README.md").read_text()
+def test_the_training_page_table_is_the_rundirs():
+    assert readme_table() in (REPO_ROOT / "docs" / "training.md").read_text()
+    assert "(docs/training.md)" in (REPO_ROOT / "README.md").read_text()  # the README links the page
 
 
 def test_every_entry_is_a_path_and_the_project_uses_them(tmp_path):

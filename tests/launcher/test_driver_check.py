@@ -84,7 +84,8 @@ def test_the_dockerfile_default_base_is_the_tables_default():
     assert f"ARG BASE_IMAGE={cann.DEFAULT.base_image}\n" in text and "python -m jobspec.cann record" in text
 
 
-def test_the_readme_shows_the_table_as_jobspec_cann_prints_it(capsys):
+def test_the_container_page_shows_the_table_as_jobspec_cann_prints_it(capsys):
     cann.main([])
-    readme = (FIXTURES.parents[2] / "README.md").read_text()
-    assert all(line in readme for line in capsys.readouterr().out.splitlines())
+    page = (FIXTURES.parents[2] / "docs" / "container.md").read_text()
+    assert all(line in page for line in capsys.readouterr().out.splitlines())
+    assert "(docs/container.md)" in (FIXTURES.parents[2] / "README.md").read_text()  # the README links the page
