@@ -2,7 +2,7 @@
 # MindSpore 2.10 PyNative, launched with msrun. With no NPU it runs the embedded tiny CPU default.
 #
 #   make image                                     # docker if an engine answers, else buildah
-#   docker run --rm IMAGE plan                     # see README "Container image" for the NPU flags
+#   docker run --rm IMAGE plan                     # see docs/running.md for the NPU flags
 #
 # BASE_IMAGE: a CANN 910B image with Python 3.11 (MindSpore 2.10 ships cp39-cp311 wheels). The default is
 # jobspec/cann.py's DEFAULT, CANN 8.5.0, which every Ascend HDK 25.x driver runs (CANN 8.5.0 release notes:

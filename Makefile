@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup train plan preflight prepare-data selftest generate render export eval test test-fast bench-data image image-test clean
 
-# MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; README
+# MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; docs/container.md
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
 # the installed MindSpore's native code matches this machine (python -m jobspec.native).
 MINDSPORE_WHEEL ?=
@@ -57,7 +57,7 @@ export: $(STAMP)
 	set -f; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher export --checkpoint "$${CHECKPOINT:-latest}" $$ARGS
 
 ## make eval EVAL_DATA=/data/benchmarks [EVAL_TASKS=mmlu,gsm8k]: the base model and OUTPUT_DIR/hf on lm-eval's
-## tasks, side by side, into OUTPUT_DIR/eval (README "Evaluating a fine-tune").
+## tasks, side by side, into OUTPUT_DIR/eval (docs/evaluation.md).
 eval: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m launcher eval
 
@@ -118,7 +118,7 @@ profile-step: $(STAMP)
 clean:
 	rm -rf output build .pytest_cache
 
-## Container image (README: Container image). `make image` uses docker when an engine answers, else buildah.
+## Container image (docs/container.md). `make image` uses docker when an engine answers, else buildah.
 IMAGE ?= ascend-finetune:latest
 BASE_IMAGE ?=
 PIP_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)

@@ -1,6 +1,6 @@
 """The CANN releases the image can be built on, each with the oldest Ascend HDK driver that runs it: the one
 table read by the image build (Dockerfile, ``python -m jobspec.cann``), preflight (``launcher/driver_check.py``),
-the self-test's version line and docs (README "Container image").
+the self-test's version line and docs (docs/container.md).
 
 Sources, per row (``CannRelease.source``). MindSpore pins each release to one CANN release (MindFormers'
 version-match table: MindSpore 2.7.2 + CANN 8.5.0 + HDK 25.5.0, 2.9.0 + 9.0.0 + 26.0.RC1); no table searched for

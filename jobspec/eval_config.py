@@ -1,7 +1,7 @@
 """The ``eval`` recipe section (``make eval``, env ``EVAL_TASKS`` / ``EVAL_DATA``) and its checks; pure Python.
 
 Task names are lm-evaluation-harness's; each reads its files from ``<data_dir>/<task>/`` in the layout the
-benchmark is published in (README "Evaluating a fine-tune"; the loaders are finetune/eval/loaders.py).
+benchmark is published in (docs/evaluation.md; the loaders are finetune/eval/loaders.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class EvalConfig:
                            "(`mmlu,ceval-valid,gsm8k`); unset: each task folder found in `EVAL_DATA`")
     # one folder per task name, in the task's published layout
     data_dir: str = key("", path="input", example="benchmarks", env="EVAL_DATA", env_help="`make eval`: the benchmark "
-                        "folder, one subfolder per task in its published layout (README \"Evaluating a fine-tune\")")
+                        "folder, one subfolder per task in its published layout (docs/evaluation.md)")
     # -1: the task's own (lm-eval's: 0, gsm8k 5), sampled as lm-eval does (first_n)
     num_fewshot: int = key(-1, ge=-1, rule="a count of examples, or -1 for the task's own", example="5")
     apply_chat_template: bool = False  # render each request as a chat turn (lm-eval --apply_chat_template)

@@ -45,7 +45,7 @@ class LayoutChoice:
 
     @property
     def label(self) -> str:
-        """``TP 8 x DP 4, ZeRO-3`` (the README's size table, the plan's lines)."""
+        """``TP 8 x DP 4, ZeRO-3`` (docs/sizes.md's table, the plan's lines)."""
         return f"TP {self.tp} x DP {self.dp}" + (f", ZeRO-{self.zero}" if self.dp > 1 else "")
 
 

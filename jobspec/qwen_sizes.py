@@ -1,4 +1,4 @@
-"""The released dense Qwen2.5 and Qwen3 sizes as config.json dicts, and the README's size table
+"""The released dense Qwen2.5 and Qwen3 sizes as config.json dicts, and docs/sizes.md's size table
 (pure Python: the estimator of ``jobspec.memory`` and the choice of ``jobspec.layout_choice`` decide every row).
 
 Sizes: hidden, layers, heads / KV heads, head_dim and tied embeddings as in the shared material's README

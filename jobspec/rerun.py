@@ -2,7 +2,7 @@
 
 - the same settings and a finished run: "already finished at step N (OUTPUT_DIR/hf); nothing to do";
 - a raised ``train.max_steps`` / ``train.epochs``: continue from the last checkpoint to the new end
-  (the learning-rate schedule is recomputed over the new total, see README "Running again");
+  (the learning-rate schedule is recomputed over the new total, docs/training.md "Running again");
 - a changed setting that changes what is trained (:data:`TRAINING_KEYS`): refused, naming the keys
   and the two ways out; layout settings (tp, dp, devices) may change, a checkpoint is resharded.
 

@@ -1,6 +1,6 @@
 """Every path of a run directory (``OUTPUT_DIR``) in one place, and the checkpoint-complete rule.
 
-Pure Python (the launcher imports it). The README's output table is generated from :data:`ENTRIES`
+Pure Python (the launcher imports it). docs/training.md's output table is generated from :data:`ENTRIES`
 (``tests/finetune/test_rundir.py`` checks that they are equal).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 EVAL_FILES = {"summary": "summary.json", "tensorboard": "tensorboard", "logs": "logs"}  # under eval/
 MANIFEST = "manifest.json"  # a checkpoint's file list, written last: its presence marks a complete checkpoint
 
-# (attribute, path under OUTPUT_DIR, what it holds): the README's output table, in its order
+# (attribute, path under OUTPUT_DIR, what it holds): docs/training.md's output table, in its order
 ENTRIES = (
     ("plan", "plan.json", "the resolved recipe, topology, ranks, NUMA binding, memory estimate and msrun argv"),
     ("base_model", "base-model/", "the created tiny model of the embedded default (only without `MODEL_DIR`)"),
@@ -27,7 +27,7 @@ ENTRIES = (
     ("adapter", "adapter/", "with `train.method: lora`: the trained adapter in PEFT's layout (`hf/` then holds the "
                             "merged model, `export.merge`)"),
     ("samples", "samples.jsonl", "the exported model's answers to the held-out check prompts (`export.check_prompts`)"),
-    ("summary", "summary.json", "the run's numbers (see \"Monitoring a run\")"),
+    ("summary", "summary.json", "the run's numbers (docs/monitoring.md)"),
     ("loss_plot", "loss.png", "its curves"),
     ("tensorboard", "tensorboard/", "TensorBoard scalar event files (`train.tensorboard: false` turns them off)"),
     ("logs", "logs/", "each worker's log and `ranks/rank_N.json` (pid, host, exit code, error and its traceback)"),
@@ -149,6 +149,6 @@ def is_complete(checkpoint: Path) -> bool:
 
 
 def readme_table() -> str:
-    """The README's table of a run directory's contents."""
+    """docs/training.md's table of a run directory's contents."""
     rows = [f"| `{path}` | {what} |" for _, path, what in ENTRIES]
     return "\n".join(["| file | what |", "|---|---|", *rows])

@@ -4,7 +4,7 @@ Runs once per node, host side; never imports mindspore. Precedence: CLI ``key=va
 > recipe > schema defaults (jobspec/config.py). The CLI also takes the variable names
 (``train TP=2 RECIPE=tiny-cpu``). Empty variables count as unset. All bad settings are reported at
 once, each naming the variable or key and an example fix. The environment contract is the table
-``launcher.settings.ENV_CONTRACT`` (printed by ``--help``; the README's table is generated from it).
+``launcher.settings.ENV_CONTRACT`` (printed by ``--help``; docs/environment.md's table is generated from it).
 
 Cluster detection, first match wins (logged with the reason): explicit NNODES / NODE_RANK /
 MASTER_ADDR; Volcano (VC_TASK_INDEX, VC_<TASK>_HOSTS, VC_<TASK>_NUM, /etc/volcano/<task>.host);

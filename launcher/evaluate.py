@@ -72,7 +72,7 @@ def cmd_eval(job: Any, args: Any = None, host: Any = None) -> int:
     r: Recipe = job.recipe
     if not r.eval.data_dir:
         print("[launcher] eval.data_dir (EVAL_DATA) is not set: the folder with one subfolder per task in its "
-              "published layout (README \"Evaluating a fine-tune\"), e.g. EVAL_DATA=/data/benchmarks", file=sys.stderr)
+              "published layout (docs/evaluation.md), e.g. EVAL_DATA=/data/benchmarks", file=sys.stderr)
         return 2
     models = models_of(r)
     if "hf" not in models:

@@ -1,6 +1,6 @@
 """What an NPU container needs from the host, and preflight rows naming a missing piece by what failed.
 
-The canonical ``docker run`` set (README "One Atlas 800T A2"): the ``/dev/davinciN`` devices, the
+The canonical ``docker run`` set (docs/running.md "One Atlas 800T A2"): the ``/dev/davinciN`` devices, the
 management devices ``davinci_manager``, ``devmm_svm`` and ``hisi_hdc``, and read-only mounts of
 ``/usr/local/dcmi``, ``/usr/local/bin/npu-smi``, ``/usr/local/Ascend/driver/lib64``,
 ``/usr/local/Ascend/driver/version.info`` and ``/etc/ascend_install.info``. Without the driver's

@@ -32,7 +32,7 @@ HCCL_VARS = (*HCCL_DEFAULTS, *HCCL_PASSTHROUGH)
 CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 # The env contract, the one table: (variable, recipe key or "", meaning). The rows of recipe keys come from the
-# keys' facts (jobspec/keys.py: ``env``, ``env_help``), in the schema's order. The README's table is generated
+# keys' facts (jobspec/keys.py: ``env``, ``env_help``), in the schema's order. docs/environment.md's table is generated
 # from it (env_table); tests/launcher/test_env_settings.py keeps them equal.
 ENV_CONTRACT: tuple[tuple[str, str, str], ...] = (
     ("RECIPE", "", "name in `recipes/` or a YAML path; default `qwen2.5-7b-full` when NPUs are present and "
@@ -61,7 +61,7 @@ CPU_RECIPE = "tiny-cpu"
 
 
 def env_table() -> str:
-    """The env contract as the README's Markdown table."""
+    """The env contract as docs/environment.md's Markdown table."""
     rows = ["| variable | recipe key | meaning / default |", "|---|---|---|"]
     for var, key, meaning in ENV_CONTRACT:
         names = ", ".join(f"`{v.strip()}`" for v in var.split(","))

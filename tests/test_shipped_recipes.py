@@ -1,5 +1,5 @@
 """Issue 31 item 1: every shipped recipe that runs on CPU (recipes/tiny-cpu*.yaml) passes as ``make train`` runs it
-(through the launcher, the inference check on), exits 0 and writes every output the README's table lists for it."""
+(through the launcher, the inference check on), exits 0 and writes every output docs/training.md's table lists for it."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ from jobspec.config import REPO_ROOT
 from jobspec.rundir import ENTRIES, RunDir
 
 CPU_RECIPES = sorted(p.stem for p in (REPO_ROOT / "recipes").glob("tiny-cpu*.yaml"))
-# what the README's table says is written only in other cases: NPU samples (NPUs), the profile (profile_steps),
+# what docs/training.md's table says is written only in other cases: NPU samples (NPUs), the profile (profile_steps),
 # the evaluation (make eval, or eval.after_training)
 ELSEWHERE = {"npu_log", "profile", "eval"}
 SHORT = "train.max_steps=4 train.save_every=2 train.eval_every=2 export.check_max_new_tokens=4"

@@ -44,7 +44,7 @@ def task_names(c: EvalConfig) -> list[str]:
     found = [t for t in SPECS if (Path(c.data_dir) / t).is_dir()]
     if not found:
         raise EvalDataError(f"{c.data_dir}: no task folder ({', '.join(SPECS)}); set eval.tasks (EVAL_TASKS) or "
-                            "lay the benchmark files out as README \"Evaluating a fine-tune\" shows")
+                            "lay the benchmark files out as docs/evaluation.md shows")
     return found
 
 

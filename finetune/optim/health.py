@@ -42,7 +42,7 @@ class UpdateCheck:
                 f"the optimizer applied {applied - self.applied} step(s) up to step {step} but no master "
                 "weight changed: the AdamW update does not reach the weights on this device and software "
                 "stack, so the loss would stay flat. Stopped before wasting the run; check the MindSpore/CANN "
-                "versions against README.md and run the self-test (make selftest) on this host")
+                "versions against docs/container.md and run the self-test (make selftest) on this host")
         self.before = None
 
 

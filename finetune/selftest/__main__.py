@@ -49,7 +49,7 @@ def npu_ids(quick: bool, dev: Path = Path("/dev"), env: Mapping[str, str] = os.e
 
 
 NO_NPU = ("selftest --device npu: no NPU visible (no /dev/davinciN in this container); add the --device=/dev/davinciN "
-          "flags (README \"Container image\"), or run --device cpu to check the CPU path")
+          "flags (docs/running.md), or run --device cpu to check the CPU path")
 
 
 def _spawn_devices(out: Path, ids: list[int]) -> list[dict]:
