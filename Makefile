@@ -8,7 +8,7 @@ export PYTHONPATH := $(CURDIR)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup train plan preflight prepare-data selftest generate render export eval test test-fast bench-data image image-test clean
+.PHONY: setup train plan preflight prepare-data selftest generate render export eval test test-fast test-durations bench-data image image-test clean
 
 # MINDSPORE_WHEEL: the MindSpore wheel for this machine's architecture (file or URL; docs/container.md
 # "MindSpore per architecture"): PyPI's mindspore 2.10.0 is x86-64 only. `setup` then checks that
@@ -63,6 +63,13 @@ eval: $(STAMP)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+## make test timed: the 40 slowest tests and the total rewritten into docs/tests.md (tools/test_durations.py).
+test-durations: $(STAMP)
+	@mkdir -p build; start=$$(date +%s); \
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q --junitxml=build/test-durations.xml $(PYTEST_ARGS) tests; \
+	rc=$$?; $(PY) tools/test_durations.py build/test-durations.xml --wall $$(( $$(date +%s) - start )) \
+	    --write docs/tests.md; exit $$rc
 
 ## Everything but the multi-process tests (msrun, faults, image): the quick loop while working.
 test-fast: $(STAMP)

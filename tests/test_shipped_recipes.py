@@ -1,5 +1,5 @@
 """Issue 31 item 1: every shipped recipe that runs on CPU (recipes/tiny-cpu*.yaml) passes as ``make train`` runs it
-(through the launcher, the inference check on), exits 0 and writes every output docs/training.md's table lists for it."""
+(through the launcher, the inference check on), exits 0 and writes every output docs/training.md lists for it."""
 from __future__ import annotations
 
 import os
