@@ -9,7 +9,7 @@ import test_durations as td  # noqa: E402
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.a" name="test_fast" time="0.5"/>
-<testcase classname="tests.a" name="test_slow" time="12.25"/>
+<testcase classname="tests.a" name="test_slow" time="12.34"/>
 <testcase classname="tests.b" name="test_bad" time="3.0"><failure message="x"/></testcase>
 <testcase classname="tests.b" name="test_skip" time="0.0"><skipped message="y"/></testcase>
 </testsuite></testsuites>"""
@@ -22,7 +22,7 @@ def test_the_slowest_come_first_with_the_totals_and_the_files(tmp_path):
     assert text.startswith("run: 4 tests (1 failed, 2 passed, 1 skipped); the tests' own seconds add up to 16 s, "
                            "wall 90 s (1.5 min)")
     rows = [ln for ln in text.splitlines() if ln.startswith("| `")]
-    assert rows[:2] == ["| `tests/a.py::test_slow` | 12.2 |", "| `tests/b.py::test_bad` | 3.0 |"]
+    assert rows[:2] == ["| `tests/a.py::test_slow` | 12.3 |", "| `tests/b.py::test_bad` | 3.0 |"]
     assert rows[2:] == ["| `tests/a.py` | 12.8 |", "| `tests/b.py` | 3.0 |"]
 
 

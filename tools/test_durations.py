@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_conditions import cpu_info
 
 MARKER = "<!-- durations: tools/test_durations.py writes below -->"
 
@@ -31,16 +32,9 @@ def cases(junit: Path) -> list[tuple[str, float, str]]:
     return out
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def table(rows: list[tuple[str, float, str]], top: int, wall: float | None, what: str) -> str:
     """The markdown: a heading line of totals, the ``top`` slowest tests, then the slowest files."""
-    total = sum(s for _, s, _ in rows)
+    total, cpu = sum(s for _, s, _ in rows), cpu_info()
     outcomes = Counter(o for _, _, o in rows)
     said = {"passed": "passed", "failure": "failed", "error": "errors", "skipped": "skipped"}
     counts = ", ".join(f"{n} {said[o]}" for o, n in sorted(outcomes.items()))
@@ -48,8 +42,8 @@ def table(rows: list[tuple[str, float, str]], top: int, wall: float | None, what
     for name, s, _ in rows:
         files[name.split("::")[0]] += s
     lines = [f"{what}: {len(rows)} tests ({counts}); the tests' own seconds add up to {total:,.0f} s"
-             + (f", wall {wall:,.0f} s ({wall / 60:.1f} min)" if wall else "") + f"; {cpu_name()}, "
-             f"{len(os.sched_getaffinity(0))} cores.", "",
+             + (f", wall {wall:,.0f} s ({wall / 60:.1f} min)" if wall else "") + f"; {cpu['model']}, "
+             f"{cpu['cores']} cores.", "",
              f"| the {top} slowest tests | s |", "|---|---:|"]
     lines += [f"| `{name}` | {s:.1f} |" for name, s, _ in sorted(rows, key=lambda r: -r[1])[:top]]
     lines += ["", "| the 15 slowest files | s |", "|---|---:|"]
